@@ -28,7 +28,22 @@ def write_tiny_hf(path, arch="llama", seed=0, shard=False, **over):
                 p.add_(torch.randn_like(p) * 0.1)
     m.save_pretrained(path, safe_serialization=True, max_shard_size="100KB" if shard else "5GB")
     json.dump({"eos_token_id": [1, 2]}, open(f"{path}/generation_config.json", "w"))
+    if kw["vocab_size"] >= 256:
+        write_byte_tokenizer(path)
     return path, m
+
+
+def write_byte_tokenizer(path):
+    """A byte-level tokenizer with ids 0..255 (one per byte) and a ChatML-like template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda c: ord(c))
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(byte_chars)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(f"{path}/tokenizer.json")
+    tmpl = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    json.dump({"chat_template": tmpl, "eos_token": "\u0001"}, open(f"{path}/tokenizer_config.json", "w"))
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ Protocol used by generate.py (batch 1, n = tokens already in the target's KV cac
     update(path_feats, next_tokens, L, n)              after verification: L accepted nodes (root included)
 """
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,6 +214,9 @@ def load_eagle(path, target: Transformer, dtype, device) -> EagleHead:
     expected = head.state_dict()
     if c.version == 3 and c.draft_vocab_size != c.args.vocab_size and "d2t" not in sd:
         raise ModelError(f"EAGLE-3 head with draft vocabulary {c.draft_vocab_size} < {c.args.vocab_size} lacks d2t")
+    if c.version == 3 and "lm_head.weight" not in sd and "draft_vocab_size" not in json.loads(
+            (path / "config.json").read_text() if (path / "config.json").is_file() else "{}"):
+        sd["lm_head.weight"] = target.lm_head.weight  # no draft vocabulary, no lm_head: the target's (as SGLang/vLLM)
     missing = [k for k in expected if k not in sd]
     if missing:
         raise ModelError(f"EAGLE head {path} lacks {missing[0]!r}")
@@ -234,6 +238,17 @@ def attach(head: EagleHead, target: Transformer):
 
 
 # ---------------------------------------------------------------- drafters
+
+def timed_lm_head(drafter, h: Tensor):
+    """drafter.vocab.logits(h), adding its wall time to drafter.lm_head_s in eager mode (exact on CPU; on CUDA
+    it measures launch time unless the caller syncs). Skipped under torch.compile, where it would break the graph."""
+    if torch.compiler.is_compiling():
+        return drafter.vocab.logits(h)
+    t0 = time.perf_counter()
+    out = drafter.vocab.logits(h)
+    drafter.lm_head_s += time.perf_counter() - t0
+    return out
+
 
 class EagleDrafter:
     """EAGLE-2 dynamic tree over an EAGLE-1/2 or EAGLE-3 head.
@@ -277,10 +292,7 @@ class EagleDrafter:
         return rows if self.row_to_tok is None else self.row_to_tok[rows]
 
     def _logp(self, lm_in: Tensor) -> tuple[Tensor, Tensor]:
-        import time
-        t0 = time.perf_counter()
-        scores, ids = self.vocab.logits(lm_in)  # [..., n], [n] rows
-        self.lm_head_s += time.perf_counter() - t0
+        scores, ids = timed_lm_head(self, lm_in)  # [..., n], [n] rows
         return torch.log_softmax(scores.float(), dim=-1), ids
 
     @torch.no_grad()
@@ -299,7 +311,8 @@ class EagleDrafter:
         h = self.head
         pos = n + torch.arange(next_tokens.shape[0], device=n.device)
         out, lm_in = h(next_tokens[None], h.project(feats), pos, pos, h.seq_range[None, :] <= pos[:, None])
-        self.last_out, self.last_lm_in = out[0, L - 1], lm_in[0, L - 1]
+        idx = (L - 1).view(1)
+        self.last_out, self.last_lm_in = out[0].index_select(0, idx)[0], lm_in[0].index_select(0, idx)[0]
 
     @torch.no_grad()
     def draft(self, root: Tensor, n: Tensor) -> Tree:
@@ -376,12 +389,6 @@ class ModelDrafter:
         self.model(prompt[None], torch.arange(T, device=prompt.device), compute_logits=False)
         self.prev = prompt[-1:]
 
-    def _scores(self, h: Tensor):
-        import time
-        t0 = time.perf_counter()
-        scores, ids = self.vocab.logits(h)
-        self.lm_head_s += time.perf_counter() - t0
-        return scores, ids
 
     @torch.no_grad()
     def draft(self, root: Tensor, n: Tensor) -> Tree:
@@ -392,9 +399,9 @@ class ModelDrafter:
         chain, qs = [root.view(1)], []
         for i in range(k):
             _, h, _ = m(toks[None], pos, return_hidden=True, compute_logits=False)
-            scores, ids = self._scores(h[0, -1])  # [n_rows]
+            scores, ids = timed_lm_head(self, h[0, -1])  # [n_rows]
             if self.sampling is None or self.sampling.greedy:
-                nxt = ids[torch.argmax(scores)].view(1)
+                nxt = ids.index_select(0, torch.argmax(scores).view(1))
             else:
                 # index_add: inactive slots (prob 0) may repeat a token id, adding 0 keeps the real entry
                 q = torch.zeros(m.args.vocab_size, device=n.device).index_add(0, ids, logits_to_probs(scores, self.sampling))
@@ -407,7 +414,7 @@ class ModelDrafter:
 
     def update(self, path_tokens: Tensor, L: Tensor):
         # the cache already holds root + accepted chain tokens at the right positions
-        self.prev = path_tokens[L - 1].view(1)
+        self.prev = path_tokens.index_select(0, (L - 1).view(1))
 
 
 class NgramDrafter:

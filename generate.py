@@ -191,8 +191,9 @@ def best_path(tree, correct: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     ok = ~(tree.anc & ~correct[None, :]).any(-1)  # every node on the root path is correct
     best = torch.argmax(torch.where(ok, tree.depth, -1))
     levels = torch.arange(tree.max_depth + 1, device=correct.device)
-    on_path = tree.anc[best][None, :] & (tree.depth[None, :] == levels[:, None])  # [D+1, N]
-    return torch.argmax(on_path.int(), dim=-1), tree.depth[best] + 1, best
+    # index_select with a 1-element tensor (not t[best]) keeps the index on device for tracing
+    on_path = tree.anc.index_select(0, best.view(1)) & (tree.depth[None, :] == levels[:, None])  # [D+1, N]
+    return torch.argmax(on_path.int(), dim=-1), tree.depth.index_select(0, best.view(1))[0] + 1, best
 
 
 def accept_greedy(tree, logits: Tensor):
@@ -200,7 +201,7 @@ def accept_greedy(tree, logits: Tensor):
     pred = torch.argmax(logits, dim=-1)  # [N]
     correct = tree.tokens == pred[tree.parents.clamp(min=0)]
     path, L, best = best_path(tree, correct)
-    return path, L, pred[best]
+    return path, L, pred.index_select(0, best.view(1))[0]
 
 
 def accept_sample(tree, probs: Tensor):
@@ -225,12 +226,12 @@ def accept_sample(tree, probs: Tensor):
         hit = hit & ~(sib_before & hit[None, :]).any(-1)
     path, L, best = best_path(tree, hit)
     children = (tree.parents == best) & tree.valid  # all tried and rejected (or none)
-    p = probs[best]
+    p = probs.index_select(0, best.view(1))[0]
     if tree.q is None:
         drop = torch.zeros_like(p).scatter_reduce(0, tree.tokens, children.float(), "amax")
         res = p * (1.0 - drop)
     else:
-        res = torch.where(children.any(), (p - tree.q[best]).clamp(min=0), p)
+        res = torch.where(children.any(), (p - tree.q.index_select(0, best.view(1))[0]).clamp(min=0), p)
     res = torch.where(res.sum() > 0, res, p)  # numerical guard: never sample from an all-zero residual
     return path, L, sample_from(res)  # exponential race is scale-invariant: no renormalisation needed
 

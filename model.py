@@ -108,7 +108,7 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x [B, H, T, hd]; cos/sin [T, hd] (HF rotate-half layout, so HF q/k weights need no permutation)
+    # x [B, H, T, hd]; cos/sin [T, hd] or [B, 1, T, hd] (HF rotate-half layout: HF q/k weights need no permutation)
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
@@ -230,7 +230,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: Tensor, input_pos: Tensor, mask: Tensor | None = None,
                 cache_pos: Tensor | None = None, return_hidden: bool = False, compute_logits: bool = True):
-        """tokens [B, T]; input_pos [T] RoPE positions; cache_pos [T] KV slots (default input_pos);
+        """tokens [B, T]; input_pos [T] RoPE positions (or [B, T] per row, e.g. left-padded batches);
+        cache_pos [T] KV slots (default input_pos, which must then be [T]);
         mask [T, S] or [B, 1, T, S] bool over the whole cache (default causal).
         Returns logits [B, T, V], or (logits, hidden [B, T, D] final-normed, aux [B, T, len(aux)*D] or None);
         compute_logits=False skips the LM head (logits None) for callers that project a sub-vocabulary."""
@@ -238,7 +239,9 @@ class Transformer(nn.Module):
             cache_pos = input_pos
         if mask is None:
             mask = self.causal_mask(cache_pos)
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, hd]
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, hd] or [B, T, hd]
+        if input_pos.dim() == 2:
+            cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         x = self.embed_tokens(tokens)  # [B, T, D]
         aux = {}
         for i, layer in enumerate(self.layers):

@@ -196,3 +196,21 @@ def test_default_chat_answer(default_ckpt):
     eng = Engine(load_model(default_ckpt, dtype=torch.bfloat16))
     out, st = eng.generate(tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}]), 32)
     assert "Paris" in tok.decode(out) and out[-1] in eng.model.args.eos_ids
+
+
+def test_left_padded_batch_equals_single(tiny_llama):
+    """Per-row RoPE positions + a per-row mask let rows of different lengths share one batch."""
+    m = load_model(tiny_llama[0], dtype=torch.float32)
+    a, b = [5, 6, 7, 8, 9], [11, 12, 13]
+    pad = len(a) - len(b)
+    m.setup_caches(2, 16)
+    toks = torch.tensor([a, [0] * pad + b])
+    pos = torch.stack([torch.arange(5), (torch.arange(5) - pad).clamp(min=0)])
+    valid = torch.tensor([[True] * 5, [False] * pad + [True] * 3])
+    causal = torch.arange(16)[None, :] <= torch.arange(5)[:, None]  # [T, S]
+    keys = torch.cat([valid, torch.ones(2, 11, dtype=torch.bool)], 1)  # [B, S]
+    mask = (causal[None] & keys[:, None, :])[:, None]  # [B, 1, T, S]
+    out = m(toks, pos, mask=mask, cache_pos=torch.arange(5))
+    m.setup_caches(1, 16)
+    ref_b = m(torch.tensor([b]), torch.arange(3))[0]
+    torch.testing.assert_close(out[1, pad:], ref_b, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,143 @@
+"""bench.py smoke tests on a tiny random model: reports are written, the correctness guard fires, the
+latency mode runs its CPU smoke shape and refuses real shapes without CUDA."""
+import json
+
+import pytest
+import torch
+
+import bench
+import generate
+from conftest import write_tiny_hf
+
+CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def write_byte_tokenizer(path):
+    """A byte-level tokenizer whose 256 ids are the bytes (fits the tiny model's vocabulary of 256)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path / "tokenizer.json"))
+    json.dump({"chat_template": CHAT, "bos_token": "", "eos_token": ""}, open(path / "tokenizer_config.json", "w"))
+
+
+QUESTIONS = [
+    {"question_id": 81, "category": "writing", "turns": ["Write a poem about the sea.", "Now make it shorter."]},
+    {"question_id": 90, "category": "roleplay", "turns": ["Pretend to be a pirate and greet me."]},
+    {"question_id": 201, "category": "qa", "turns": ["Why is the sky blue? Why is the sky blue?"]},
+    {"question_id": 202, "category": "qa", "turns": ["What is a virus?"]},
+    {"id": "x1", "task": "rag", "prompt": "Passage: the cat sat on the mat. Question: where did the cat sit?"},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_bench(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    path, _ = write_tiny_hf(root / "target")
+    write_byte_tokenizer(path)
+    q = root / "questions.jsonl"
+    q.write_text("".join(json.dumps(x) + "\n" for x in QUESTIONS))
+    return path, q, root
+
+
+def argv(tiny_bench, out, *extra):
+    path, q, root = tiny_bench
+    return ["--checkpoint", str(path), "--questions", str(q), "--out", str(out), "--cache", str(root / "cache"),
+            "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "12", "--random-head",
+            "--tree-topk", "4", "--tree-depth", "3", "--tree-nodes", "10", "--w-max", "64",
+            "--freq-ks", "32", "--sweep-ks", "16,128", "--sweep-w", "32", "--freq-corpus", "4x48",
+            "--no-progress", "--threads", "1", *extra]
+
+
+def test_bench_writes_reports(tiny_bench, tmp_path, capsys):
+    rc = bench.main(argv(tiny_bench, tmp_path, "--methods", "all", "--limit", "2"))
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    js = json.loads((tmp_path / "bench_questions.json").read_text())
+    md = (tmp_path / "bench_questions.md").read_text()
+    names = set(js["methods"])
+    assert {"ar", "ngram", "eagle3", "eagle3+freq-32", "eagle3+nanospec", "eagle3+nanospec-ctx",
+            "eagle3+nanospec-ext", "eagle3+nanospec-noasync", "eagle3+freq-16", "eagle3+freq-128",
+            "eagle3+nanospec-w32"} <= names
+    assert js["mismatches"] == []
+    # --limit 2 per task: MT-bench takes one writing + one roleplay question (round robin); 2 qa; 1 rag
+    assert sorted({r["qid"] for r in js["runs"]}) == ["201", "202", "81", "90", "x1"]
+    assert len(js["runs"]) == len(names) * 6  # 81 has two turns
+    s = js["summary"]
+    assert s["ar"]["overall"]["speedup"] == pytest.approx(1.0)
+    for task in ("mt_bench", "qa", "rag"):
+        assert s["eagle3+nanospec"][task]["tokens_per_s"] > 0
+    assert s["eagle3+nanospec"]["overall"]["step_ms"]["lm_head"] >= 0
+    assert 0 < s["eagle3+freq-32"]["overall"]["vocab_coverage"] <= 1
+    for title in ("Table 2/3", "Table 4", "Table 5", "Table 6", "Figure 1a/1b", "Figure 4", "RANDOMLY INITIALISED"):
+        assert title in md, title
+    assert "llama3.1-8b (d=4096, V=128256" in md
+    assert "All 60 outputs" in md
+    assert any(p.get("oracle") for p in js["figure1"]["points"])
+    assert (tmp_path / "bench_questions_outputs.jsonl").is_file()
+    assert "all outputs identical" in out.out
+
+
+def test_bench_guard_fires_on_tampered_output(tiny_bench, tmp_path, monkeypatch, capsys):
+    real = generate.accept_greedy
+
+    def wrong_bonus(tree, logits):  # a subtly broken acceptance: the bonus token is off by one
+        path, L, bonus = real(tree, logits)
+        return path, L, (bonus + 1) % logits.shape[-1]
+    monkeypatch.setattr(generate, "accept_greedy", wrong_bonus)
+    rc = bench.main(argv(tiny_bench, tmp_path, "--methods", "ngram", "--categories", "qa", "--freq-corpus", "4x48"))
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "OUTPUT MISMATCH: question 201 turn 1, method ngram" in err
+    js = json.loads((tmp_path / "bench_questions.json").read_text())
+    assert {m["method"] for m in js["mismatches"]} == {"ngram"}
+    assert "FAILED" in (tmp_path / "bench_questions.md").read_text()
+
+
+def test_builtin_workload_and_selection():
+    qs = bench.load_questions(None)
+    tasks = {q.task for q in qs}
+    assert {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "code"} == tasks
+    assert any(len(q.turns) == 2 for q in qs)
+    assert [q.qid for q in bench.select_questions(qs, "qa,rag", 1)] == ["b7", "b11"]
+    with pytest.raises(generate.UsageError, match="unknown category"):
+        bench.select_questions(qs, "nope", None)
+
+
+def test_method_names():
+    heads = {"eagle3": object()}
+    ms = bench.expand_methods("main,ablations", heads, [8192], [512], [], 3072)
+    names = [m.name for m in ms]
+    assert names[:3] == ["ar", "ngram", "eagle3"] and "eagle3+freq-8k" in names and "eagle3+nanospec-noasync" in names
+    assert bench.method_from_name("eagle3+nanospec-w1k", heads, 3072).k == 1024
+    with pytest.raises(generate.UsageError, match="EAGLE2"):
+        bench.method_from_name("eagle2", heads, 3072)
+    assert [m.name for m in bench.expand_methods("main", {}, [8192], [], [], 3072)] == ["ar", "ngram"]
+
+
+def test_latency_mode_cpu_smoke(tmp_path, capsys):
+    rc = bench.main(["--latency", "--device", "cpu", "--shape", "tiny", "--out", str(tmp_path), "--threads", "1",
+                     "--latency-iters", "2", "--latency-context", "64"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for op in ("target decode step", "verify 60 nodes", "draft backbone", "LM head full", "LM head nanospec",
+               "nanospec update", "gather"):
+        assert op in out, op
+    assert (tmp_path / "latency_tiny.md").is_file()
+
+
+def test_latency_mode_needs_cuda(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert bench.main(["--latency", "--shape", "llama3.1-8b", "--device", "cpu", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "CUDA" in err and "\n" not in err
+
+
+def test_state_table_llama8b():
+    rows = bench.state_table("llama3.1-8b", 128256, 4096, 3072, [32768])
+    ns = [r for r in rows if r[0].startswith("nanospec")][0]
+    assert ns[1] == 3072 and ns[3].endswith("MiB") and 24 < float(ns[3].split()[0]) < 28

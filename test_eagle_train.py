@@ -1,0 +1,381 @@
+"""eagle_train.py: TTT attention and its agreement with inference, the fused loss, data generation, training
+(loss down, accepted length up), export -> load round trip, resume, and one-line errors on bad input."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import draft as dr
+import eagle_train as et
+from conftest import write_tiny_hf
+from model import load_model
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny matmuls: 2 OpenMP threads spin against other jobs on a shared 2-core box and run 100x slower
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def quiet(monkeypatch):
+    monkeypatch.setenv("EAGLE_TRAIN_QUIET", "1")
+
+
+def write_byte_tokenizer(path, eos_ids):
+    """A byte-level tokenizer (ids 0..255 = bytes, 256..258 = specials) with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(dict(chat_template=CHATML, eos_token="<|im_end|>")))
+    (path / "generation_config.json").write_text(json.dumps(dict(eos_token_id=eos_ids)))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A 6-layer random target (aux layers 2, 3, 3) with its own greedy continuations as training data."""
+    root = tmp_path_factory.mktemp("eagle_train")
+    path, _ = write_tiny_hf(root / "target", num_hidden_layers=6, vocab_size=260)
+    m = load_model(path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(176)]
+    recs = et.token_data(m, prompts, batch_size=32, max_new_tokens=48)
+    et.write_records(root / "train.jsonl", recs[:144], {})
+    return dict(root=root, path=path, model=m, recs=recs, eval_prompts=prompts[144:])
+
+
+def train_cli(tiny, out, *extra, data=None):
+    return et.main(["train", "--checkpoint", str(tiny["path"]), "--data", str(data or tiny["root"] / "train.jsonl"),
+                    "--out", str(out), "--target-dtype", "float32", "--no-bf16", "--batch-tokens", "512",
+                    "--epochs", "1000", "--ttt-steps", "3", "--lr", "2e-3", "--save-every", "0", *extra])
+
+
+# ---------------------------------------------------------------- TTT attention
+
+def slow_ttt_mask(T, step):
+    cols = (step + 1) * T
+    m = torch.zeros(T, cols, dtype=torch.bool)
+    for t in range(T):
+        for s in range(T):
+            m[t, s] = s <= t  # the real context: step-0 keys, causal
+        for j in range(1, step + 1):
+            m[t, j * T + t] = True  # the same row's key at each later step
+    return m
+
+
+@pytest.mark.parametrize("T,step", [(1, 0), (5, 0), (5, 1), (7, 3), (4, 6)])
+def test_ttt_mask_matches_explicit_construction(T, step):
+    assert torch.equal(et.ttt_mask(T, step), slow_ttt_mask(T, step))
+
+
+def test_ttt_attention_equals_masked_dense_attention():
+    torch.manual_seed(0)
+    B, H, Hkv, T, hd = 2, 4, 2, 6, 8
+    q = torch.randn(B, H, T, hd)
+    ks = [torch.randn(B, Hkv, T, hd) for _ in range(4)]
+    vs = [torch.randn(B, Hkv, T, hd) for _ in range(4)]
+    for step in range(4):
+        fast = et.ttt_attention(q, ks[0], vs[0], ks[1:step + 1], vs[1:step + 1])
+        K = torch.cat(ks[:step + 1], dim=2).repeat_interleave(H // Hkv, dim=1)  # [B, H, (step+1)T, hd]
+        V = torch.cat(vs[:step + 1], dim=2).repeat_interleave(H // Hkv, dim=1)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, K, V, attn_mask=slow_ttt_mask(T, step))
+        torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_ttt_forward_matches_the_inference_path(tiny):
+    """Row t of unrolled step i == the KV-cache head of draft.py fed the real context 0..t and then a chain of
+    i tokens, each step feeding back its own output (what EagleDrafter does inside a tree)."""
+    m = tiny["model"]
+    m.aux_layers = m.eagle3_aux_layers()
+    head = et.new_head(m, m.aux_layers, seed=3)
+    with torch.no_grad():  # non-trivial norms
+        for n, p in head.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.2)
+    toks = torch.tensor([tiny["recs"][0]["ids"][:20]])
+    T, steps = toks.shape[1], 4
+    m.setup_caches(1, 32)
+    _, _, aux = m(toks, torch.arange(T), return_hidden=True)
+    cos, sin = et.rope_cache(T + steps, head.c.args.head_dim, head.c.args.rope_theta, None)
+    with torch.no_grad():
+        outs = et.ttt_forward(head, aux, toks, steps, cos, sin)
+    head.setup_caches(64)
+    for t in [0, 5, 13]:
+        pos = torch.arange(t + 1)
+        mask = head.seq_range[None, :] <= pos[:, None]
+        with torch.no_grad():
+            out, lm_in = head(toks[:, 1:t + 2], head.fc(aux[:, :t + 1]), pos, pos, mask)
+            torch.testing.assert_close(lm_in[0, t], outs[0][0, t], atol=1e-5, rtol=1e-5)
+            feat = out[:, t:t + 1]
+            for i in range(1, steps):
+                if t + i + 1 >= T:
+                    break
+                p = torch.tensor([t + i])
+                mask = (head.seq_range <= t) | ((head.seq_range > t) & (head.seq_range <= t + i))
+                feat, lm_in = head(toks[:, t + i + 1:t + i + 2], feat, p, p, mask[None])
+                torch.testing.assert_close(lm_in[0, 0], outs[i][0, t], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("train_w", [False, True])
+def test_fused_soft_ce_matches_autograd(train_w):
+    torch.manual_seed(0)
+    N, d, V = 37, 16, 50
+    h = torch.randn(N, d, requires_grad=True)
+    W = torch.randn(V, d, requires_grad=train_w)
+    tgt = torch.randn(N, V) * 3
+    w = torch.rand(N)
+    loss, correct = et.LinearSoftCE.apply(h, W, tgt, w, 8, torch.float32)
+    loss.backward()
+    h2 = h.detach().clone().requires_grad_(True)
+    W2 = W.detach().clone().requires_grad_(train_w)
+    z = h2 @ W2.T
+    ref = -(w * (torch.softmax(tgt, -1) * torch.log_softmax(z, -1)).sum(-1)).sum()
+    ref.backward()
+    torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(h.grad, h2.grad, atol=1e-5, rtol=1e-4)
+    if train_w:
+        torch.testing.assert_close(W.grad, W2.grad, atol=1e-5, rtol=1e-4)
+    assert torch.equal(correct, z.argmax(-1) == tgt.argmax(-1))
+
+
+# ---------------------------------------------------------------- data
+
+def test_batched_generation_equals_one_at_a_time(tiny):
+    from generate import Engine
+    m = tiny["model"]
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16], [40]]
+    outs = et.batch_generate(m, prompts, 20, [0.0] * 3, m.args.eos_ids)
+    for p, o in zip(prompts, outs):
+        assert o == Engine(m).generate(p, 20)[0]
+
+
+def test_self_generated_data_is_deterministic(tmp_path):
+    path, _ = write_tiny_hf(tmp_path / "chat", num_hidden_layers=2, vocab_size=260)
+    # many stop ids so that a random model finishes its requests and answers quickly
+    write_byte_tokenizer(path, [258] + list(range(200, 256)))
+    outs = []
+    for i, seed in enumerate([1, 1, 2]):
+        out = tmp_path / f"d{i}.jsonl"
+        assert et.main(["data", "--checkpoint", str(path), "--out", str(out), "--num", "6", "--seed", str(seed),
+                        "--max-new-tokens", "12", "--request-tokens", "16", "--batch-size", "4", "--dtype", "float32",
+                        "--sampled-frac", "0.5", "--temperature", "0.8", "--min-request-chars", "2"]) == 0
+        outs.append(out.read_text())
+    assert outs[0] == outs[1] and outs[0] != outs[2]
+    recs = et.read_records(tmp_path / "d0.jsonl")
+    meta = json.loads((tmp_path / "d0.jsonl.meta.json").read_text())
+    assert meta["kind"] == "magpie" and meta["records"] == len(recs) > 0
+    from generate import Tokenizer
+    prefix = Tokenizer(path).encode("<|im_start|>user\n", add_special_tokens=False)
+    for r in recs:  # prompt = the self-written request in the chat template; span = the answer, to the end
+        assert r["ids"][:len(prefix)] == prefix and len(r["spans"]) == 1 and r["spans"][0][1] == len(r["ids"])
+    # the same command again reuses the cached file
+    before = (tmp_path / "d0.jsonl").stat().st_mtime_ns
+    et.main(["data", "--checkpoint", str(path), "--out", str(tmp_path / "d0.jsonl"), "--num", "6", "--seed", "1",
+             "--max-new-tokens", "12", "--request-tokens", "16", "--batch-size", "4", "--dtype", "float32",
+             "--sampled-frac", "0.5", "--temperature", "0.8", "--min-request-chars", "2"])
+    assert (tmp_path / "d0.jsonl").stat().st_mtime_ns == before
+
+
+def test_user_turn_prefix_is_cut_from_the_template(tmp_path):
+    path, _ = write_tiny_hf(tmp_path / "chat", num_hidden_layers=2, vocab_size=260)
+    write_byte_tokenizer(path, [258])
+    from generate import Tokenizer
+    assert et.user_turn_prefix(Tokenizer(path)) == "<|im_start|>user\n"
+
+
+def test_regenerated_dataset_keeps_user_turns(tmp_path):
+    path, _ = write_tiny_hf(tmp_path / "chat", num_hidden_layers=2, vocab_size=260)
+    write_byte_tokenizer(path, [258] + list(range(150, 256)))
+    ds = tmp_path / "sharegpt.jsonl"
+    ds.write_text("\n".join(json.dumps(x) for x in [
+        {"conversations": [{"from": "human", "value": "hi there"}, {"from": "gpt", "value": "old answer"},
+                           {"from": "human", "value": "more"}, {"from": "gpt", "value": "old"}]},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"}]},
+        {"conversations": [{"from": "gpt", "value": "no user turn: skipped"}]},
+    ]) + "\n")
+    convs = et.read_conversations(ds)
+    assert [[m["role"] for m in c] for c in convs] == [["user", "user"], ["system", "user"]]
+    out = tmp_path / "regen.jsonl"
+    assert et.main(["data", "--checkpoint", str(path), "--dataset", str(ds), "--out", str(out),
+                    "--max-new-tokens", "8", "--dtype", "float32"]) == 0
+    recs = et.read_records(out)
+    assert len(recs) == 2
+    from generate import Tokenizer
+    text = Tokenizer(path).tok.decode(recs[0]["ids"], skip_special_tokens=False)
+    assert "hi there" in text and "more" in text and "old answer" not in text
+
+
+# ---------------------------------------------------------------- training, export, resume
+
+def test_training_lowers_loss_and_raises_accepted_length(tiny, tmp_path):
+    m = tiny["model"]
+    untrained = et.export_head(et.new_head(m, m.eagle3_aux_layers(), seed=0), tmp_path / "untrained", torch.float32)
+    assert train_cli(tiny, tmp_path / "run", "--max-steps", "150", "--export", str(tmp_path / "head"),
+                     "--export-dtype", "float32") == 0
+    hist = json.loads((tmp_path / "run" / "history.json").read_text())
+    first = sum(h["loss"] for h in hist[:20]) / 20
+    last = sum(h["loss"] for h in hist[-20:]) / 20
+    assert last < first - 0.02, (first, last)
+    acc0 = sum(h["acc"][0] for h in hist[:20]) / 20
+    acc1 = sum(h["acc"][0] for h in hist[-20:]) / 20
+    assert acc1 > acc0 + 0.2, (acc0, acc1)
+    before = et.mean_accepted_length(m, untrained, tiny["eval_prompts"], 40, topk=4, depth=4, nodes=16)
+    after = et.mean_accepted_length(m, tmp_path / "head", tiny["eval_prompts"], 40, topk=4, depth=4, nodes=16)
+    assert before < 1.2 and after > before + 0.5, (before, after)
+
+
+def test_export_round_trip_reproduces_logits(tiny, tmp_path):
+    m = tiny["model"]
+    m.aux_layers = m.eagle3_aux_layers()
+    head = et.new_head(m, m.aux_layers, rope_theta=5000.0, seed=1)
+    with torch.no_grad():
+        head.lm_head.weight.add_(0.01)  # a trained lm_head: must travel with the export
+    full = et.export_head(head, tmp_path / "full", torch.float32)
+    cfg = json.loads((full / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == cfg["vocab_size"] == 260
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3] and cfg["rope_theta"] == 5000.0
+    assert cfg["num_hidden_layers"] == 1 and cfg["tie_word_embeddings"] is False
+    from safetensors import safe_open
+    with safe_open(str(full / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "midlayer.hidden_norm.weight",
+            "midlayer.self_attn.q_proj.weight"} <= keys and not any(k.startswith("embed") for k in keys)
+    toks = torch.tensor([tiny["recs"][1]["ids"][:24]])
+    m.setup_caches(1, 32)
+    _, _, aux = m(toks, torch.arange(24), return_hidden=True)
+    cos, sin = et.rope_cache(30, head.c.args.head_dim, 5000.0, None)
+
+    def logits(h):
+        with torch.no_grad():
+            return [o @ h.lm_head.weight.T for o in et.ttt_forward(h, aux, toks, 3, cos, sin)]
+    ref = logits(head)
+    loaded = dr.load_eagle(full, m, torch.float32, "cpu")
+    assert loaded.c.args.rope_theta == 5000.0 and loaded.c.aux_layers == (2, 3, 3)
+    for a, b in zip(ref, logits(loaded)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # without lm_head (a frozen, target-tied head): draft.load_eagle takes the target's
+    frozen = et.new_head(m, m.aux_layers, seed=1)
+    lean = et.export_head(frozen, tmp_path / "lean", torch.float32, with_lm_head=False)
+    assert "draft_vocab_size" not in json.loads((lean / "config.json").read_text())
+    loaded = dr.load_eagle(lean, m, torch.float32, "cpu")
+    assert torch.equal(loaded.lm_head.weight, m.lm_head.weight)
+    for a, b in zip(logits(frozen), logits(loaded)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_resume_continues_exactly(tiny, tmp_path):
+    """A run stopped after 7 of 16 steps and resumed ends with the weights of an uninterrupted run."""
+    assert train_cli(tiny, tmp_path / "straight", "--max-steps", "16") == 0
+    assert train_cli(tiny, tmp_path / "part", "--max-steps", "16", "--stop-after", "7") == 0
+    assert torch.load(tmp_path / "part" / et.CKPT_NAME, weights_only=False)["step"] == 7
+    assert train_cli(tiny, tmp_path / "part", "--max-steps", "16", "--resume") == 0
+    a = torch.load(tmp_path / "straight" / et.CKPT_NAME, weights_only=False)
+    b = torch.load(tmp_path / "part" / et.CKPT_NAME, weights_only=False)
+    assert a["step"] == b["step"] == 16
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------- bad input: one-line errors
+
+def one_line_error(capsys, rc, *words):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    for w in words:
+        assert w in err[0], err[0]
+
+
+def test_target_without_the_aux_layers(tiny, tmp_path, capsys):
+    path, _ = write_tiny_hf(tmp_path / "two", num_hidden_layers=2, vocab_size=260)
+    data = tmp_path / "d.jsonl"
+    et.write_records(data, tiny["recs"][:4], {})
+    capsys.readouterr()
+    rc = et.main(["train", "--checkpoint", str(path), "--data", str(data), "--out", str(tmp_path / "r")])
+    one_line_error(capsys, rc, "aux layers", "2-layer")
+    rc = train_cli(tiny, tmp_path / "r2", "--aux-layers", "2,3,9")
+    one_line_error(capsys, rc, "aux layers", "6-layer")
+
+
+@pytest.mark.parametrize("content,words", [
+    ("", ["empty"]),
+    ('{"ids": [1, 2, 3], "spans": [[0, 1]]}\n', ["empty"]),  # nothing to supervise past position 2
+    ('{"ids": [1, 2, 3, 4]}\n', ["line 1"]),
+    ('{"ids": [5, 6, 7, 8], "spans": [[1, 4]]}\nnot json\n', ["line 2"]),
+    ('{"ids": [5, 6, 7, 9999], "spans": [[1, 4]]}\n', ["vocabulary"]),
+])
+def test_empty_or_malformed_training_data(tiny, tmp_path, capsys, content, words):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(content)
+    one_line_error(capsys, train_cli(tiny, tmp_path / "r", data=data), *words)
+
+
+def test_malformed_or_empty_dataset(tiny, tmp_path, capsys):
+    ds = tmp_path / "ds.jsonl"
+    for content, word in [('{"conversations": [{"from": "human", "value": "x"}]}\n{oops\n', "line 2"),
+                          ('{"prompt": "x"}\n', "line 1"), ("\n", "no conversation")]:
+        ds.write_text(content)
+        rc = et.main(["data", "--checkpoint", str(tiny["path"]), "--dataset", str(ds), "--out",
+                      str(tmp_path / "o.jsonl"), "--dtype", "float32"])
+        one_line_error(capsys, rc, word)
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_incompatible_or_broken_resume(tiny, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train_cli(tiny, run, "--max-steps", "2") == 0
+    capsys.readouterr()
+    one_line_error(capsys, train_cli(tiny, run, "--max-steps", "4"), "--resume")
+    one_line_error(capsys, train_cli(tiny, run, "--max-steps", "4", "--resume", "--rope-theta", "500"),
+                   "cannot resume", "rope_theta")
+    one_line_error(capsys, train_cli(tiny, run, "--max-steps", "4", "--resume", "--no-freeze-lm-head"),
+                   "cannot resume", "freeze_lm_head")
+    one_line_error(capsys, train_cli(tiny, run, "--max-steps", "4", "--resume", "--aux-layers", "1,2,3"),
+                   "cannot resume", "aux_layers")
+    (run / et.CKPT_NAME).write_bytes(b"truncated")
+    one_line_error(capsys, train_cli(tiny, run, "--max-steps", "4", "--resume"), "cannot resume")
+    one_line_error(capsys, train_cli(tiny, tmp_path / "none", "--resume"), "nothing to resume")
+
+
+def test_interrupted_save_leaves_no_complete_looking_checkpoint(tmp_path, monkeypatch):
+    target = tmp_path / et.CKPT_NAME
+    et.atomic_save({"format": et.CKPT_FORMAT, "step": 1}, target)
+    real_save = torch.save
+
+    def dying_save(obj, f, *a, **k):
+        Path(f).write_bytes(b"partial")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        et.atomic_save({"format": et.CKPT_FORMAT, "step": 2}, target)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert torch.load(target, weights_only=False)["step"] == 1  # the old one stays whole
+
+
+def test_torchrun_ddp_two_processes(tiny, tmp_path):
+    """DDP under torchrun (gloo on CPU): both ranks train, rank 0 alone writes."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", EAGLE_TRAIN_QUIET="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531",
+           "eagle_train.py", "train", "--checkpoint", str(tiny["path"]), "--data", str(tiny["root"] / "train.jsonl"),
+           "--out", str(tmp_path / "ddp"), "--target-dtype", "float32", "--no-bf16", "--batch-tokens", "512",
+           "--ttt-steps", "2", "--max-steps", "4", "--export", str(tmp_path / "ddp_head")]
+    r = subprocess.run(cmd, cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ck = torch.load(tmp_path / "ddp" / et.CKPT_NAME, weights_only=False)
+    assert ck["step"] == 4
+    assert (tmp_path / "ddp_head" / "model.safetensors").is_file()
