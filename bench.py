@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import draft as dr
 from generate import Engine, Sampling, Tokenizer, UsageError, logits_to_probs, sample_from
@@ -813,7 +814,7 @@ def figure1(S, methods, freq_ranked, refs, sweep_ks, V):
     heads = sorted({m.head for m in methods if m.head})
     for h in heads:
         full = S[h]["overall"]
-        if not full or not full.get("steps"):
+        if not full or not full.get("step_ms"):
             continue
         tau, t_full, lm_full = full["mean_accepted_length"], full["step_ms"]["total"], full["step_ms"]["lm_head"]
         points.append(dict(series="full", head=h, label=h, size=V, coverage=1.0, decode_rate=full["decode_rate"],
@@ -822,6 +823,8 @@ def figure1(S, methods, freq_ranked, refs, sweep_ks, V):
             if m.head != h or m.vocab == "full" or m.ablation:
                 continue
             a = S[m.name]["overall"]
+            if not a or not a.get("step_ms"):
+                continue
             size = m.k if m.vocab == "freq" else a.get("vocab_active_mean", m.k)
             oracle = tau / (t_full - lm_full + a["step_ms"]["lm_head"]) * 1000
             points.append(dict(series=m.vocab, head=h, label=m.name, size=size,
@@ -925,7 +928,7 @@ def latency_mode(args, log) -> int:
     t0 = time.perf_counter()
     with torch.device("meta"):
         m = Transformer(a)
-    m = _init_random_(m.to_empty(device=dev).to(dtype))
+    m = _init_random_(m.to(dtype).to_empty(device=dev))
     if a.tie_word_embeddings:
         m.lm_head.weight = m.embed_tokens.weight
     m.eval()
@@ -938,7 +941,7 @@ def latency_mode(args, log) -> int:
     c = dr.EagleConfig(3, eagle_args, 3 * a.dim, False, a.vocab_size, (2, a.n_layers // 2, a.n_layers - 3))
     with torch.device("meta"):
         head = dr.EagleHead(c)
-    head = _init_random_(head.to_empty(device=dev).to(dtype)).eval()
+    head = _init_random_(head.to(dtype).to_empty(device=dev)).eval()
     dr.attach(head, m)
     head.setup_caches(S + D * k)
     build_s = time.perf_counter() - t0
@@ -948,8 +951,8 @@ def latency_mode(args, log) -> int:
     g = torch.Generator(device="cpu").manual_seed(0)
     rows = []
 
-    def add(name, fn, bytes_moved=None, iters=args.latency_iters):
-        eager, graph = time_op(fn, dev, iters)
+    def add(name, fn, bytes_moved=None, iters=args.latency_iters, graph=True):
+        eager, graph = time_op(fn, dev, iters, graph=graph)
         best = graph if graph is not None else eager
         bw = f"{bytes_moved / best / 1e6:.0f} GB/s" if bytes_moved else ""
         rows.append([name, f"{eager:.3f}", "-" if graph is None else f"{graph:.3f}", bw])
@@ -974,7 +977,7 @@ def latency_mode(args, log) -> int:
     # LM head at each vocabulary size, k rows (one tree level)
     h = torch.randn(k, a.dim, generator=g).to(dev, dtype)
     W = head.lm_weight()
-    W_max = min(args.w_max, a.vocab_size - 1)
+    W_max = args.w_max if args.w_max < a.vocab_size else a.vocab_size // 4
     vocabs = [("full", FullVocab(W), a.vocab_size)]
     if 32768 < a.vocab_size:
         vocabs.append(("freq 32k", FreqVocab(W, torch.randperm(a.vocab_size, generator=g)[:32768]), 32768))
@@ -982,8 +985,13 @@ def latency_mode(args, log) -> int:
                     max_append=N + (D + 1) * args.k_ver)
     ns.reset(torch.randperm(a.vocab_size, generator=g)[:W_max].to(dev))
     vocabs.append((f"nanospec {W_max}", ns, W_max))
+    ns.wait()
+    lm_ms = {}
     for name, v, n_rows in vocabs:
-        add(f"LM head {name} ({k} x {n_rows} rows)", lambda v=v: v.logits(h), n_rows * a.dim * W.element_size())
+        # NanoSpec: the packed GEMM that logits() runs once the copy stream's update has landed
+        fn = (lambda: F.linear(h, ns.rows, ns.bias)) if v is ns else (lambda v=v: v.logits(h))
+        add(f"LM head {name} ({k} x {n_rows} rows)", fn, n_rows * a.dim * W.element_size())
+        lm_ms[name] = rows[-1]
     # NanoSpec: one step's update (N draft tokens + (D+1) x k_ver verified ids, ~10% new)
     new_ids = torch.randint(0, a.vocab_size, (N,), generator=g).to(dev)
     ver = torch.randint(0, a.vocab_size, (D + 1, args.k_ver), generator=g).to(dev)
@@ -993,7 +1001,8 @@ def latency_mode(args, log) -> int:
     def upd():
         ns.update(new_ids, valid, ver, vvalid)
         ns.wait()
-    add(f"nanospec update ({N}+{(D + 1) * args.k_ver} appended ids, incl. gather)", upd)
+    # eager only: the update forks onto the copy stream, which a graph capture of one call does not model
+    add(f"nanospec update ({N}+{(D + 1) * args.k_ver} appended ids, incl. gather)", upd, graph=False)
     import kernels
     rows_buf = torch.zeros(W_max, a.dim, device=dev, dtype=dtype)
     nnew = max(1, (N + (D + 1) * args.k_ver) // 10)
@@ -1005,6 +1014,14 @@ def latency_mode(args, log) -> int:
              f"{str(dtype).replace('torch.', '')}), {dev}"
              + (f" {torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else "") + f", torch {torch.__version__}")
     table = md_table(["operation", "eager ms", "CUDA graph ms", "achieved bandwidth"], rows)
+    # one draft step of a depth-D tree: D backbone passes (the first on the accepted tokens) and D LM-head calls
+    best = lambda r: float(r[2] if r[2] != "-" else r[1])
+    backbone = best(next(r for r in rows if r[0].startswith("draft backbone")))
+    upd_ms = best(next(r for r in rows if r[0].startswith("nanospec update")))
+    est = [[f"draft step, {name}", f"{D * (backbone + best(r)) + (upd_ms if name.startswith('nanospec') else 0):.3f}"]
+           for name, r in lm_ms.items()]
+    table += ("\nEstimated draft time per step (depth " + str(D) + ": " + str(D) + " x (backbone + LM head), "
+              "+ the update for NanoSpec):\n\n" + md_table(["", "ms"], est))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"latency_{args.shape}.md").write_text(f"# {title}\n\nCommand: `{command_line()}`\n\n{table}")
@@ -1032,10 +1049,10 @@ def parse_args(argv=None):
                    "EAGLE-3 head (untrained: acceptance ~1; exercises every code path and times drafting)")
     p.add_argument("--freq", default=None, help="FR-Spec frequency file (default: built from text the target "
                    "generates itself, cached under --cache)")
-    p.add_argument("--freq-ks", default="8k,16k", help="FR-Spec sizes of the main comparison")
+    p.add_argument("--freq-ks", default="8k", help="FR-Spec sizes of the main comparison")
     p.add_argument("--sweep-ks", default="512,1k,2k,4k,8k,16k,32k", help="FR-Spec sizes of Figure 1")
     p.add_argument("--sweep-w", default="1k", help="extra NanoSpec window sizes of Figure 1")
-    p.add_argument("--freq-corpus", default="32x512", help="self-generated corpus for the frequency file: ROWSxTOKENS")
+    p.add_argument("--freq-corpus", default="16x512", help="self-generated corpus for the frequency file: ROWSxTOKENS")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
@@ -1137,14 +1154,17 @@ def run(args, log) -> int:
     methods = expand_methods(spec, heads, freq_ks, sweep_ks, sweep_w, args.w_max)
 
     freq_path, freq_info, ranked = None, None, None
-    if any(m.vocab == "freq" for m in methods) or (heads and sweep_ks):
+    if any(m.vocab == "freq" for m in methods):
         if args.freq:
             freq_path = Path(args.freq)
             if not freq_path.is_file():
                 raise UsageError(f"frequency file not found: {freq_path}")
             freq_info = dict(source=str(freq_path))
         else:
-            r, n = (int(x) for x in args.freq_corpus.lower().split("x"))
+            try:
+                r, n = (int(x) for x in args.freq_corpus.lower().split("x"))
+            except ValueError:
+                raise UsageError(f"--freq-corpus must be ROWSxTOKENS, e.g. 16x512, got {args.freq_corpus!r}") from None
             freq_path, freq_info = self_freq_file(model, tok, model_name, cache, r, n, args.seed, log)
         ranked = torch.load(freq_path, map_location="cpu", weights_only=True)
         ranked = ranked.tolist() if isinstance(ranked, torch.Tensor) else list(ranked)

@@ -150,6 +150,9 @@ class EagleHead(nn.Module):
         return self.midlayer if self.c.version == 3 else self.layers[0]
 
     def setup_caches(self, max_seq: int):
+        if getattr(self, "max_seq", None) == max_seq:
+            return  # keep buffer addresses stable (captured CUDA graphs point at them)
+        self.max_seq = max_seq
         a, w = self.c.args, self.fc.weight
         self.layer.self_attn.kv_cache = KVCache(1, max_seq, a.n_kv_heads, a.head_dim, w.dtype, w.device)
         cos, sin = rope_cache(max_seq, a.head_dim, a.rope_theta, a.rope_scaling)
@@ -279,7 +282,11 @@ class EagleDrafter:
 
     def setup(self, max_seq: int):
         self.head.setup_caches(max_seq + self.depth * self.topk)
-        self.max_seq = max_seq
+        d, w = self.head.c.args.dim, self.head.fc.weight
+        if getattr(self, "last_out", None) is None:
+            # persistent state buffers, written with copy_: captured graphs keep reading the same memory
+            self.last_out = torch.zeros(d, dtype=w.dtype, device=w.device)
+            self.last_lm_in = torch.zeros(d, dtype=w.dtype, device=w.device)
 
     def rows_of(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """target token ids -> (vocab rows, valid) (a pruned draft vocabulary lacks some tokens)."""
@@ -302,7 +309,8 @@ class EagleDrafter:
         pos = torch.arange(T, device=feats.device)
         h = self.head
         out, lm_in = h(next_tokens[None], h.project(feats), pos, pos, h.seq_range[None, :] <= pos[:, None])
-        self.last_out, self.last_lm_in = out[0, -1], lm_in[0, -1]
+        self.last_out.copy_(out[0, -1])
+        self.last_lm_in.copy_(lm_in[0, -1])
 
     @torch.no_grad()
     def update(self, feats: Tensor, next_tokens: Tensor, L: Tensor, n: Tensor):
@@ -312,7 +320,8 @@ class EagleDrafter:
         pos = n + torch.arange(next_tokens.shape[0], device=n.device)
         out, lm_in = h(next_tokens[None], h.project(feats), pos, pos, h.seq_range[None, :] <= pos[:, None])
         idx = (L - 1).view(1)
-        self.last_out, self.last_lm_in = out[0].index_select(0, idx)[0], lm_in[0].index_select(0, idx)[0]
+        self.last_out.copy_(out[0].index_select(0, idx)[0])
+        self.last_lm_in.copy_(lm_in[0].index_select(0, idx)[0])
 
     @torch.no_grad()
     def draft(self, root: Tensor, n: Tensor) -> Tree:
@@ -379,6 +388,8 @@ class ModelDrafter:
 
     def setup(self, max_seq: int):
         self.model.setup_caches(1, max_seq + self.k + 1)
+        if getattr(self, "prev", None) is None:
+            self.prev = torch.zeros(1, dtype=torch.long, device=self.model.lm_head.weight.device)
 
     def rows_of(self, ids):
         return ids, torch.ones_like(ids, dtype=torch.bool)
@@ -387,7 +398,7 @@ class ModelDrafter:
     def prefill(self, prompt: Tensor):
         T = prompt.shape[0]
         self.model(prompt[None], torch.arange(T, device=prompt.device), compute_logits=False)
-        self.prev = prompt[-1:]
+        self.prev.copy_(prompt[-1:])
 
 
     @torch.no_grad()
@@ -414,7 +425,7 @@ class ModelDrafter:
 
     def update(self, path_tokens: Tensor, L: Tensor):
         # the cache already holds root + accepted chain tokens at the right positions
-        self.prev = path_tokens.index_select(0, (L - 1).view(1))
+        self.prev.copy_(path_tokens.index_select(0, (L - 1).view(1)))
 
 
 class NgramDrafter:

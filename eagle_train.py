@@ -715,7 +715,7 @@ def _train(args, device, rank, world) -> dict:
         p.requires_grad_(False)
     aux = aux_layer_ids(target, args.aux_layers)
     target.aux_layers = aux
-    recs = read_records(args.data, target.args.vocab_size, args.max_len)
+    recs = read_records(args.data, target.args.vocab_size, min(args.max_len, target.args.max_position_embeddings))
     head = new_head(target, aux, args.rope_theta, seed=args.seed)
     head.lm_head.weight.requires_grad_(not args.freeze_lm_head)
     sig = signature(target, head, args.freeze_lm_head)
@@ -742,8 +742,11 @@ def _train(args, device, rank, world) -> dict:
         sched.load_state_dict(ck["sched"])
         step = ck["step"]
         torch.set_rng_state(ck["rng"])
+        if ck.get("cuda_rng") is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(ck["cuda_rng"], device)
     pad_id = target.args.eos_ids[0] if target.args.eos_ids else 0
-    history = []
+    hist_path = out / "history.json"
+    history = json.loads(hist_path.read_text())[:step] if ck is not None and hist_path.is_file() else []
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         n_sup = sum(e - max(s, 2) for r in recs for s, e in r["spans"])
@@ -754,6 +757,7 @@ def _train(args, device, rank, world) -> dict:
         if rank == 0:
             atomic_save(dict(format=CKPT_FORMAT, signature=sig, model=head.state_dict(), optim=opt.state_dict(),
                              sched=sched.state_dict(), step=step, rng=torch.get_rng_state(),
+                             cuda_rng=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
                              args={k: v for k, v in vars(args).items() if k != "func"}), ck_path)
 
     bar = progress(total=total, initial=step, desc="train", unit="step")
@@ -792,7 +796,7 @@ def _train(args, device, rank, world) -> dict:
     elapsed = time.perf_counter() - t_start
     res = dict(steps=step, seconds=elapsed, history=history)
     if rank == 0:
-        (out / "history.json").write_text(json.dumps(history))
+        hist_path.write_text(json.dumps(history))
         if args.export and step >= total:
             export_head(head, args.export, getattr(torch, args.export_dtype), with_lm_head=not args.no_lm_head)
             log(f"exported {args.export}")

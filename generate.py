@@ -241,17 +241,29 @@ def accept_sample(tree, probs: Tensor):
 class Engine:
     """Holds the target (and optionally a drafter with its draft vocabulary); one generation at a time."""
 
-    def __init__(self, model: Transformer, sampling: Sampling = Sampling(), compile: bool = False, drafter=None):
+    def __init__(self, model: Transformer, sampling: Sampling = Sampling(), compile: bool = False, drafter=None,
+                 max_seq: int = 4096, backend: str = "inductor"):
         self.model = model
         self.sampling = sampling
         self.drafter = drafter
         self.device = model.lm_head.weight.device
         self.decode_fn = self._decode_one
-        self.verify_fn = self._verify
+        self.verify_step, self.advance_step = self._spec_verify, self._spec_advance
+        cuda = self.device.type == "cuda"
+        # CUDA graphs need fixed buffer addresses: one KV cache of max_seq slots for every request
+        self.graphs = compile and cuda
+        self.max_seq = min(max_seq, model.args.max_position_embeddings)
+        self.fused_steps = compile  # eager keeps the steps apart to time each phase
         if compile:
             # reduce-overhead = CUDA graphs on CUDA; on CPU inductor fuses the small per-layer ops.
-            mode = "reduce-overhead" if self.device.type == "cuda" else None
-            self.decode_fn = torch.compile(self._decode_one, mode=mode, fullgraph=True, dynamic=False)
+            self.decode_fn = torch.compile(self._decode_one, mode="reduce-overhead" if cuda else None,
+                                           fullgraph=True, dynamic=False, backend=backend)
+            if cuda:  # explicit capture of the eager steps: robust with the copy-stream fork/join inside
+                self.verify_step = Graphed(self._spec_verify, True)
+                self.advance_step = Graphed(self._spec_advance, True)
+            else:
+                self.verify_step = torch.compile(self._spec_verify, fullgraph=True, dynamic=False, backend=backend)
+                self.advance_step = torch.compile(self._spec_advance, fullgraph=True, dynamic=False, backend=backend)
 
     def _decode_one(self, tok: Tensor, pos: Tensor) -> Tensor:
         # tok [1, 1], pos [1] -> next token [1] (sampled on device)
@@ -306,23 +318,80 @@ class Engine:
         st.new_tokens = len(out)
         return out, st
 
+    # ------------------------------------------------ speculative decoding
+    # A step is split in two static-shape, sync-free halves so each can be torch.compiled (CPU) or replayed
+    # from a CUDA graph (CUDA --compile): verify = target pass + acceptance + KV compaction; advance =
+    # drafter update + vocabulary update + the next draft. Between them sits the step's one host sync.
+
+    def _spec_verify(self, tokens, parents, depth, anc, valid, q, n, max_depth: int):
+        from draft import EagleDrafter, Tree
+        d = self.drafter
+        tree = Tree(tokens, parents, depth, anc, valid, q, max_depth)
+        logits, hid, aux = self._verify(tokens, depth, anc, n)
+        logits = logits[0]  # [N, V]
+        if self.sampling.greedy:
+            path, L, bonus = accept_greedy(tree, logits)
+        else:
+            path, L, bonus = accept_sample(tree, logits_to_probs(logits, self.sampling))
+        self.model.compact_kv(n + path, n)
+        host = torch.cat([L.view(1), tokens[path], bonus.view(1)])  # what the host needs, read in one sync
+        feats = (aux if d.version == 3 else hid).index_select(1, path) if isinstance(d, EagleDrafter) else None
+        vocab = d.vocab
+        ver = torch.topk(logits.index_select(0, path), vocab.k_ver, dim=-1).indices if hasattr(vocab, "k_ver") else None
+        return host, path, L, bonus, feats, ver
+
+    def _spec_update(self, tokens, valid, path, L, bonus, feats, ver, n):
+        """Feed the accepted path to the drafter and the candidate stream; returns the step's vocabulary
+        stats (coverage hits, active size), measured before this step's append."""
+        from draft import EagleDrafter
+        d, vocab, dev = self.drafter, self.drafter.vocab, tokens.device
+        Dp = path.shape[0]
+        nxt = torch.cat([tokens[path[1:]], bonus.view(1)])  # the token after each path node; bonus last
+        nxt = torch.where(torch.arange(Dp, device=dev) == L - 1, bonus, nxt)
+        if isinstance(d, EagleDrafter):
+            d.update(feats, nxt, L, n)
+        else:
+            d.update(tokens[path], L)
+        # coverage (paper Fig. 1b): were the emitted tokens in the active vocabulary during this step?
+        em_rows, em_ok = d.rows_of(nxt)
+        em_ok = em_ok & (torch.arange(Dp, device=dev) < L)
+        cov = (vocab.contains(em_rows) & em_ok).sum()
+        act = vocab.active_size()
+        if ver is not None:
+            drows, dvalid = d.rows_of(tokens)
+            vrows, vvalid = d.rows_of(ver)
+            vocab.update(drows, dvalid & valid, vrows, vvalid & (torch.arange(Dp, device=dev) < L)[:, None])
+        return cov, act
+
+    def _spec_advance(self, tokens, valid, path, L, bonus, feats, ver, n):
+        """update + next draft in one function (one graph: the vocabulary gather on the copy stream
+        overlaps the draft backbone and joins right before the first LM-head projection)."""
+        cov, act = self._spec_update(tokens, valid, path, L, bonus, feats, ver, n)
+        t = self.drafter.draft(bonus.view(1), n + L)
+        return t.tokens, t.parents, t.depth, t.anc, t.valid, t.q, cov, act
+
     def _generate_spec(self, prompt: list[int], max_new_tokens: int, on_tokens=None) -> tuple[list[int], Stats]:
         from draft import EagleDrafter, ModelDrafter, NgramDrafter
         m, dev, d = self.model, self.device, self.drafter
         eos = set(m.args.eos_ids)
         T = len(prompt)
         D = d.depth
-        N_max = getattr(d, "nodes", D + 1)
-        S = cache_len(T, max_new_tokens, N_max + 1, m.args.max_position_embeddings)
+        S = cache_len(T, max_new_tokens, getattr(d, "nodes", D + 1) + 1, m.args.max_position_embeddings)
+        if self.graphs:  # fixed buffers: captured graphs hold their addresses
+            if T + max_new_tokens + getattr(d, "nodes", D + 1) + 1 > self.max_seq:
+                raise UsageError(f"prompt of {T} tokens + {max_new_tokens} new tokens exceeds --max-seq {self.max_seq}")
+            S = self.max_seq
         m.setup_caches(1, S)
         d.setup(S)
         vocab = d.vocab
+        ngram = isinstance(d, NgramDrafter)
         st = Stats(phase_s=dict(draft=0.0, lm_head=0.0, verify=0.0, accept=0.0, update=0.0))
         d.lm_head_s = 0.0
         t0 = time.perf_counter()
         ptoks = torch.tensor(prompt, device=dev)
         logits, hid, aux = m(ptoks[None], torch.arange(T, device=dev), return_hidden=True)
         tok = sample(logits[:, -1], self.sampling)  # [1]
+        n_dev = torch.tensor(T, device=dev)
         if isinstance(d, EagleDrafter):
             d.prefill(aux if d.version == 3 else hid, torch.cat([ptoks[1:], tok]))
         elif isinstance(d, ModelDrafter):
@@ -338,68 +407,53 @@ class Engine:
         st.target_forwards = 1
         if on_tokens:
             on_tokens(out)
-        cov_hit = cov_n = 0
-        active_sizes = []
+        cov_hit, cov_n, active = 0, 0, []
         t_start = time.perf_counter()
-        n = T
-        n_dev = torch.tensor(T, device=dev)
-        root = tok
+        fused = self.fused_steps
+        tree = None
+        if not ngram:
+            ts = time.perf_counter()
+            t = d.draft(tok.view(1), n_dev)
+            tree = (t.tokens, t.parents, t.depth, t.anc, t.valid, t.q)
+            st.phase_s["draft"] += time.perf_counter() - ts
         while len(out) < max_new_tokens and out[-1] not in eos:
             ts = time.perf_counter()
-            lm0 = d.lm_head_s
-            if isinstance(d, NgramDrafter):
-                tree = d.draft(out[-1], dev)
-            else:
-                tree = d.draft(root, n_dev)
+            if ngram:
+                t = d.draft(out[-1], dev)
+                tree = (t.tokens, t.parents, t.depth, t.anc, t.valid, t.q)
+                st.phase_s["draft"] += time.perf_counter() - ts
+                ts = time.perf_counter()
+            max_depth = tree[0].shape[0] - 1 if ngram else D
+            host, path, L, bonus, feats, ver = self.verify_step(*tree, n_dev, max_depth)
             t1 = time.perf_counter()
-            st.phase_s["lm_head"] += d.lm_head_s - lm0
-            st.phase_s["draft"] += (t1 - ts) - (d.lm_head_s - lm0)
-            logits, hid, aux = self.verify_fn(tree.tokens, tree.depth, tree.anc, n_dev)
-            logits = logits[0]
-            t2 = time.perf_counter()
-            if self.sampling.greedy:
-                path, L, bonus = accept_greedy(tree, logits)
-            else:
-                path, L, bonus = accept_sample(tree, logits_to_probs(logits, self.sampling))
-            # the one host sync of the step: accepted length and tokens
-            Dp = path.shape[0]
-            host = torch.cat([L.view(1), tree.tokens[path], bonus.view(1)]).tolist()
+            host = host.tolist()  # the one host sync of the step: accepted length and tokens
             Lh = host[0]
             emitted = host[2:1 + Lh] + [host[-1]]
-            t3 = time.perf_counter()
-            m.compact_kv(n_dev + path, n_dev)
-            if isinstance(d, EagleDrafter):
-                feats = (aux if d.version == 3 else hid).index_select(1, path)  # [1, D+1, F]
-                nxt = torch.cat([tree.tokens[path[1:]], bonus.view(1)])
-                nxt = torch.where(torch.arange(Dp, device=dev) == L - 1, bonus, nxt)
-                d.update(feats, nxt, L, n_dev)
-            elif isinstance(d, ModelDrafter):
-                d.update(tree.tokens[path], L)
-            else:
+            t2 = time.perf_counter()
+            st.phase_s["verify"] += t1 - ts
+            st.phase_s["accept"] += t2 - t1
+            if ngram:
                 d.update(emitted)
-            if vocab is not None:
-                # coverage (paper Fig. 1b): were the emitted tokens in the draft's active vocabulary this
-                # step, i.e. before this step's append? Kept on device: no extra host sync.
-                em_rows, em_ok = d.rows_of(torch.cat([tree.tokens[path[1:]], bonus.view(1)]))
-                em_ok = em_ok & (torch.arange(Dp, device=dev) < L)
-                cov_hit = cov_hit + (vocab.contains(em_rows) & em_ok).sum()
+            elif fused:
+                *tree, cov, act = self.advance_step(tree[0], tree[4], path, L, bonus, feats, ver, n_dev)
+                st.phase_s["draft"] += time.perf_counter() - t2
+            else:
+                lm0 = d.lm_head_s
+                cov, act = self._spec_update(tree[0], tree[4], path, L, bonus, feats, ver, n_dev)
+                t3 = time.perf_counter()
+                t = d.draft(bonus.view(1), n_dev + L)
+                tree = (t.tokens, t.parents, t.depth, t.anc, t.valid, t.q)
+                t4 = time.perf_counter()
+                st.phase_s["update"] += t3 - t2
+                st.phase_s["lm_head"] += d.lm_head_s - lm0
+                st.phase_s["draft"] += (t4 - t3) - (d.lm_head_s - lm0)
+            if not ngram:
+                cov_hit = cov_hit + cov  # device tensors: no extra sync
+                active.append(act.clone())
                 cov_n += Lh
-                active_sizes.append(vocab.active_size())
-                if hasattr(vocab, "k_ver"):
-                    ver = torch.topk(logits.index_select(0, path), vocab.k_ver, dim=-1).indices  # [D+1, K]
-                    drows, dvalid = d.rows_of(tree.tokens)
-                    vrows, vvalid = d.rows_of(ver)
-                    vvalid = vvalid & (torch.arange(Dp, device=dev) < L)[:, None]
-                    vocab.update(drows, dvalid & tree.valid, vrows, vvalid)
-            t4 = time.perf_counter()
-            st.phase_s["verify"] += t2 - t1
-            st.phase_s["accept"] += t3 - t2
-            st.phase_s["update"] += t4 - t3
             st.target_forwards += 1
             st.accept_hist[Lh] = st.accept_hist.get(Lh, 0) + 1
-            n += Lh
-            n_dev = n_dev + L
-            root = bonus.view(1)
+            n_dev = n_dev + Lh
             for i, t in enumerate(emitted):  # stop at eos or the token budget, exactly like autoregressive
                 if len(out) >= max_new_tokens:
                     emitted = emitted[:i]
@@ -413,11 +467,51 @@ class Engine:
         sync(dev)
         st.decode_s = time.perf_counter() - t_start
         st.new_tokens = len(out)
-        if vocab is not None:
-            sizes = torch.stack(active_sizes).float() if active_sizes else torch.zeros(1)
+        if vocab is not None and active:
+            sizes = torch.stack(active).float()
             st.extra.update(vocab_active_mean=round(float(sizes.mean()), 1), vocab_active_max=int(sizes.max()),
                             vocab_coverage=round(int(cov_hit) / max(cov_n, 1), 4), vocab_state_bytes=vocab.state_bytes())
         return out, st
+
+
+class Graphed:
+    """Calls fn through CUDA graphs captured per input signature (tensor shapes/dtypes and plain values).
+
+    The first call of a signature runs fn eagerly (it warms up lazily initialised kernels and libraries on
+    the real state); the second captures fn (capture records kernels without running them) and replays it,
+    so every call executes fn exactly once and state-mutating steps stay correct. Tensor inputs are copied
+    into the graph's static buffers; the returned tensors are the graph's own outputs, valid until its next
+    replay (callers consume them within the step). With enabled=False (CPU) fn is called directly."""
+
+    def __init__(self, fn, enabled: bool):
+        self.fn, self.enabled, self.graphs, self.seen = fn, enabled, {}, set()
+
+    def reset(self):
+        self.graphs.clear()
+        self.seen.clear()
+
+    def __call__(self, *args):
+        if not self.enabled:
+            return self.fn(*args)
+        key = tuple((tuple(a.shape), a.dtype) if torch.is_tensor(a) else a for a in args)
+        if key not in self.graphs:
+            if key not in self.seen:
+                self.seen.add(key)
+                return self.fn(*args)
+            static = [a.clone() if torch.is_tensor(a) else a for a in args]
+            self.graphs[key] = (*self._capture(static), static)
+        graph, out, static = self.graphs[key]
+        for buf, a in zip(static, args):
+            if torch.is_tensor(a):
+                buf.copy_(a)
+        graph.replay()
+        return out
+
+    def _capture(self, static):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self.fn(*static)
+        return graph, out
 
 
 # ---------------------------------------------------------------- CLI
@@ -451,7 +545,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile decode/verify/draft steps (inductor on CPU; CUDA graphs on CUDA)")
+    p.add_argument("--max-seq", type=int, default=4096, help="KV cache slots when CUDA graphs are captured")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text + stats")
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--draft", default="none", help="EAGLE head or draft-model folder/hub id, 'ngram', or 'none'")
@@ -500,7 +596,7 @@ def build_engine(args):
     sampling.validate(model.args.vocab_size)
     drafter = build_drafter(args, model, tok, sampling)
     torch.manual_seed(args.seed)
-    engine = Engine(model, sampling, compile=args.compile, drafter=drafter)
+    engine = Engine(model, sampling, compile=args.compile, drafter=drafter, max_seq=args.max_seq)
     engine.warmup()
     return engine, tok
 

@@ -154,6 +154,21 @@ def test_fused_soft_ce_matches_autograd(train_w):
     assert torch.equal(correct, z.argmax(-1) == tgt.argmax(-1))
 
 
+def test_sampled_loss_columns():
+    torch.manual_seed(0)
+    tokens = torch.tensor([[3, 5, 5, 9], [9, 0, 2, 2]])
+    cols, bias = et.loss_columns(tokens, 100, 20)
+    assert cols.shape == bias.shape == (20,) and len(set(cols.tolist())) == 20
+    assert set(cols[:5].tolist()) == {0, 2, 3, 5, 9} and bias[:5].eq(0).all()  # every batch token, exact
+    torch.testing.assert_close(bias[5:], torch.full((15,), math.log(95 / 15)))  # negatives stand for the rest
+    assert et.loss_columns(tokens, 100, 0) == (None, None) and et.loss_columns(tokens, 100, 100) == (None, None)
+    # bias added to both sides: with every column sampled the loss is the exact one
+    h, W, tgt, w = torch.randn(6, 8), torch.randn(30, 8), torch.randn(6, 30), torch.ones(6)
+    exact, _ = et.LinearSoftCE.apply(h, W, tgt, w, 4, torch.float32)
+    same, _ = et.LinearSoftCE.apply(h, W, tgt, w, 4, torch.float32, torch.zeros(30))
+    torch.testing.assert_close(exact, same)
+
+
 # ---------------------------------------------------------------- data
 
 def test_batched_generation_equals_one_at_a_time(tiny):
@@ -281,10 +296,12 @@ def test_export_round_trip_reproduces_logits(tiny, tmp_path):
 
 def test_resume_continues_exactly(tiny, tmp_path):
     """A run stopped after 7 of 16 steps and resumed ends with the weights of an uninterrupted run."""
-    assert train_cli(tiny, tmp_path / "straight", "--max-steps", "16") == 0
-    assert train_cli(tiny, tmp_path / "part", "--max-steps", "16", "--stop-after", "7") == 0
+    sampled = ("--loss-vocab", "200")  # random negatives: the RNG state must travel with the checkpoint
+    assert train_cli(tiny, tmp_path / "straight", "--max-steps", "16", *sampled) == 0
+    assert train_cli(tiny, tmp_path / "part", "--max-steps", "16", "--stop-after", "7", *sampled) == 0
     assert torch.load(tmp_path / "part" / et.CKPT_NAME, weights_only=False)["step"] == 7
-    assert train_cli(tiny, tmp_path / "part", "--max-steps", "16", "--resume") == 0
+    assert not (tmp_path / "part_head").exists()
+    assert train_cli(tiny, tmp_path / "part", "--max-steps", "16", "--resume", *sampled) == 0
     a = torch.load(tmp_path / "straight" / et.CKPT_NAME, weights_only=False)
     b = torch.load(tmp_path / "part" / et.CKPT_NAME, weights_only=False)
     assert a["step"] == b["step"] == 16

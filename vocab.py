@@ -287,6 +287,7 @@ class NanoSpecVocab:
         # Async gather only where it can overlap (CUDA); "noasync" is synchronous by definition.
         self._stream = None if ablation == "noasync" else kernels.copy_stream(dev)
         self._ready = kernels.new_event(dev) if self._stream is not None else None
+        self._pending = False
 
     # public views without the sink entries
     @property
@@ -331,6 +332,9 @@ class NanoSpecVocab:
         else:
             with kernels.on_copy_stream(self._stream, self._ready, new, valid):
                 self._append(new, valid)
+            # host-side flag: only an outstanding update is waited on, so a CUDA graph that does not
+            # contain the update never waits on an event recorded outside its capture
+            self._pending = True
 
     def _append(self, new, valid):
         V, W = self.V, self.W
@@ -425,7 +429,9 @@ class NanoSpecVocab:
     # ---------------------------------------------------------------- metrics
 
     def wait(self):
-        kernels.wait_event(self._ready)
+        if self._pending:
+            kernels.wait_event(self._ready)
+            self._pending = False
 
     def contains(self, ids):
         self.wait()
