@@ -1,0 +1,205 @@
+"""GPU checks in one command (a few minutes on an H100/H200); the compact table is printed last.
+
+    python gpu_check.py [--quick] [--out results]
+
+1. CUDA gather kernel == pure-torch fallback (bf16, fp16; V=128256, d=4096, W_max=3072).
+2. Default model, every method: greedy tokens identical between CUDA eager and CUDA graphs (bf16), and
+   between CPU eager and CUDA eager (fp32, TF32 off).
+3. Latency at the Llama-3.1-8B shape with random weights (bench.py --latency), plus the measured
+   device-to-device copy bandwidth, and whether the NanoSpec gather hides behind the draft backbone.
+4. End-to-end tokens/s on the default model: autoregressive, EAGLE full vocabulary, FR-Spec, NanoSpec.
+Writes OUT/gpu_check.json and OUT/gpu_check.md.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent
+HEAD = REPO / "heads" / "SmolLM2-135M-Instruct-eagle3"
+PROMPTS = ["What is the capital of France?", "Write a Python function that checks whether a number is prime.",
+           "Summarize the water cycle in three sentences."]
+
+
+def check_kernel(rows_out):
+    import kernels
+    ok_all = True
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        V, d, W, n = 128256, 4096, 3072, 300
+        weight = torch.randn(V, d, generator=g).to("cuda", dtype)
+        tok = torch.randint(0, V, (n,), generator=g).cuda()
+        slots = torch.randperm(W, generator=g)[:n].cuda()
+        slots[::7] = -1  # invalid entries are skipped
+        a = torch.zeros(W, d, device="cuda", dtype=dtype)
+        b = a.clone()
+        kernels.gather_rows_(a, weight, tok, slots)  # the custom op: CUDA extension when it builds
+        kernels.gather_rows_reference(b, weight, tok, slots)
+        torch.cuda.synchronize()
+        ok = torch.equal(a, b)
+        ok_all &= ok
+        rows_out.append(["gather kernel == fallback", str(dtype).replace("torch.", ""),
+                         "PASS" if ok else "FAIL", f"extension built: {kernels.cuda_ext_available()}"])
+    return ok_all
+
+
+def engines(path, device, dtype, compile, head_path):
+    """(name, Engine) for every method on one loaded target."""
+    import draft as dr
+    from generate import Engine, Tokenizer
+    from model import load_model
+    from vocab import make_vocab
+    m = load_model(path, dtype=dtype, device=device)
+    out = [("autoregressive", Engine(m, compile=compile, max_seq=1024)),
+           ("ngram", Engine(m, compile=compile, drafter=dr.NgramDrafter(10, 1, 3), max_seq=1024))]
+    head = dr.load_eagle(head_path, m, dtype, device)
+    m.aux_layers = head.c.aux_layers
+    freq = REPO / "results" / "cache" / "freq_gpu_check.pt"
+    if not freq.is_file():  # any frequency ranking works for an equality check: use the token ids in order
+        freq.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(list(range(m.args.vocab_size)), freq)
+    for name, spec in [("eagle3 full", "full"), ("fr-spec 8k", f"freq:{freq}:8192"), ("nanospec", "nanospec")]:
+        v = make_vocab(spec, head.lm_weight(), eos_ids=m.args.eos_ids, max_append=60 + 6 * 3)
+        out.append((name, Engine(m, compile=compile, drafter=dr.EagleDrafter(head, v, 10, 5, 60), max_seq=1024)))
+    return out, Tokenizer(path)
+
+
+def run_all(path, device, dtype, compile, head_path, n_new, repeats=1):
+    es, tok = engines(path, device, dtype, compile, head_path)
+    res = {}
+    for name, e in es:
+        outs, speeds = [], []
+        for r in range(repeats + (1 if compile else 0)):  # with graphs, the first pass captures
+            for p in PROMPTS:
+                ids = tok.encode_chat([{"role": "user", "content": p}])
+                o, st = e.generate(ids, n_new)
+                if r == repeats - 1 + (1 if compile else 0):
+                    outs.append(o)
+                    speeds.append(st.new_tokens / st.total_s)
+        res[name] = (outs, statistics.median(speeds))
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer tokens and iterations")
+    ap.add_argument("--out", default=str(REPO / "results"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("error: gpu_check.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    t_start = time.perf_counter()
+    from download import resolve_checkpoint
+    path = resolve_checkpoint(None)
+    head = HEAD
+    if not (head / "config.json").is_file():  # no trained head in this checkout: a random one checks equality
+        import bench
+        head = bench.write_random_eagle3(REPO / "results" / "cache" / "random_eagle3",
+                                         json.loads((path / "config.json").read_text()))
+    rows, ok = [], True
+    dev_name = torch.cuda.get_device_name(0)
+    print(f"GPU: {dev_name}, torch {torch.__version__}", flush=True)
+
+    ok &= check_kernel(rows)
+
+    n_new = 48 if args.quick else 96
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    cpu32 = run_all(path, "cpu", torch.float32, False, head, n_new)
+    gpu32 = run_all(path, "cuda", torch.float32, False, head, n_new)
+    gpu16 = run_all(path, "cuda", torch.bfloat16, False, head, n_new, repeats=2)
+    graph16 = run_all(path, "cuda", torch.bfloat16, True, head, n_new, repeats=2)
+    for name in cpu32:
+        same_graph = gpu16[name][0] == graph16[name][0]
+        same_dev = cpu32[name][0] == gpu32[name][0]
+        same_ar = graph16[name][0] == graph16["autoregressive"][0]
+        ok &= same_graph and same_ar
+        rows.append([f"greedy equality: {name}", "bf16 eager vs graphs / == AR",
+                     "PASS" if same_graph and same_ar else "FAIL",
+                     f"fp32 CPU vs CUDA: {'same' if same_dev else 'differs (fp32 rounding)'}"])
+    for name in graph16:
+        rows.append([f"tok/s default model: {name}", "bf16 CUDA graphs",
+                     f"{graph16[name][1]:.1f}", f"eager {gpu16[name][1]:.1f}, x{graph16[name][1] / graph16['autoregressive'][1]:.2f} vs AR"])
+
+    # device-to-device copy bandwidth (the roofline for a decode step)
+    x = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    copy_bw = 2 * x.numel() * 10 / (time.perf_counter() - t0) / 1e9
+    del x, y
+    rows.append(["device-to-device copy bandwidth", "read + write", f"{copy_bw:.0f} GB/s", ""])
+
+    import bench
+    argv = ["--latency", "--shape", "llama3.1-8b", "--device", "cuda", "--out", args.out,
+            "--latency-iters", "20" if args.quick else "50"]
+    bargs = bench.parse_args(argv)
+    bench.latency_mode(bargs, lambda s: print(s, flush=True))
+    lat = json.loads((Path(args.out) / "latency_llama3.1-8b.json").read_text())
+    for r in lat["rows"]:
+        rows.append([f"8B: {r[0]}", f"eager {r[1]} ms", f"graph {r[2]} ms", r[3]])
+
+    hidden = gather_overlap(lat)
+    rows.append(["NanoSpec gather hidden behind backbone", "", hidden, ""])
+    md = "| check | setting | result | detail |\n|---|---|---|---|\n" + "\n".join("| " + " | ".join(r) + " |" for r in rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d")
+    (out / "gpu_check.md").write_text(f"# GPU check, {stamp}, {dev_name}\n\n{md}\n")
+    (out / "gpu_check.json").write_text(json.dumps(dict(date=stamp, gpu=dev_name, rows=rows, ok=ok), indent=1))
+    print(f"\n# GPU check, {stamp}, {dev_name}, {time.perf_counter() - t_start:.0f} s\n{md}")
+    print("ALL PASS" if ok else "SOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+@torch.no_grad()
+def gather_overlap(lat) -> str:
+    """Time the draft backbone alone and with one step's gather issued on the copy stream in parallel."""
+    import kernels
+    d, V, W, n = 4096, 128256, 3072, 60
+    weight = torch.randn(V, d, device="cuda", dtype=torch.bfloat16)
+    rows = torch.zeros(W, d, device="cuda", dtype=torch.bfloat16)
+    tok = torch.randint(0, V, (n,), device="cuda")
+    slots = torch.randperm(W, device="cuda")[:n]
+    # a stand-in backbone of the 8B draft layer's size: 5 GEMMs of [10, 4096] x [4096, 4096]
+    h = torch.randn(10, d, device="cuda", dtype=torch.bfloat16)
+    ws = [torch.randn(d, d, device="cuda", dtype=torch.bfloat16) for _ in range(5)]
+    stream, ev = kernels.copy_stream(torch.device("cuda")), torch.cuda.Event()
+
+    def backbone():
+        x = h
+        for w in ws:
+            x = x @ w
+        return x
+
+    def both():
+        with kernels.on_copy_stream(stream, ev, tok, slots):
+            kernels.gather_rows_(rows, weight, tok, slots)
+        x = backbone()
+        kernels.wait_event(ev)
+        return x
+
+    def t(fn, iters=200):
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / iters * 1000
+    a, b = t(backbone), t(both)
+    return f"backbone {a:.3f} ms, backbone + gather {b:.3f} ms ({'hidden' if b <= a * 1.05 else 'NOT hidden'})"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
