@@ -294,7 +294,12 @@ class Engine:
         if self.drafter is not None:
             return self._generate_spec(prompt, max_new_tokens, on_tokens)
         m, dev = self.model, self.device
-        m.setup_caches(1, cache_len(T, max_new_tokens, 0, m.args.max_position_embeddings))
+        S = cache_len(T, max_new_tokens, 0, m.args.max_position_embeddings)
+        if self.graphs:  # one cache size for every request: no re-capture per length
+            if S > self.max_seq:
+                raise UsageError(f"prompt of {T} tokens + {max_new_tokens} new tokens exceeds --max-seq {self.max_seq}")
+            S = self.max_seq
+        m.setup_caches(1, S)
         st = Stats()
         t0 = time.perf_counter()
         logits = m(torch.tensor([prompt], device=dev), torch.arange(T, device=dev))[:, -1]

@@ -58,12 +58,13 @@ def engines(path, device, dtype, compile, head_path):
            ("ngram", Engine(m, compile=compile, drafter=dr.NgramDrafter(10, 1, 3), max_seq=1024))]
     head = dr.load_eagle(head_path, m, dtype, device)
     m.aux_layers = head.c.aux_layers
-    freq = REPO / "results" / "cache" / "freq_gpu_check.pt"
+    freq = REPO / "results" / "cache" / f"freq_gpu_check_{m.args.vocab_size}.pt"
     if not freq.is_file():  # any frequency ranking works for an equality check: use the token ids in order
         freq.parent.mkdir(parents=True, exist_ok=True)
         torch.save(list(range(m.args.vocab_size)), freq)
-    for name, spec in [("eagle3 full", "full"), ("fr-spec 8k", f"freq:{freq}:8192"), ("nanospec", "nanospec")]:
-        v = make_vocab(spec, head.lm_weight(), eos_ids=m.args.eos_ids, max_append=60 + 6 * 3)
+    for name, spec in [("eagle3 full", "full"), ("fr-spec 8k", f"freq:{freq}:{min(8192, m.args.vocab_size // 2)}"), ("nanospec", "nanospec")]:
+        v = make_vocab(spec, head.lm_weight(), eos_ids=m.args.eos_ids, max_append=60 + 6 * 3,
+                       w_max=min(3072, m.args.vocab_size // 2))
         out.append((name, Engine(m, compile=compile, drafter=dr.EagleDrafter(head, v, 10, 5, 60), max_seq=1024)))
     return out, Tokenizer(path)
 

@@ -1,0 +1,24 @@
+"""gpu_check.py needs CUDA for its checks; the parts that are plain engine code run here on CPU."""
+import json
+
+import torch
+
+import gpu_check
+from conftest import write_eagle_head, write_tiny_hf
+
+
+def test_gpu_check_methods_run_on_cpu(tmp_path):
+    path, _ = write_tiny_hf(tmp_path / "t")
+    head = write_eagle_head(tmp_path / "h", json.loads((path / "config.json").read_text()), version=3)
+    res = gpu_check.run_all(path, "cpu", torch.float32, False, head, n_new=8)
+    assert set(res) == {"autoregressive", "ngram", "eagle3 full", "fr-spec 8k", "nanospec"}
+    for name, (outs, speed) in res.items():
+        assert outs == res["autoregressive"][0], name  # every method is lossless
+        assert speed > 0
+
+
+def test_gpu_check_refuses_without_cuda(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("sys.argv", ["gpu_check.py"])
+    assert gpu_check.main() == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
