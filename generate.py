@@ -16,6 +16,7 @@ from torch import Tensor
 from model import ModelError, Transformer, load_model
 
 DEFAULT_PROMPT = "What is the capital of France?"
+DEFAULT_HEAD = Path(__file__).resolve().parent / "heads" / "SmolLM2-135M-Instruct-eagle3"  # trained by eagle_train.py
 
 
 class UsageError(Exception):
@@ -555,7 +556,8 @@ def parse_args(argv=None):
     p.add_argument("--max-seq", type=int, default=4096, help="KV cache slots when CUDA graphs are captured")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text + stats")
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--draft", default="none", help="EAGLE head or draft-model folder/hub id, 'ngram', or 'none'")
+    g.add_argument("--draft", default=None, help="EAGLE head or draft-model folder/hub id, 'ngram', or 'none' (default: "
+                   "the shipped EAGLE-3 head with the default model, else none)")
     g.add_argument("--tree-topk", type=int, default=10, help="EAGLE-2 children per frontier node")
     g.add_argument("--tree-depth", type=int, default=5, help="EAGLE-2 tree depth")
     g.add_argument("--tree-nodes", type=int, default=60, help="EAGLE-2 nodes verified per step, root included")
@@ -563,7 +565,8 @@ def parse_args(argv=None):
     g.add_argument("--ngram-min", type=int, default=1)
     g.add_argument("--ngram-max", type=int, default=3)
     v = p.add_argument_group("draft vocabulary")
-    v.add_argument("--vocab", default="full", help="full | freq:PATH[:K] | nanospec")
+    v.add_argument("--vocab", default=None, help="full | freq:PATH[:K] | nanospec (default: nanospec with the shipped "
+                   "head, else full)")
     v.add_argument("--w-max", type=int, default=3072, help="NanoSpec window size (slots)")
     v.add_argument("--k-pre", type=int, default=3, help="NanoSpec target top-K per prompt position")
     v.add_argument("--k-ver", type=int, default=3, help="NanoSpec target top-K per accepted position")
@@ -611,6 +614,13 @@ def build_drafter(args, model: Transformer, tok: "Tokenizer", sampling: Sampling
     from download import resolve_checkpoint
     import draft as dr
     from vocab import make_vocab
+    if args.draft is None:  # out of the box: the default model drafts with its shipped EAGLE-3 head + NanoSpec
+        shipped = args.checkpoint is None and (DEFAULT_HEAD / "config.json").is_file()
+        args.draft = str(DEFAULT_HEAD) if shipped else "none"
+        if args.vocab is None and shipped:
+            args.vocab = "nanospec"
+    if args.vocab is None:
+        args.vocab = "full"
     if args.draft == "none":
         if args.vocab != "full":
             raise UsageError("--vocab needs a drafter with an LM head (--draft PATH)")
