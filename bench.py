@@ -14,10 +14,18 @@ matplotlib is installed) go to --out (default results/).
 Method names: `ar`, `ngram`, `<head>` (full vocabulary), `<head>+freq-<K>` (FR-Spec top-K, K like 512,
 8k, 32k), `<head>+nanospec`, `<head>+nanospec-ctx|-ext|-noasync` (ablations), `<head>+nanospec-w<W>`
 (another window size), with <head> = eagle3 or eagle2. Presets: `main`, `ablations`, `sweep`, `all`.
+
+Task = Spec-Bench task: the eight MT-bench categories count as one (`mt_bench`), and `--limit` applies per
+task, round-robin over its categories. On CPU the EAGLE-2 tree defaults to top-8 / depth 5 / 16 nodes (a
+60-node verify costs 3-4 decode steps there); on CUDA to the papers' top-10 / depth 5 / 60 nodes.
+
+In bfloat16 the multi-token verify pass and the 1-token decode step round differently, so a near tie of
+the target's top two logits can flip: the guard reports every difference and, for the first one of a
+turn, the target's logit gap there (a gap within the dtype's rounding = numerics, not a logic error).
+float32 runs compare exactly.
 """
 import argparse
 import datetime
-import hashlib
 import json
 import math
 import os
@@ -34,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 import draft as dr
+import generate
 from generate import Engine, Sampling, Tokenizer, UsageError, logits_to_probs, sample_from
 from model import ModelArgs, ModelError, Transformer, load_model
 from vocab import FreqVocab, FullVocab, build_freq, make_vocab, nanospec_state_bytes
@@ -356,9 +365,20 @@ class Method:
     engine: Engine | None = None
     timers: dict = field(default_factory=dict)
 
-    @property
-    def label(self):
-        return self.name
+    def order(self):
+        """Report order: ar, ngram, then per head: full, freq by K, NanoSpec, other windows, ablations."""
+        if self.kind != "eagle":
+            return (0 if self.kind == "ar" else 1,)
+        if self.ablation:
+            v = (4, ABLATION_ORDER.index(self.ablation))
+        elif self.vocab == "nanospec":
+            v = (2, 0) if self.name.endswith("+nanospec") else (3, self.k)
+        else:
+            v = (0 if self.vocab == "full" else 1, self.k or 0)
+        return (2, self.head, *v)
+
+
+ABLATION_ORDER = ("ctx", "ext", "noasync")
 
 
 def method_from_name(name: str, heads: dict, w_max: int) -> Method:
@@ -411,14 +431,17 @@ def expand_methods(spec: str, heads: dict, freq_ks, sweep_ks, sweep_w, w_max) ->
         m = method_from_name(n, heads, w_max)
         m.groups = g
         out.append(m)
-    return out
+    return sorted(out, key=Method.order)
 
 
 def _timed(obj, attr: str, acc: dict, key: str, sync):
-    """Accumulate the wall time of obj.attr(...) into acc[key] (an instance attribute shadows the method)."""
+    """Accumulate the wall time of obj.attr(...) into acc[key] (an instance attribute shadows the method).
+    Transparent under torch.compile (--compile fuses the steps: no per-call times there)."""
     fn = getattr(obj, attr)
 
     def wrapper(*a, **k):
+        if torch.compiler.is_compiling():
+            return fn(*a, **k)
         t0 = time.perf_counter()
         r = fn(*a, **k)
         sync()
@@ -427,16 +450,15 @@ def _timed(obj, attr: str, acc: dict, key: str, sync):
     setattr(obj, attr, wrapper)
 
 
-def build_method(m: Method, model: Transformer, heads: dict, freq_path: Path | None, args, sampling, sync) -> list[str]:
-    """Attach an Engine to m; returns notes (e.g. a skipped size)."""
-    notes = []
+def build_method(m: Method, model: Transformer, heads: dict, freq_path: Path | None, args, sampling, sync):
+    """Attach an Engine to m (EAGLE methods share the loaded head; each has its own vocabulary state)."""
     if m.kind == "ar":
         m.engine = Engine(model, sampling, compile=args.compile)
-        return notes
+        return
     if m.kind == "ngram":
         m.engine = Engine(model, sampling, compile=args.compile,
                           drafter=dr.NgramDrafter(args.spec_k or 10, args.ngram_min, args.ngram_max))
-        return notes
+        return
     head = heads[m.head]
     rows = head.lm_weight().shape[0]
     t2r = dr.EagleDrafter.token_to_row_map(head)
@@ -456,8 +478,10 @@ def build_method(m: Method, model: Transformer, heads: dict, freq_path: Path | N
     m.timers = dict(drafter_update=0.0, vocab_update=0.0)
     _timed(d, "update", m.timers, "drafter_update", sync)
     _timed(vocab, "update", m.timers, "vocab_update", sync)
+    if hasattr(d, "_logp"):  # projection + log-softmax over the active rows
+        m.timers["drafter_logp"] = 0.0
+        _timed(d, "_logp", m.timers, "drafter_logp", sync)
     m.engine = Engine(model, sampling, compile=args.compile, drafter=d)
-    return notes
 
 
 # ---------------------------------------------------------------- running
@@ -478,10 +502,26 @@ def run_generation(m: Method, ids: list[int], max_new: int) -> tuple[list[int], 
     return out, d
 
 
-def run_benchmark(questions, methods, tok, max_new, log, progress=True):
+@torch.no_grad()
+def diagnose(model: Transformer, ids: list[int], prefix: list[int], ta: int, tb: int) -> dict:
+    """At a divergence: the target's logits for the two tokens after prompt + common prefix (one prefill
+    in the run's dtype). A gap within a few roundings of the dtype means a near tie that the 1-token decode
+    and the multi-token verify kernels resolved differently (numerics, not a logic error)."""
+    seq = ids + prefix
+    dev, dt = model.lm_head.weight.device, model.lm_head.weight.dtype
+    if not (model.max_batch == 1 and model.max_seq >= len(seq)):  # keep the cache (captured graphs use it)
+        model.setup_caches(1, min((len(seq) + 63) // 64 * 64, model.args.max_position_embeddings))
+    logits = model(torch.tensor([seq], device=dev), torch.arange(len(seq), device=dev))[0, -1].float()
+    la, lb = float(logits[ta]), float(logits[tb])
+    tol = 2 * torch.finfo(dt).eps * max(abs(la), abs(lb), 1.0)
+    return dict(logit_expected=round(la, 4), logit_got=round(lb, 4), gap=round(la - lb, 4),
+                near_tie=abs(la - lb) <= tol, prefill_argmax=int(logits.argmax()))
+
+
+def run_benchmark(questions, methods, tok, max_new, log, progress=True, model=None):
     """Every question: every method back to back (order rotated), each turn after its own previous answer.
     Returns (records, mismatches, reference outputs)."""
-    records, mismatches, refs = [], [], {}
+    records, mismatches, refs = [], [], []
     total = sum(len(q.turns) for q in questions) * len(methods)
     bar = None
     if progress:
@@ -494,14 +534,15 @@ def run_benchmark(questions, methods, tok, max_new, log, progress=True):
     for qi, q in enumerate(questions):
         r = qi % len(methods)
         order = methods[r:] + methods[:r]
-        outs = {}
+        outs, prompts = {}, {}
         for m in order:
-            msgs, outs[m.name] = [], []
+            msgs, outs[m.name], prompts[m.name] = [], [], []
             for ti, turn in enumerate(q.turns):
                 msgs.append({"role": "user", "content": turn})
                 ids = tok.encode_chat(msgs) if tok.chat_template else tok.encode("\n".join(x["content"] for x in msgs))
                 out, st = run_generation(m, ids, max_new)
                 outs[m.name].append(out)
+                prompts[m.name].append(ids)
                 msgs.append({"role": "assistant", "content": tok.decode(out)})
                 records.append(dict(qid=q.qid, category=q.category, task=q.task, turn=ti + 1, method=m.name,
                                     prompt_tokens=len(ids), **st))
@@ -513,18 +554,29 @@ def run_benchmark(questions, methods, tok, max_new, log, progress=True):
                     el = time.perf_counter() - t_start
                     log(f"  {done}/{total} generations, {el:.0f} s, ETA {el / done * (total - done):.0f} s")
         ref = outs["ar"]
-        refs[q.qid] = ref
+        refs.append(ref)
         for m in methods:
             for ti, (a, b) in enumerate(zip(ref, outs[m.name])):
                 if a != b:
                     i = first_diff(a, b)
-                    exp = a[i] if i < len(a) else "<end>"
-                    got = b[i] if i < len(b) else "<end>"
+                    exp = f"{a[i]} {tok.decode([a[i]])!r}" if i < len(a) else "<end>"
+                    got = f"{b[i]} {tok.decode([b[i]])!r}" if i < len(b) else "<end>"
                     mm = dict(qid=q.qid, turn=ti + 1, method=m.name, index=i, expected=exp, got=got,
                               len_expected=len(a), len_got=len(b))
-                    mismatches.append(mm)
                     msg = (f"!!! OUTPUT MISMATCH: question {q.qid} turn {ti + 1}, method {m.name}: first difference "
                            f"at token {i} (autoregressive {exp}, got {got}; lengths {len(a)} vs {len(b)})")
+                    if prompts[m.name][ti] != prompts["ar"][ti]:
+                        mm["diagnosis"] = "follows an earlier turn's difference (different prompt)"
+                    elif model is not None and i < len(a) and i < len(b):
+                        dg = diagnose(model, prompts["ar"][ti], a[:i], a[i], b[i])
+                        mm.update(dg)
+                        mm["diagnosis"] = (f"near tie: logit gap {dg['gap']:+.4f} is within {str(model.lm_head.weight.dtype)[6:]} "
+                                           "rounding (1-token decode and multi-token verify kernels round differently)"
+                                           if dg["near_tie"] else f"logit gap {dg['gap']:+.4f}: not a near tie, "
+                                           "likely a logic error")
+                    if "diagnosis" in mm:
+                        msg += f"; {mm['diagnosis']}"
+                    mismatches.append(mm)
                     (bar.write(msg, file=sys.stderr) if bar is not None else print(msg, file=sys.stderr))
                     for rec in records:
                         if rec["qid"] == q.qid and rec["turn"] == ti + 1 and rec["method"] == m.name:
@@ -560,8 +612,12 @@ def aggregate(recs: list[dict]) -> dict:
                mean_accepted_length=acc / steps if steps else 1.0, steps=steps, step_tokens=acc)
     if steps:
         per = lambda k: ph.get(k, 0.0) / steps * 1000
+        # LM head = projection + log-softmax over the active rows when the drafter's _logp was timed (the
+        # vocabulary-dependent part of drafting); generate.py's own lm_head phase (projection only) otherwise
+        lm = per("drafter_logp") if "drafter_logp" in ph else per("lm_head")
         out["step_ms"] = dict(
-            draft_backbone=per("draft") + per("drafter_update"), lm_head=per("lm_head"), gather_update=per("vocab_update"),
+            draft_backbone=per("draft") + per("lm_head") - lm + per("drafter_update"), lm_head=lm,
+            gather_update=per("vocab_update"),
             verify=per("verify"),
             bookkeeping=per("accept") + per("update") - per("drafter_update") - per("vocab_update"))
         out["step_ms"]["total"] = out["decode_s"] / steps * 1000
@@ -594,7 +650,7 @@ def summarize(records, methods, tasks):
 def freq_coverage_offline(refs: dict, ranked: list[int], ks) -> dict:
     """Fraction of the autoregressive output tokens inside the top-K of the frequency ranking (what the
     freq vocabulary's coverage metric measures, computed for every K without running it)."""
-    toks = torch.tensor([t for outs in refs.values() for o in outs for t in o] or [0])
+    toks = torch.tensor([t for outs in refs for o in outs for t in o] or [0])
     rank = torch.full((max(len(ranked), int(toks.max()) + 1),), 1 << 30, dtype=torch.long)
     rank[torch.tensor(ranked)] = torch.arange(len(ranked))
     r = rank[toks]
@@ -654,8 +710,14 @@ def write_reports(out_dir: Path, tag: str, ctx: dict, S: dict, methods, tasks, r
     n_cmp = sum(1 for r in records if r["method"] != "ar")
     if mismatches:
         L.append(f"**FAILED: {len(mismatches)} of {n_cmp} outputs differ from autoregressive decoding.**\n")
-        L.append(md_table(["question", "turn", "method", "first different token", "autoregressive", "got"],
-                          [[x["qid"], x["turn"], x["method"], x["index"], x["expected"], x["got"]] for x in mismatches]))
+        ties = sum(1 for x in mismatches if x.get("near_tie"))
+        if ties:
+            L.append(f"{ties} of them start at a near tie of the target's logits (within {ctx['settings']['dtype']} "
+                     "rounding): the 1-token decode and the multi-token verify pass round differently there; "
+                     "in float32 such ties practically never flip.\n\n")
+        L.append(md_table(["question", "turn", "method", "first different token", "autoregressive", "got", "diagnosis"],
+                          [[x["qid"], x["turn"], x["method"], x["index"], x["expected"], x["got"],
+                            x.get("diagnosis", "")] for x in mismatches]))
     else:
         L.append(f"All {n_cmp} outputs of {len(names) - 1} methods are identical to autoregressive decoding, "
                  "token for token (greedy).\n")
@@ -681,10 +743,12 @@ def write_reports(out_dir: Path, tag: str, ctx: dict, S: dict, methods, tasks, r
     spec = [n for n in names if (S[n]["overall"] or {}).get("step_ms")]
     if spec:
         L.append("\n## Table 4 analogue: time per draft step (ms, means over all speculative steps)\n")
-        L.append("draft backbone = head forwards of the tree expansion and of the accepted tokens; LM head = draft "
-                 "vocabulary projections; gather/update = NanoSpec window update incl. the row gather; verify = "
-                 "target pass over the tree; bookkeeping = acceptance, KV compaction, metrics. On CUDA these are "
-                 "host wall times (see the latency mode for device times).\n\n")
+        L.append("draft backbone = head forwards of the tree expansion and of the accepted tokens, and the tree's "
+                 "top-k / rerank; LM head = draft-vocabulary projection + log-softmax over the active rows; "
+                 "gather/update = NanoSpec window update incl. the row gather; verify = target pass over the tree, "
+                 "acceptance and KV compaction; bookkeeping = the step's host sync and the coverage metrics. On CUDA "
+                 "these are host wall times (see the latency mode for device times); with --compile the update and "
+                 "the draft run fused and count as draft backbone.\n\n")
         rows = []
         for n in spec:
             p = S[n]["overall"]["step_ms"]
@@ -693,18 +757,19 @@ def write_reports(out_dir: Path, tag: str, ctx: dict, S: dict, methods, tasks, r
         L.append(md_table(["method", "draft backbone", "LM head", "gather/update", "verify", "bookkeeping",
                            "total", "τ"], rows))
 
-    abl = [n for n in names if any(m.name == n and "ablations" in m.groups for m in methods)]
+    abl = [m.name for m in methods if m.ablation or "ablations" in m.groups]
     if abl:
         L.append("\n## Table 5 analogue: NanoSpec ablations\n")
         L.append("ctx = context only (no per-step append), ext = extension only (no prompt initialisation), "
                  "noasync = indexed GEMM over non-contiguous rows instead of the packed buffer.\n\n")
         rows = []
         for h in heads:
-            for n in [h] + [x for x in abl if x.startswith(h + "+")]:
+            base = (S.get(h) or {}).get("overall", {}).get("tokens_per_s")
+            for n in ([h] if base else []) + [x for x in abl if x.startswith(h + "+")]:
                 a = S[n]["overall"]
                 if not a:
                     continue
-                rows.append([n, _f(a["tokens_per_s"]), f"{a['tokens_per_s'] / S[h]['overall']['tokens_per_s']:.3f}×",
+                rows.append([n, _f(a["tokens_per_s"]), f"{a['tokens_per_s'] / base:.3f}×" if base else "-",
                              _f(a["mean_accepted_length"]), _f(a.get("vocab_coverage"), 3),
                              _f(a.get("vocab_active_mean"), 0), _f(a.get("draft_ms"))])
         L.append(md_table(["method", "tok/s", "vs full vocab", "τ", "coverage", "mean active rows",
@@ -767,15 +832,20 @@ def make_plots(out_dir: Path, tag: str, fig1, S, methods, tasks, log):
         for what, fname, ylabel in (("coverage", "fig1a_coverage", "coverage of emitted tokens"),
                                     ("decode_rate", "fig1b_speed", "decode tokens/s")):
             fig, ax = plt.subplots(figsize=(6, 4))
-            for series, style in (("freq", "o-"), ("nanospec", "s-"), ("full", "D")):
-                pts = sorted([p for p in fig1["points"] if p["series"] == series and p.get(what) is not None],
-                             key=lambda p: p["size"])
-                if pts:
-                    ax.plot([p["size"] for p in pts], [p[what] for p in pts], style, label=series)
-            if what == "decode_rate":
-                pts = sorted([p for p in fig1["points"] if p.get("oracle") is not None], key=lambda p: p["size"])
-                if pts:
-                    ax.plot([p["size"] for p in pts], [p["oracle"] for p in pts], "k--", label="oracle (Eq. 1)")
+            heads = sorted({p["head"] for p in fig1["points"]}, key=str)
+            for h in heads:
+                pre = f"{h} " if len(heads) > 1 else ""
+                for series, style in (("freq", "o-"), ("nanospec", "s-"), ("full", "D")):
+                    pts = sorted([p for p in fig1["points"] if p["head"] == h and p["series"] == series
+                                  and p.get(what) is not None], key=lambda p: p["size"])
+                    if pts:
+                        ax.plot([p["size"] for p in pts], [p[what] for p in pts], style, label=pre + series)
+                if what == "decode_rate":
+                    pts = [p for p in fig1["points"] if p["head"] == h and p.get("oracle") is not None
+                           and p["series"] != "full"]
+                    if pts:
+                        ax.plot([p["size"] for p in pts], [p["oracle"] for p in pts], "kx", ms=8,
+                                label=pre + "oracle (Eq. 1)")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("draft vocabulary size (rows)")
             ax.set_ylabel(ylabel)
@@ -784,7 +854,8 @@ def make_plots(out_dir: Path, tag: str, fig1, S, methods, tasks, log):
             fig.tight_layout()
             fig.savefig(out_dir / f"bench_{tag}_{fname}.png", dpi=120)
             plt.close(fig)
-    eag = [m.name for m in methods if m.kind == "eagle" and "main" in m.groups and S[m.name]["overall"].get("draft_ms")]
+    eag = [m.name for m in methods if m.kind == "eagle" and m.groups & {"main", "custom"}
+           and S[m.name]["overall"].get("draft_ms")]
     if eag:
         fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(tasks)), 4))
         wdt = 0.8 / len(eag)
@@ -806,19 +877,20 @@ def figure1(S, methods, freq_ranked, refs, sweep_ks, V):
             "(freq: computed from the autoregressive outputs for every K, also for sizes not run). Speed = decode "
             "tokens/s over speculative steps (prefill excluded). Oracle (Eq. 1) for a vocabulary of the same size: "
             "the full-vocabulary run's tokens per step τ_full divided by a step time of t_step(full) - "
-            "t_LMhead(full) + t_LMhead(reduced), all measured per draft step in the runs (t_LMhead(reduced) from "
-            "the run of that vocabulary): the speed the reduced vocabulary would reach if it kept full-vocabulary "
-            "acceptance.")
+            "t_LMhead(full) + t_LMhead(reduced), all measured per draft step in the runs (t_LMhead = projection + "
+            "log-softmax over the active rows, as in Table 4; t_LMhead(reduced) from the run of that vocabulary): "
+            "the speed the reduced vocabulary would reach if it kept full-vocabulary acceptance.")
     off = freq_coverage_offline(refs, freq_ranked, sorted(set(sweep_ks) | {m.k for m in methods if m.vocab == "freq"})) \
         if freq_ranked else {}
     heads = sorted({m.head for m in methods if m.head})
     for h in heads:
-        full = S[h]["overall"]
-        if not full or not full.get("step_ms"):
-            continue
-        tau, t_full, lm_full = full["mean_accepted_length"], full["step_ms"]["total"], full["step_ms"]["lm_head"]
-        points.append(dict(series="full", head=h, label=h, size=V, coverage=1.0, decode_rate=full["decode_rate"],
-                           oracle=full["decode_rate"]))
+        full = S[h]["overall"] if h in S else None
+        oracle_of = lambda lm: None  # without a full-vocabulary run there is no oracle
+        if full and full.get("step_ms"):
+            tau, t_full, lm_full = full["mean_accepted_length"], full["step_ms"]["total"], full["step_ms"]["lm_head"]
+            oracle_of = lambda lm: tau / (t_full - lm_full + lm) * 1000
+            points.append(dict(series="full", head=h, label=h, size=V, coverage=1.0, decode_rate=full["decode_rate"],
+                               oracle=full["decode_rate"]))
         for m in methods:
             if m.head != h or m.vocab == "full" or m.ablation:
                 continue
@@ -826,11 +898,10 @@ def figure1(S, methods, freq_ranked, refs, sweep_ks, V):
             if not a or not a.get("step_ms"):
                 continue
             size = m.k if m.vocab == "freq" else a.get("vocab_active_mean", m.k)
-            oracle = tau / (t_full - lm_full + a["step_ms"]["lm_head"]) * 1000
             points.append(dict(series=m.vocab, head=h, label=m.name, size=size,
                                coverage=a.get("vocab_coverage") if m.vocab == "nanospec" else off.get(m.k, a.get("vocab_coverage")),
-                               decode_rate=a["decode_rate"], oracle=oracle,
-                               note=f"W_max {m.k}" if m.vocab == "nanospec" else ""))
+                               decode_rate=a["decode_rate"], oracle=oracle_of(a["step_ms"]["lm_head"]),
+                               note=f"W_max {m.k} (GEMM width)" if m.vocab == "nanospec" else ""))
         for k in sorted(off):
             if not any(p["series"] == "freq" and p["size"] == k and p["head"] == h for p in points):
                 points.append(dict(series="freq", head=h, label=f"freq-{fmt_k(k)} (not run)", size=k, coverage=off[k]))
@@ -844,7 +915,7 @@ def check_targets(S, methods):
     rows = []
     for h in sorted({m.head for m in methods if m.head}):
         ns = f"{h}+nanospec"
-        if ns not in S or not S[ns]["overall"] or not S[h]["overall"]:
+        if ns not in S or h not in S or not S[ns]["overall"] or not S[h]["overall"]:
             continue
         sp, full = S[ns]["overall"]["tokens_per_s"], S[h]["overall"]["tokens_per_s"]
         rows.append([h, "NanoSpec tok/s >= 1.2x full vocabulary", f"{sp / full:.3f}x", "yes" if sp >= 1.2 * full else "NO"])
@@ -1024,7 +1095,7 @@ def latency_mode(args, log) -> int:
               "+ the update for NanoSpec):\n\n" + md_table(["", "ms"], est))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"latency_{args.shape}.md").write_text(f"# {title}\n\nCommand: `{command_line()}`\n\n{table}")
+    (out / f"latency_{args.shape}.md").write_text(f"# {title}\n\nCommand: `{command_line(args.argv)}`\n\n{table}")
     (out / f"latency_{args.shape}.json").write_text(json.dumps(dict(title=title, rows=rows), indent=1))
     print(f"\n{title}\n{table}", flush=True)
     return 0
@@ -1033,47 +1104,57 @@ def latency_mode(args, log) -> int:
 # ---------------------------------------------------------------- CLI
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="NanoSpec engine: Spec-Bench-style side-by-side benchmark",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description="NanoSpec engine: Spec-Bench-style side-by-side benchmark")
     p.add_argument("--checkpoint", default=None, help="target HF folder or hub id (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl or any jsonl with a prompt field "
                    "(default: the built-in prompts)")
     p.add_argument("--limit", type=int, default=None, help="questions per task (Spec-Bench task; MT-bench counts as one)")
     p.add_argument("--categories", default=None, help="comma-separated tasks or file categories")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--methods", default=None, help="comma-separated method names and presets main, ablations, sweep, "
-                   "all (default: all for the built-in prompts, main for --questions)")
-    p.add_argument("--eagle3", default=None, help="EAGLE-3 head folder")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per turn (default 256)")
+    p.add_argument("--methods", default=None, help="comma-separated names: ar, ngram, eagle3 (full vocabulary), "
+                   "eagle3+freq-8k (any K), eagle3+nanospec, eagle3+nanospec-ctx|-ext|-noasync, eagle3+nanospec-w1k "
+                   "(any window), the same with eagle2; and presets main (ar, ngram, full, --freq-ks, nanospec), "
+                   "ablations, sweep (--sweep-ks, --sweep-w), all. Default: all for the built-in prompts, main for "
+                   "--questions. ar always runs (reference and baseline)")
+    p.add_argument("--eagle3", default=None, help="EAGLE-3 head folder (default: the shipped head of the default "
+                   "model when it exists; 'none' to run without)")
     p.add_argument("--eagle2", default=None, help="EAGLE-1/2 head folder")
     p.add_argument("--random-head", action="store_true", help="without --eagle3: use a randomly initialised "
                    "EAGLE-3 head (untrained: acceptance ~1; exercises every code path and times drafting)")
     p.add_argument("--freq", default=None, help="FR-Spec frequency file (default: built from text the target "
                    "generates itself, cached under --cache)")
-    p.add_argument("--freq-ks", default="8k", help="FR-Spec sizes of the main comparison")
-    p.add_argument("--sweep-ks", default="512,1k,2k,4k,8k,16k,32k", help="FR-Spec sizes of Figure 1")
-    p.add_argument("--sweep-w", default="1k", help="extra NanoSpec window sizes of Figure 1")
-    p.add_argument("--freq-corpus", default="16x512", help="self-generated corpus for the frequency file: ROWSxTOKENS")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
+    p.add_argument("--freq-ks", default="8k", help="FR-Spec sizes of the main comparison (default 8k)")
+    p.add_argument("--sweep-ks", default="512,1k,2k,4k,8k,16k,32k", help="FR-Spec sizes of Figure 1 "
+                   "(default 512,1k,2k,4k,8k,16k,32k)")
+    p.add_argument("--sweep-w", default="1k", help="extra NanoSpec window sizes of Figure 1 (default 1k)")
+    p.add_argument("--freq-corpus", default="16x512", help="self-generated corpus for the frequency file: ROWSxTOKENS (default 16x512)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="default: cuda if available")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="default bfloat16")
+    p.add_argument("--compile", action="store_true", help="torch.compile decode / verify / draft steps (CUDA graphs "
+                   "on CUDA); the steps are fused, so Table 4 then splits only verify vs the rest")
+    p.add_argument("--max-seq", type=int, default=None, help="with --compile: KV cache slots of every request "
+                   "(default: what the longest question needs)")
     p.add_argument("--sync-phases", action="store_true", help="CUDA: synchronise around the timed vocabulary / "
                    "drafter updates (accurate Table 4, slower runs)")
-    p.add_argument("--warmup", type=int, default=1, help="uncounted warm-up generations per method")
+    p.add_argument("--warmup", type=int, default=1, help="uncounted warm-up generations per method (default 1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(REPO / "results"), help="report folder")
+    p.add_argument("--out", default=str(REPO / "results"), help="report folder (default results/)")
     p.add_argument("--tag", default=None, help="report file stem suffix (default: builtin or the questions file's name)")
     p.add_argument("--cache", default=None, help="cache folder (default: OUT/cache)")
-    p.add_argument("--shape", default="llama3.1-8b", help=f"named shape for Table 6 and --latency: {', '.join(SHAPES)}")
+    p.add_argument("--shape", default="llama3.1-8b", help=f"named shape for Table 6 and --latency: {', '.join(SHAPES)} (default llama3.1-8b)")
     p.add_argument("--latency", action="store_true", help="GPU latency mode: random weights of --shape, no download")
-    p.add_argument("--latency-context", type=int, default=1024, help="KV context length in latency mode")
+    p.add_argument("--latency-context", type=int, default=1024, help="KV context length in latency mode (default 1024)")
     p.add_argument("--latency-iters", type=int, default=50)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; 1 is "
                    "far steadier on a machine shared with other jobs)")
     p.add_argument("--no-progress", action="store_true")
-    g = p.add_argument_group("speculative decoding (as generate.py)")
-    g.add_argument("--tree-topk", type=int, default=10)
-    g.add_argument("--tree-depth", type=int, default=5)
-    g.add_argument("--tree-nodes", type=int, default=60)
+    g = p.add_argument_group("speculative decoding (as generate.py)",
+                             "EAGLE-2 tree: CUDA (and --latency) default top-10, depth 5, 60 nodes as in the papers; "
+                             "CPU default top-8, depth 5, 16 nodes (on the 2-core dev CPU a 60-node verify costs "
+                             "~3-4 decode steps, a 16-node one ~1.5, and the shipped head accepts as much with 16)")
+    g.add_argument("--tree-topk", type=int, default=None)
+    g.add_argument("--tree-depth", type=int, default=None)
+    g.add_argument("--tree-nodes", type=int, default=None)
     g.add_argument("--spec-k", type=int, default=None, help="n-gram chain length (default 10)")
     g.add_argument("--ngram-min", type=int, default=1)
     g.add_argument("--ngram-max", type=int, default=3)
@@ -1083,11 +1164,24 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def command_line() -> str:
-    return "python " + " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name] + sys.argv[1:])
+def command_line(argv=None) -> str:
+    argv = sys.argv[1:] if argv is None else argv
+    return "python bench.py " + " ".join(shlex.quote(a) for a in argv)
+
+
+TREE_GPU, TREE_CPU = generate.TREE_GPU, generate.TREE_CPU
 
 
 def run(args, log) -> int:
+    try:
+        torch.device(args.device)
+    except RuntimeError:
+        raise UsageError(f"unknown device {args.device!r}") from None
+    dflt = TREE_CPU if (torch.device(args.device).type == "cpu" and not args.latency) else TREE_GPU
+    args.tree_topk = dflt[0] if args.tree_topk is None else args.tree_topk
+    args.tree_depth = dflt[1] if args.tree_depth is None else args.tree_depth
+    args.tree_nodes = dflt[2] if args.tree_nodes is None else args.tree_nodes
+    dr.check_tree_budget(args.tree_topk, args.tree_depth, args.tree_nodes)
     if args.latency:
         return latency_mode(args, log)
     from download import resolve_checkpoint
@@ -1106,6 +1200,12 @@ def run(args, log) -> int:
     cache = ensure_cache(Path(args.cache) if args.cache else out_dir / "cache")
     warnings = []
     t_begin = time.perf_counter()
+    if hasattr(os, "getloadavg") and dev.type == "cpu":
+        load, ncpu = os.getloadavg()[0], os.cpu_count() or 1
+        if load >= max(1.0, 0.5 * ncpu):
+            warnings.append(f"the machine was busy when the run started (load average {load:.1f} on {ncpu} cores): "
+                            "CPU timings are unreliable (other jobs; with several torch threads each, contention "
+                            "can slow runs many-fold: --threads 1 is steadier)")
 
     path = resolve_checkpoint(args.checkpoint)
     model_name = path.name
@@ -1119,6 +1219,12 @@ def run(args, log) -> int:
 
     heads, head_info = {}, {}
     e3 = args.eagle3
+    shipped = getattr(generate, "DEFAULT_HEAD", None)  # trained by eagle_train.py for the default model
+    if e3 is None and args.checkpoint is None and not args.random_head and shipped and (Path(shipped) / "config.json").is_file():
+        e3 = str(shipped)
+        head_info["eagle3"] = f"shipped default head ({shipped})"
+    if e3 == "none":
+        e3 = None
     if e3 is None and args.random_head:
         e3 = str(write_random_eagle3(cache / f"random_eagle3_{model_name}", cfg, seed=args.seed))
         warnings.append("The EAGLE-3 head is RANDOMLY INITIALISED (--random-head): it is untrained, its drafts are "
@@ -1137,8 +1243,8 @@ def run(args, log) -> int:
         heads[name] = head
         head_info.setdefault(name, str(hp))
     if not heads:
-        warnings.append("No EAGLE head given (--eagle3 PATH / --eagle2 PATH / --random-head): only autoregressive and "
-                        "n-gram run; the EAGLE, FR-Spec and NanoSpec tables are empty.")
+        warnings.append("No EAGLE head (none shipped, none given with --eagle3 PATH / --eagle2 PATH / --random-head): "
+                        "only autoregressive and n-gram run; the EAGLE, FR-Spec and NanoSpec tables are empty.")
 
     freq_ks = [parse_k(s) for s in args.freq_ks.split(",") if s.strip()]
     sweep_ks = [parse_k(s) for s in args.sweep_ks.split(",") if s.strip()]
@@ -1175,10 +1281,32 @@ def run(args, log) -> int:
                                 f"{', '.join(fmt_k(k) for k in over)} fill the rest of the top-K with unseen ids in "
                                 "id order (see the frequency file note)")
 
+    limit = model.args.max_position_embeddings
+    fits, longest = [], 0
+    for q in questions:
+        n = len(tok.encode_chat([{"role": "user", "content": "\n".join(q.turns)}]) if tok.chat_template else
+                tok.encode("\n".join(q.turns)))
+        need = n + len(q.turns) * (args.max_new_tokens + 16) + args.tree_nodes + 64
+        if need > limit:
+            warnings.append(f"question {q.qid} left out: its {n} prompt tokens + {len(q.turns)} x {args.max_new_tokens} "
+                            f"new tokens may exceed the model's context of {limit}")
+        else:
+            fits.append(q)
+            longest = max(longest, need)
+    questions = fits
+    if not questions:
+        raise UsageError("no question fits the model's context")
+
     sampling = Sampling()
     torch.manual_seed(args.seed)
     for m in methods:
         build_method(m, model, heads, freq_path, args, sampling, sync)
+        if args.compile:
+            # One KV-cache size for every request, so the compiled steps (and CUDA graphs) are built once, in the
+            # warm-up, instead of once per cache-size bucket inside timed runs. generate.Engine keys this on
+            # `graphs` (fixed buffers); on CPU it only fixes the size.
+            m.engine.graphs = True
+            m.engine.max_seq = args.max_seq or min(limit, (longest + 63) // 64 * 64)
     tasks = list(dict.fromkeys(q.task for q in questions))
     n_gen = sum(len(q.turns) for q in questions)
     log(f"{len(questions)} questions ({n_gen} generations per method) in {len(tasks)} tasks x {len(methods)} methods: "
@@ -1194,7 +1322,7 @@ def run(args, log) -> int:
             m.engine.generate(wids, min(args.max_new_tokens, 16))
 
     records, mismatches, refs = run_benchmark(questions, methods, tok, args.max_new_tokens, log,
-                                              progress=not args.no_progress)
+                                              progress=not args.no_progress, model=model)
     S = summarize(records, methods, tasks)
     fig1 = figure1(S, methods, ranked, refs, sweep_ks, V_draft) if heads else None
     d = model.lm_head.weight.shape[1]
@@ -1225,14 +1353,18 @@ def run(args, log) -> int:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "wall time": f"{time.perf_counter() - t_begin:.0f} s",
     }
-    ctx = dict(command=command_line(), settings=settings, warnings=warnings, state_tables=state_tables,
+    ctx = dict(command=command_line(args.argv), settings=settings, warnings=warnings, state_tables=state_tables,
                targets=check_targets(S, methods))
-    make_plots(out_dir, tag, fig1, S, methods, tasks, log)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        make_plots(out_dir, tag, fig1, S, methods, tasks, log)
+    except Exception as e:  # a plotting problem must not cost the measurements
+        log(f"WARNING: plotting failed ({type(e).__name__}: {e}); the Markdown report has the same data")
     write_reports(out_dir, tag, ctx, S, methods, tasks, records, mismatches, fig1, log)
     with open(out_dir / f"bench_{tag}_outputs.jsonl", "w") as f:
-        for q in questions:
+        for q, outs in zip(questions, refs):
             f.write(json.dumps(dict(question_id=q.qid, category=q.category,
-                                    turns=[tok.decode(o) for o in refs[q.qid]]), ensure_ascii=False) + "\n")
+                                    turns=[tok.decode(o) for o in outs]), ensure_ascii=False) + "\n")
     print_summary(S, methods, tasks, mismatches, warnings, out_dir / f"bench_{tag}.md")
     return 1 if mismatches else 0
 
@@ -1259,6 +1391,7 @@ def print_summary(S, methods, tasks, mismatches, warnings, md_path):
 def main(argv=None) -> int:
     from download import CheckpointError
     args = parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     log = lambda s: print(s, file=sys.stderr, flush=True)
     threads = torch.get_num_threads()
     try:

@@ -9,21 +9,6 @@ import bench
 import generate
 from conftest import write_tiny_hf
 
-CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}")
-
-
-def write_byte_tokenizer(path):
-    """A byte-level tokenizer whose 256 ids are the bytes (fits the tiny model's vocabulary of 256)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(path / "tokenizer.json"))
-    json.dump({"chat_template": CHAT, "bos_token": "", "eos_token": ""}, open(path / "tokenizer_config.json", "w"))
-
-
 QUESTIONS = [
     {"question_id": 81, "category": "writing", "turns": ["Write a poem about the sea.", "Now make it shorter."]},
     {"question_id": 90, "category": "roleplay", "turns": ["Pretend to be a pirate and greet me."]},
@@ -36,8 +21,7 @@ QUESTIONS = [
 @pytest.fixture(scope="module")
 def tiny_bench(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
-    path, _ = write_tiny_hf(root / "target")
-    write_byte_tokenizer(path)
+    path, _ = write_tiny_hf(root / "target")  # with a byte-level tokenizer and a chat template
     q = root / "questions.jsonl"
     q.write_text("".join(json.dumps(x) + "\n" for x in QUESTIONS))
     return path, q, root
@@ -66,6 +50,9 @@ def test_bench_writes_reports(tiny_bench, tmp_path, capsys):
     # --limit 2 per task: MT-bench takes one writing + one roleplay question (round robin); 2 qa; 1 rag
     assert sorted({r["qid"] for r in js["runs"]}) == ["201", "202", "81", "90", "x1"]
     assert len(js["runs"]) == len(names) * 6  # 81 has two turns
+    t1, t2 = ([r["prompt_tokens"] for r in js["runs"] if r["qid"] == "81" and r["method"] == "ar" and r["turn"] == t]
+              for t in (1, 2))
+    assert t2[0] > t1[0] + 12  # turn 2 follows the method's own turn-1 answer
     s = js["summary"]
     assert s["ar"]["overall"]["speedup"] == pytest.approx(1.0)
     for task in ("mt_bench", "qa", "rag"):
@@ -92,9 +79,23 @@ def test_bench_guard_fires_on_tampered_output(tiny_bench, tmp_path, monkeypatch,
     err = capsys.readouterr().err
     assert rc == 1
     assert "OUTPUT MISMATCH: question 201 turn 1, method ngram" in err
+    assert "likely a logic error" in err  # the diagnosis: not a float near tie
     js = json.loads((tmp_path / "bench_questions.json").read_text())
     assert {m["method"] for m in js["mismatches"]} == {"ngram"}
     assert "FAILED" in (tmp_path / "bench_questions.md").read_text()
+
+
+def test_bench_eagle2_head(tiny_bench, tmp_path, capsys):
+    from conftest import write_eagle_head
+    path, q, root = tiny_bench
+    head = write_eagle_head(tmp_path / "e2", json.loads((path / "config.json").read_text()), version=2)
+    args = [a for a in argv(tiny_bench, tmp_path) if a != "--random-head"]
+    rc = bench.main(args + ["--eagle2", str(head), "--methods", "eagle2,eagle2+nanospec", "--categories", "qa",
+                            "--limit", "1"])
+    assert rc == 0, capsys.readouterr().err
+    js = json.loads((tmp_path / "bench_questions.json").read_text())
+    assert set(js["methods"]) == {"ar", "eagle2", "eagle2+nanospec"}
+    assert "eagle2" in js["settings"]["heads"]
 
 
 def test_builtin_workload_and_selection():
