@@ -455,13 +455,15 @@ class NgramDrafter:
         return []
 
     def draft(self, root: int, device) -> Tree:
-        self.hist.append(root)
-        prop = self.propose(self.hist)
-        self.hist.pop()
+        self.root = root
+        prop = self.propose(self.hist + [root])
         return chain_tree(torch.tensor([root] + prop, device=device))
 
     def update(self, emitted: list[int]):
-        self.hist.extend(emitted)
+        # history = every token before the next root: this step's root, then the accepted tokens
+        # (emitted ends with the bonus token, which is the next step's root)
+        self.hist.append(self.root)
+        self.hist.extend(emitted[:-1])
 
 
 def detect_draft_kind(path: Path) -> str:

@@ -128,6 +128,16 @@ def test_tree_budget_errors():
     dr.check_tree_budget(10, 5, 60)
 
 
+def test_ngram_history_tracks_the_sequence():
+    d = dr.NgramDrafter(k=3, nmin=1, nmax=2)
+    d.prefill([1, 2, 3, 1, 2])
+    tree = d.draft(3, "cpu")  # sequence 1 2 3 1 2 [3]: suffix [2, 3] was followed by [1, 2, 3]
+    assert tree.tokens.tolist() == [3, 1, 2, 3]
+    d.update([1, 9])  # accepted 1, bonus 9 (the next root)
+    assert d.hist == [1, 2, 3, 1, 2, 3, 1]
+    assert d.draft(9, "cpu").tokens.tolist() == [9]  # nothing ever followed 9
+
+
 def test_ngram_proposals():
     d = dr.NgramDrafter(k=3, nmin=1, nmax=3)
     assert d.propose([1, 2, 3, 4, 9, 2, 3]) == [4, 9, 2]  # longest suffix [2, 3] -> what followed it
