@@ -647,7 +647,7 @@ def summarize(records, methods, tasks):
     return S
 
 
-def freq_coverage_offline(refs: dict, ranked: list[int], ks) -> dict:
+def freq_coverage_offline(refs: list, ranked: list[int], ks) -> dict:
     """Fraction of the autoregressive output tokens inside the top-K of the frequency ranking (what the
     freq vocabulary's coverage metric measures, computed for every K without running it)."""
     toks = torch.tensor([t for outs in refs for o in outs for t in o] or [0])
@@ -792,6 +792,12 @@ def write_reports(out_dir: Path, tag: str, ctx: dict, S: dict, methods, tasks, r
         for img in ("fig1a_coverage", "fig1b_speed"):
             if (out_dir / f"bench_{tag}_{img}.png").is_file():
                 L.append(f"\n![{img}](bench_{tag}_{img}.png)\n")
+        bt = fig1.get("by_task")
+        if bt:
+            L.append("\n### Coverage per task\n\nNanoSpec: measured during its runs; freq top-K: the frequency "
+                     "ranking of this run (text the target generated, never Spec-Bench) applied to the autoregressive "
+                     "outputs of each task.\n\n")
+            L.append(md_table(["task"] + bt["columns"], [[t] + [_f(c, 3) for c in r] for t, r in bt["rows"].items()]))
 
     draft_rows = []
     for n in spec:
@@ -870,7 +876,7 @@ def make_plots(out_dir: Path, tag: str, fig1, S, methods, tasks, log):
         plt.close(fig)
 
 
-def figure1(S, methods, freq_ranked, refs, sweep_ks, V):
+def figure1(S, methods, freq_ranked, refs, sweep_ks, V, tasks_of=None):
     """Coverage/speed points per vocabulary size and the oracle of Eq. 1 for each head."""
     points = []
     defn = ("Coverage = fraction of emitted tokens that were in the draft's active vocabulary at that step "
@@ -905,10 +911,26 @@ def figure1(S, methods, freq_ranked, refs, sweep_ks, V):
         for k in sorted(off):
             if not any(p["series"] == "freq" and p["size"] == k and p["head"] == h for p in points):
                 points.append(dict(series="freq", head=h, label=f"freq-{fmt_k(k)} (not run)", size=k, coverage=off[k]))
+    by_task = coverage_by_task(S, methods, tasks_of, refs, freq_ranked) if freq_ranked and tasks_of else None
     if not points and off:
         for k in sorted(off):
             points.append(dict(series="freq", head=None, label=f"freq-{fmt_k(k)} (not run)", size=k, coverage=off[k]))
-    return dict(definition=defn, points=points) if points else None
+    return dict(definition=defn, points=points, by_task=by_task) if points else None
+
+
+def coverage_by_task(S, methods, tasks_of, refs, ranked, ks=(3072, 16384)) -> dict:
+    """Per task: coverage of every NanoSpec run (measured during generation) and of freq top-K (offline,
+    from the autoregressive outputs of that task's questions). {"columns": [...], "rows": {task: [...]}}."""
+    nano = [m for m in methods if m.vocab == "nanospec" and not m.ablation]
+    cols = [m.name for m in nano] + [f"freq-{fmt_k(k)} (offline)" for k in ks]
+    rows = {}
+    for t in dict.fromkeys(tasks_of):
+        mine = [r for r, tt in zip(refs, tasks_of) if tt == t]
+        off = freq_coverage_offline(mine, ranked, ks)
+        rows[t] = [(S[m.name].get(t) or {}).get("vocab_coverage") for m in nano] + [off[k] for k in ks]
+    mine = freq_coverage_offline(refs, ranked, ks)
+    rows["Overall"] = [S[m.name]["overall"].get("vocab_coverage") for m in nano] + [mine[k] for k in ks]
+    return dict(columns=cols, rows=rows)
 
 
 def check_targets(S, methods):
@@ -1324,7 +1346,7 @@ def run(args, log) -> int:
     records, mismatches, refs = run_benchmark(questions, methods, tok, args.max_new_tokens, log,
                                               progress=not args.no_progress, model=model)
     S = summarize(records, methods, tasks)
-    fig1 = figure1(S, methods, ranked, refs, sweep_ks, V_draft) if heads else None
+    fig1 = figure1(S, methods, ranked, refs, sweep_ks, V_draft, [q.task for q in questions]) if heads else None
     d = model.lm_head.weight.shape[1]
     state_tables = {}
     elem = torch.finfo(dtype).bits // 8

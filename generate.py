@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from model import ModelError, Transformer, load_model
+from model import RECENT, ModelError, Transformer, causal_recent, load_model
 
 DEFAULT_PROMPT = "What is the capital of France?"
 # EAGLE-2 tree (top-k, depth, nodes): the papers' 10/5/60 on GPUs; on CPU a 60-node verify costs about three
@@ -187,6 +187,19 @@ def tree_mask(seq_range: Tensor, anc: Tensor, n: Tensor) -> Tensor:
     return (seq_range[None, :] < n) | cols
 
 
+def tree_recent(anc: Tensor, depth: Tensor, n: Tensor, W: int = RECENT) -> Tensor:
+    """[N, W] KV slots of each tree node's last W keys in logical order (model.exact_attention): keys before
+    the step's first slot n are the prefix (slot == position), the rest are the node's ancestors at depth
+    t = position - n, which sit at slot n + (ancestor's node index). Exact for chains of any length and
+    for trees shallower than W (deeper tree nodes would meet scattered ancestors in the flash half)."""
+    N, dev = anc.shape[0], anc.device
+    lv = torch.arange(N, device=dev)  # depth < N: chains of any length work too
+    anc_at = torch.argmax((anc[:, None, :] & (depth[None, None, :] == lv[None, :, None])).int(), dim=-1)  # [N, N]
+    j = (n + depth)[:, None] - (W - 1) + torch.arange(W, device=dev)  # [N, W] logical positions
+    in_tree = n + anc_at.gather(1, (j - n).clamp(0, N - 1))
+    return torch.where(j < n, torch.where(j >= 0, j, -1), in_tree)
+
+
 def best_path(tree, correct: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """correct [N] bool (is node i the target's choice given its parent) -> (path [D+1] node ids, L 0-dim
     accepted nodes incl. the root, best node). Static shapes: entries of path past L are padding."""
@@ -242,6 +255,18 @@ def accept_sample(tree, probs: Tensor):
 
 # ---------------------------------------------------------------- the engine
 
+# Batch invariance for bit-exact greedy output (CPU). A row's result must not depend on how many rows
+# share a target pass. Measured with torch 2.13 on this CPU: bf16 GEMMs give every row the same result
+# from 2 rows up (1 row takes a GEMV with other rounding); fp32 GEMMs work in blocks of 4 rows and round
+# the tail rows of a partial block differently; the flash attention kernel needs 4 query rows (heads
+# sharing a KV head count as rows, see model.exact_attention). So every target pass after the prefill
+# (decode, tree verify) is padded to pass_rows(model, n) rows; test_generate checks the property.
+def pass_rows(model: Transformer, n: int) -> int:
+    g = model.args.n_heads // model.args.n_kv_heads
+    r = max(n, 2, -(-4 // g))
+    mult = 4 if model.lm_head.weight.dtype == torch.float32 else 1
+    return -(-r // mult) * mult
+
 class Engine:
     """Holds the target (and optionally a drafter with its draft vocabulary); one generation at a time."""
 
@@ -254,6 +279,12 @@ class Engine:
         self.decode_fn = self._decode_one
         self.verify_step, self.advance_step = self._spec_verify, self._spec_advance
         cuda = self.device.type == "cuda"
+        # CPU: bit-exact attention for decode and verify (model.exact_attention). CUDA's SDPA and cuBLAS
+        # kernels are not batch-invariant either way, so there greedy output equals autoregressive output
+        # up to floating-point near-ties (as in vLLM and SGLang).
+        self.exact = not cuda
+        if drafter is not None and self.exact and getattr(drafter, "depth", 0) >= RECENT and hasattr(drafter, "nodes"):
+            raise UsageError(f"--tree-depth must be below {RECENT} (exact tree verification), got {drafter.depth}")
         # CUDA graphs need fixed buffer addresses: one KV cache of max_seq slots for every request
         self.graphs = compile and cuda
         self.max_seq = min(max_seq, model.args.max_position_embeddings)
@@ -269,17 +300,36 @@ class Engine:
                 self.verify_step = torch.compile(self._spec_verify, fullgraph=True, dynamic=False, backend=backend)
                 self.advance_step = torch.compile(self._spec_advance, fullgraph=True, dynamic=False, backend=backend)
 
+    def rows(self, n: int) -> int:
+        """Rows of a target pass over n tokens (see pass_rows)."""
+        return pass_rows(self.model, n) if self.exact else n
+
     def _decode_one(self, tok: Tensor, pos: Tensor) -> Tensor:
-        # tok [1, 1], pos [1] -> next token [1] (sampled on device)
-        logits = self.model(tok, pos)[:, -1]
+        # tok [1, 1], pos [1] -> next token [1] (sampled on device). Padded to pass_rows query rows (see
+        # pass_rows) so a decode step runs the same kernels as a tree verification: the pad rows write
+        # KV slots past the prefix, which the next step overwrites before anything attends to them.
+        R = self.rows(1)
+        p = pos + torch.arange(R, device=pos.device)
+        logits = self.model(tok.expand(1, R), p, recent=causal_recent(p) if self.exact else None)[:, 0]
         return sample(logits, self.sampling)
 
     def _verify(self, tokens: Tensor, depth: Tensor, anc: Tensor, n: Tensor):
-        # one target pass over the flattened tree: positions n + depth, KV slots n + node index
+        # one target pass over the flattened tree: positions n + depth, KV slots n + node index.
+        # Pad nodes up to pass_rows (short n-gram chains, fp32 blocks) see only themselves.
         m = self.model
         N = tokens.shape[0]
+        R = self.rows(N)
+        if N < R:
+            P = R - N
+            tokens = torch.cat([tokens, tokens.new_zeros(P)])
+            depth = torch.cat([depth, depth.new_zeros(P)])
+            eye = torch.eye(R, dtype=torch.bool, device=anc.device)
+            anc = torch.cat([torch.cat([anc, anc.new_zeros(N, P)], 1), eye[N:]], 0)
         mask = tree_mask(m.seq_range, anc, n)
-        return m(tokens[None], n + depth, mask=mask, cache_pos=n + torch.arange(N, device=n.device), return_hidden=True)
+        recent = tree_recent(anc, depth, n) if self.exact else None
+        logits, hid, aux = m(tokens[None], n + depth, mask=mask, cache_pos=n + torch.arange(tokens.shape[0], device=n.device),
+                             return_hidden=True, recent=recent)
+        return logits[:, :N], hid[:, :N], (aux[:, :N] if aux is not None else None)
 
     def warmup(self):
         """One tiny prefill + decode so one-time kernel set-up (oneDNN, cuBLAS) is not billed to the first prompt."""
@@ -298,7 +348,7 @@ class Engine:
         if self.drafter is not None:
             return self._generate_spec(prompt, max_new_tokens, on_tokens)
         m, dev = self.model, self.device
-        S = cache_len(T, max_new_tokens, 0, m.args.max_position_embeddings)
+        S = cache_len(T, max_new_tokens, self.rows(1), m.args.max_position_embeddings)
         if self.graphs:  # one cache size for every request: no re-capture per length
             if S > self.max_seq:
                 raise UsageError(f"prompt of {T} tokens + {max_new_tokens} new tokens exceeds --max-seq {self.max_seq}")
@@ -385,9 +435,9 @@ class Engine:
         eos = set(m.args.eos_ids)
         T = len(prompt)
         D = d.depth
-        S = cache_len(T, max_new_tokens, getattr(d, "nodes", D + 1) + 1, m.args.max_position_embeddings)
+        S = cache_len(T, max_new_tokens, self.rows(getattr(d, "nodes", D + 1)) + 1, m.args.max_position_embeddings)
         if self.graphs:  # fixed buffers: captured graphs hold their addresses
-            if T + max_new_tokens + getattr(d, "nodes", D + 1) + 1 > self.max_seq:
+            if T + max_new_tokens + self.rows(getattr(d, "nodes", D + 1)) + 1 > self.max_seq:
                 raise UsageError(f"prompt of {T} tokens + {max_new_tokens} new tokens exceeds --max-seq {self.max_seq}")
             S = self.max_seq
         m.setup_caches(1, S)

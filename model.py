@@ -147,6 +147,63 @@ def rope_cache(max_seq: int, head_dim: int, base: float, scaling: dict | None) -
     return emb.cos(), emb.sin()
 
 
+# ---------------------------------------------------------------- exact attention
+# Why: speculative output must equal autoregressive output bit for bit. A tree node sees its ancestors at
+# scattered KV slots (n + node index), a decoded token sees them at consecutive slots; SDPA's reductions
+# depend on *where* the unmasked keys sit (vector lanes), so the two round differently and bf16 near-ties
+# flip. exact_attention splits every query's keys by *logical* position p (its RoPE position): keys at
+# positions < p - RECENT + 1 always sit at their own slots (the shared prefix) and go through one flash
+# pass masked by position; the last RECENT keys are gathered through a per-row slot table into logical
+# order. Both halves then see identical data at identical offsets whether the row is a decoded token, a
+# chain node or a tree node; a log-sum-exp merge joins them. Trees must be shallower than RECENT.
+RECENT = 16
+
+
+def causal_recent(input_pos: Tensor, W: int = RECENT) -> Tensor:
+    """[T] positions of rows whose keys sit at slot == position -> [T, W] slots of their last W keys (-1: none)."""
+    j = input_pos[:, None] - (W - 1) + torch.arange(W, device=input_pos.device)
+    return torch.where(j >= 0, j, -1)
+
+
+def exact_plan(input_pos: Tensor, recent: Tensor, seq_range: Tensor, n_groups: int) -> tuple:
+    """What every layer's exact_attention shares, built once per forward: the flash half's additive mask
+    [g*T, S] (keys at positions < input_pos - W + 1), its emptiness [T], and the recent half's slots."""
+    W = recent.shape[1]
+    split = input_pos - (W - 1)  # [T]
+    mask = torch.zeros(input_pos.shape[0], seq_range.shape[0], device=input_pos.device)
+    mask = mask.masked_fill(seq_range[None, :] >= split[:, None], float("-inf")).repeat(n_groups, 1)
+    return mask, split > 0, recent.clamp(min=0).flatten(), recent < 0
+
+
+def exact_attention(q: Tensor, k: Tensor, v: Tensor, plan: tuple) -> Tensor:
+    """q [B, H, T, hd]; k, v [B, Hkv, S, hd] fp32; plan from exact_plan -> [B, H, T, hd]."""
+    mask, has_flash, idx, pad = plan
+    B, H, T, hd = q.shape
+    Hkv, W = k.shape[1], pad.shape[-1]
+    g = H // Hkv
+    scale = hd ** -0.5
+    # query heads sharing a KV head become extra query rows: no repeat_interleave copy of the cache
+    oa, la = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.reshape(B, Hkv, g * T, hd), k, v, attn_mask=mask, scale=scale)[:2]
+    oa, la = oa.reshape(B, Hkv, g, T, hd), la.reshape(B, Hkv, g, T)
+    la = torch.where(has_flash, la, float("-inf"))  # an empty flash half (early positions) has no weight
+    # recent half: elementwise products + sums over a fixed axis, so a row's arithmetic ignores T
+    # (a second flash pass with one batch entry per row would not: its kernels change with the entry count)
+    kb = k.index_select(2, idx).view(B, Hkv, 1, T, W, hd)
+    vb = v.index_select(2, idx).view(B, Hkv, 1, T, W, hd)
+    s = ((q.view(B, Hkv, g, T, 1, hd) * kb).sum(-1) * scale).masked_fill(pad, float("-inf"))  # [B, Hkv, g, T, W]
+    mb = s.amax(-1)  # finite: a row's own key is always in its recent half
+    e = torch.exp(s - mb[..., None])
+    sb = e.sum(-1)
+    ob = (e[..., None] * vb).sum(-2) / sb[..., None]  # [B, Hkv, g, T, hd]
+    lb = mb + torch.log(sb)
+    # log-sum-exp merge (plain mul/add/exp/div: fused ops such as lerp round differently in their
+    # vectorised body and scalar tail, which would make a row's result depend on T again)
+    m = torch.maximum(la, lb)
+    wa, wb = torch.exp(la - m)[..., None], torch.exp(lb - m)[..., None]
+    return ((wa * oa + wb * ob) / (wa + wb)).reshape(B, H, T, hd)
+
+
 class Attention(nn.Module):
     def __init__(self, a: ModelArgs, in_dim: int | None = None):
         super().__init__()
@@ -162,7 +219,8 @@ class Attention(nn.Module):
         self.qk_norm = a.qk_norm
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, exact=None) -> Tensor:
+        # exact: None, or exact_plan(...) for exact_attention (mask then unused)
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -174,7 +232,10 @@ class Attention(nn.Module):
         c = self.kv_cache
         k, v = c.update(cache_pos, k.to(c.k.dtype), v.to(c.k.dtype))  # [B, Hkv, S, hd]
         # enable_gqa lets SDPA broadcast KV heads instead of materialising repeat_interleave copies.
-        y = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
+        if exact is not None:
+            y = exact_attention(q.to(k.dtype), k, v, exact)
+        else:
+            y = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(y.to(x.dtype).transpose(1, 2).reshape(B, T, -1))
 
 
@@ -197,8 +258,8 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(a.dim, a.norm_eps)
         self.post_attention_layernorm = RMSNorm(a.dim, a.norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache_pos):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_pos)
+    def forward(self, x, cos, sin, mask, cache_pos, exact=None):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_pos, exact)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -237,12 +298,14 @@ class Transformer(nn.Module):
         return self.seq_range[None, :] <= cache_pos[:, None]
 
     def forward(self, tokens: Tensor, input_pos: Tensor, mask: Tensor | None = None,
-                cache_pos: Tensor | None = None, return_hidden: bool = False, compute_logits: bool = True):
+                cache_pos: Tensor | None = None, return_hidden: bool = False, compute_logits: bool = True,
+                recent: Tensor | None = None):
         """tokens [B, T]; input_pos [T] RoPE positions (or [B, T] per row, e.g. left-padded batches);
         cache_pos [T] KV slots (default input_pos, which must then be [T]);
         mask [T, S] or [B, 1, T, S] bool over the whole cache (default causal).
         Returns logits [B, T, V], or (logits, hidden [B, T, D] final-normed, aux [B, T, len(aux)*D] or None);
-        compute_logits=False skips the LM head (logits None) for callers that project a sub-vocabulary."""
+        compute_logits=False skips the LM head (logits None) for callers that project a sub-vocabulary;
+        recent [T, RECENT] (CPU, input_pos [T]) switches to exact_attention with these recent-key slots."""
         if cache_pos is None:
             cache_pos = input_pos
         if mask is None:
@@ -250,12 +313,13 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, hd] or [B, T, hd]
         if input_pos.dim() == 2:
             cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        exact = None if recent is None else exact_plan(input_pos, recent, self.seq_range, self.args.n_heads // self.args.n_kv_heads)
         x = self.embed_tokens(tokens)  # [B, T, D]
         aux = {}
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
                 aux[i] = x
-            x = layer(x, cos, sin, mask, cache_pos)
+            x = layer(x, cos, sin, mask, cache_pos, exact)
         h = self.norm(x)
         logits = self.lm_head(h) if compute_logits else None
         if not return_hidden:

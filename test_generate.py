@@ -9,7 +9,7 @@ import torch
 import draft as dr
 from conftest import write_eagle_head, write_tiny_hf
 from generate import Engine, Sampling, accept_greedy, accept_sample, logits_to_probs, main
-from model import load_model
+from model import causal_recent, load_model
 from vocab import make_vocab
 
 PROMPTS = [[5, 17, 99, 3, 42, 42, 8], [200, 201, 202, 203, 200, 201, 202], list(range(30, 60))]
@@ -292,3 +292,44 @@ def test_graph_capture_plumbing_on_cpu(tiny, monkeypatch):
         for p in PROMPTS:
             assert eng.generate(p, 30)[0] == autoregressive(m, p, 30), kind
         assert eng.verify_step.graphs and eng.advance_step.graphs  # replays really happened
+
+
+@pytest.mark.parametrize("dtype,plain_sdpa", [(torch.bfloat16, False), (torch.float32, False), (torch.float32, True)])
+def test_tree_verify_is_bitwise_autoregressive(tiny, dtype, plain_sdpa):
+    """CPU: every tree node's verify logits equal, bit for bit, the logits autoregressive decoding
+    computes for the same token sequence (exact attention + min_rows padding). This is what makes greedy
+    speculative output identical to autoregressive output even at near-ties. The plain-SDPA variant is
+    the control (fp32, where attention's rounding differences reach the logits directly): a tree node off
+    the spine sees its ancestors at scattered KV slots and rounds differently, so the assertion must fail
+    there for at least one node (it shows the test can fail)."""
+    path, heads, _, _ = tiny
+    m = load_model(path, dtype=dtype)
+    head = dr.load_eagle(heads["eagle3"], m, dtype, "cpu")
+    m.aux_layers = head.c.aux_layers
+    d = dr.EagleDrafter(head, make_vocab("full", head.lm_weight()), topk=3, depth=4, nodes=14)
+    e = Engine(m, drafter=d)
+    assert e.exact and e.rows(1) >= 2
+    e.exact = not plain_sdpa
+    S, p = 160, torch.tensor(PROMPTS[2] * 3)
+    T = len(p)
+    m.setup_caches(1, S)
+    d.setup(S)
+    with torch.no_grad():
+        logits, _, aux = m(p[None], torch.arange(T), return_hidden=True)
+        tok = logits[0, -1].argmax().view(1)
+        d.prefill(aux, torch.cat([p[1:], tok]))
+        tree = d.draft(tok, torch.tensor(T))
+        assert bool((tree.depth != torch.arange(len(tree.depth))).any())  # some nodes are off the spine
+        tree_logits = e._verify(tree.tokens, tree.depth, tree.anc, torch.tensor(T))[0][0]
+        same = []
+        for i in range(len(tree.tokens)):
+            chain = sorted(torch.nonzero(tree.anc[i])[:, 0].tolist(), key=lambda j: int(tree.depth[j]))
+            m(p[None], torch.arange(T))  # same prefix KV; later slots are rewritten before being read
+            for t, j in enumerate(chain):  # autoregressive decode steps, as Engine._decode_one runs them
+                pos = T + t + torch.arange(e.rows(1))
+                out = m(tree.tokens[j].view(1, 1).expand(1, e.rows(1)), pos, recent=causal_recent(pos))[0, 0]
+            same.append(torch.equal(out, tree_logits[i]))
+    if plain_sdpa:
+        assert not all(same)
+    else:
+        assert all(same), same
