@@ -453,10 +453,10 @@ def _timed(obj, attr: str, acc: dict, key: str, sync):
 def build_method(m: Method, model: Transformer, heads: dict, freq_path: Path | None, args, sampling, sync):
     """Attach an Engine to m (EAGLE methods share the loaded head; each has its own vocabulary state)."""
     if m.kind == "ar":
-        m.engine = Engine(model, sampling, compile=args.compile)
+        m.engine = Engine(model, sampling, compile=args.compile, exact=args.exact)
         return
     if m.kind == "ngram":
-        m.engine = Engine(model, sampling, compile=args.compile,
+        m.engine = Engine(model, sampling, compile=args.compile, exact=args.exact,
                           drafter=dr.NgramDrafter(args.spec_k or 10, args.ngram_min, args.ngram_max))
         return
     head = heads[m.head]
@@ -481,7 +481,7 @@ def build_method(m: Method, model: Transformer, heads: dict, freq_path: Path | N
     if hasattr(d, "_logp"):  # projection + log-softmax over the active rows
         m.timers["drafter_logp"] = 0.0
         _timed(d, "_logp", m.timers, "drafter_logp", sync)
-    m.engine = Engine(model, sampling, compile=args.compile, drafter=d)
+    m.engine = Engine(model, sampling, compile=args.compile, drafter=d, exact=args.exact)
 
 
 # ---------------------------------------------------------------- running
@@ -1152,6 +1152,8 @@ def parse_args(argv=None):
     p.add_argument("--freq-corpus", default="16x512", help="self-generated corpus for the frequency file: ROWSxTOKENS (default 16x512)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="default: cuda if available")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="default bfloat16")
+    p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                   help="CPU bit-exact decode/verify (default on CPU); --no-exact times the plain-SDPA path")
     p.add_argument("--compile", action="store_true", help="torch.compile decode / verify / draft steps (CUDA graphs "
                    "on CUDA); the steps are fused, so Table 4 then splits only verify vs the rest")
     p.add_argument("--max-seq", type=int, default=None, help="with --compile: KV cache slots of every request "

@@ -387,7 +387,9 @@ class ModelDrafter:
         self.lm_head_s = 0.0
 
     def setup(self, max_seq: int):
-        self.model.setup_caches(1, max_seq + self.k + 1)
+        # the chain needs k + 1 slots past the verified prefix; the engine's cache budget already counts
+        # them, so clamping to the draft's context only drops slack
+        self.model.setup_caches(1, min(max_seq + self.k + 1, self.model.args.max_position_embeddings))
         if getattr(self, "prev", None) is None:
             self.prev = torch.zeros(1, dtype=torch.long, device=self.model.lm_head.weight.device)
 

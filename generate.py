@@ -258,20 +258,23 @@ def accept_sample(tree, probs: Tensor):
 # Batch invariance for bit-exact greedy output (CPU). A row's result must not depend on how many rows
 # share a target pass. Measured with torch 2.13 on this CPU: bf16 GEMMs give every row the same result
 # from 2 rows up (1 row takes a GEMV with other rounding); fp32 GEMMs work in blocks of 4 rows and round
-# the tail rows of a partial block differently; the flash attention kernel needs 4 query rows (heads
-# sharing a KV head count as rows, see model.exact_attention). So every target pass after the prefill
-# (decode, tree verify) is padded to pass_rows(model, n) rows; test_generate checks the property.
+# the rows of a partial block differently; the flash attention kernel cuts its query rows (heads sharing
+# a KV head count as rows, see model.exact_attention) into blocks of 32 (64, 256 for long passes) and
+# rounds a block of 1-3 rows differently. So every target pass after the prefill (decode, tree verify)
+# is padded to pass_rows(model, n) rows; test_generate checks the property.
 def pass_rows(model: Transformer, n: int) -> int:
     g = model.args.n_heads // model.args.n_kv_heads
-    r = max(n, 2, -(-4 // g))
     mult = 4 if model.lm_head.weight.dtype == torch.float32 else 1
-    return -(-r // mult) * mult
+    r = -(-max(n, 2) // mult) * mult
+    while (g * r) % 32 in (1, 2, 3):  # no flash block of 1-3 rows (this also covers 64- and 256-row blocks)
+        r += mult
+    return r
 
 class Engine:
     """Holds the target (and optionally a drafter with its draft vocabulary); one generation at a time."""
 
     def __init__(self, model: Transformer, sampling: Sampling = Sampling(), compile: bool = False, drafter=None,
-                 max_seq: int = 4096, backend: str = "inductor"):
+                 max_seq: int = 4096, backend: str = "inductor", exact: bool | None = None):
         self.model = model
         self.sampling = sampling
         self.drafter = drafter
@@ -282,7 +285,9 @@ class Engine:
         # CPU: bit-exact attention for decode and verify (model.exact_attention). CUDA's SDPA and cuBLAS
         # kernels are not batch-invariant either way, so there greedy output equals autoregressive output
         # up to floating-point near-ties (as in vLLM and SGLang).
-        self.exact = not cuda
+        self.exact = not cuda if exact is None else exact
+        if self.exact and cuda:
+            raise UsageError("--exact is CPU-only (CUDA kernels are not batch invariant)")
         if drafter is not None and self.exact and getattr(drafter, "depth", 0) >= RECENT and hasattr(drafter, "nodes"):
             raise UsageError(f"--tree-depth must be below {RECENT} (exact tree verification), got {drafter.depth}")
         # CUDA graphs need fixed buffer addresses: one KV cache of max_seq slots for every request
@@ -299,6 +304,12 @@ class Engine:
             else:
                 self.verify_step = torch.compile(self._spec_verify, fullgraph=True, dynamic=False, backend=backend)
                 self.advance_step = torch.compile(self._spec_advance, fullgraph=True, dynamic=False, backend=backend)
+
+    def _cache_slots(self, S: int) -> int:
+        # The CPU flash kernel's arithmetic changes with the KV length below ~384 slots (measured: 256, 320
+        # and >= 384 round differently), so exact mode never allocates fewer than 512: autoregressive and
+        # speculative runs, whose margins differ, then attend over caches of one kernel class.
+        return min(max(S, 512), self.model.args.max_position_embeddings) if self.exact else S
 
     def rows(self, n: int) -> int:
         """Rows of a target pass over n tokens (see pass_rows)."""
@@ -348,7 +359,7 @@ class Engine:
         if self.drafter is not None:
             return self._generate_spec(prompt, max_new_tokens, on_tokens)
         m, dev = self.model, self.device
-        S = cache_len(T, max_new_tokens, self.rows(1), m.args.max_position_embeddings)
+        S = self._cache_slots(cache_len(T, max_new_tokens, self.rows(1), m.args.max_position_embeddings))
         if self.graphs:  # one cache size for every request: no re-capture per length
             if S > self.max_seq:
                 raise UsageError(f"prompt of {T} tokens + {max_new_tokens} new tokens exceeds --max-seq {self.max_seq}")
@@ -435,7 +446,7 @@ class Engine:
         eos = set(m.args.eos_ids)
         T = len(prompt)
         D = d.depth
-        S = cache_len(T, max_new_tokens, self.rows(getattr(d, "nodes", D + 1)) + 1, m.args.max_position_embeddings)
+        S = self._cache_slots(cache_len(T, max_new_tokens, self.rows(getattr(d, "nodes", D + 1)) + 1, m.args.max_position_embeddings))
         if self.graphs:  # fixed buffers: captured graphs hold their addresses
             if T + max_new_tokens + self.rows(getattr(d, "nodes", D + 1)) + 1 > self.max_seq:
                 raise UsageError(f"prompt of {T} tokens + {max_new_tokens} new tokens exceeds --max-seq {self.max_seq}")
@@ -607,6 +618,10 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="torch.compile decode/verify/draft steps (inductor on CPU; CUDA graphs on CUDA)")
     p.add_argument("--max-seq", type=int, default=4096, help="KV cache slots when CUDA graphs are captured")
+    p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                   help="CPU: bit-exact greedy speculative output (default on CPU; README 'Why greedy output is "
+                        "bit-identical'). --no-exact: plain SDPA, no row padding, ~15%% faster decode steps, output "
+                        "equal to autoregressive only up to floating-point near-ties")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text + stats")
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--draft", default=None, help="EAGLE head or draft-model folder/hub id, 'ngram', or 'none' (default: "
@@ -658,7 +673,7 @@ def build_engine(args):
     sampling.validate(model.args.vocab_size)
     drafter = build_drafter(args, model, tok, sampling)
     torch.manual_seed(args.seed)
-    engine = Engine(model, sampling, compile=args.compile, drafter=drafter, max_seq=args.max_seq)
+    engine = Engine(model, sampling, compile=args.compile, drafter=drafter, max_seq=args.max_seq, exact=args.exact)
     engine.warmup()
     return engine, tok
 

@@ -294,19 +294,21 @@ def test_graph_capture_plumbing_on_cpu(tiny, monkeypatch):
         assert eng.verify_step.graphs and eng.advance_step.graphs  # replays really happened
 
 
-@pytest.mark.parametrize("dtype,plain_sdpa", [(torch.bfloat16, False), (torch.float32, False), (torch.float32, True)])
-def test_tree_verify_is_bitwise_autoregressive(tiny, dtype, plain_sdpa):
+@pytest.mark.parametrize("dtype,plain_sdpa,nodes", [(torch.bfloat16, False, 14), (torch.float32, False, 14),
+                                                    (torch.float32, True, 14), (torch.float32, False, 17)])
+def test_tree_verify_is_bitwise_autoregressive(tiny, dtype, plain_sdpa, nodes):
     """CPU: every tree node's verify logits equal, bit for bit, the logits autoregressive decoding
     computes for the same token sequence (exact attention + min_rows padding). This is what makes greedy
     speculative output identical to autoregressive output even at near-ties. The plain-SDPA variant is
     the control (fp32, where attention's rounding differences reach the logits directly): a tree node off
     the spine sees its ancestors at scattered KV slots and rounds differently, so the assertion must fail
-    there for at least one node (it shows the test can fail)."""
+    there for at least one node (it shows the test can fail). 17 nodes x 2 heads per KV head = 34 flash
+    rows would leave a 2-row block without pass_rows' padding."""
     path, heads, _, _ = tiny
     m = load_model(path, dtype=dtype)
     head = dr.load_eagle(heads["eagle3"], m, dtype, "cpu")
     m.aux_layers = head.c.aux_layers
-    d = dr.EagleDrafter(head, make_vocab("full", head.lm_weight()), topk=3, depth=4, nodes=14)
+    d = dr.EagleDrafter(head, make_vocab("full", head.lm_weight()), topk=4, depth=4, nodes=nodes)
     e = Engine(m, drafter=d)
     assert e.exact and e.rows(1) >= 2
     e.exact = not plain_sdpa
@@ -333,3 +335,40 @@ def test_tree_verify_is_bitwise_autoregressive(tiny, dtype, plain_sdpa):
         assert not all(same)
     else:
         assert all(same), same
+
+
+def test_pass_rows_make_exact_attention_batch_invariant():
+    """Real head size (64), 3 query heads per KV head as in SmolLM2: a row's exact_attention output is
+    bit-identical in every pass of pass_rows rows, and (the control showing why the padding exists)
+    differs on this CPU for some unpadded pass sizes; exact_attention itself matches SDPA numerically."""
+    from types import SimpleNamespace
+
+    from generate import pass_rows
+    from model import exact_attention, exact_plan
+    torch.manual_seed(0)
+    g, S, n = 3, 640, 300
+    fake = SimpleNamespace(args=SimpleNamespace(n_heads=3 * g, n_kv_heads=3),
+                           lm_head=SimpleNamespace(weight=torch.empty(0, dtype=torch.bfloat16)))
+    k, v, q = torch.randn(1, 3, S, 64), torch.randn(1, 3, S, 64), torch.randn(1, 3 * g, 64, 64)
+    pos, sr = n + torch.arange(64), torch.arange(S)
+    ref = exact_attention(q, k, v, exact_plan(pos, causal_recent(pos), sr, g))
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=sr[None, :] <= pos[:, None], enable_gqa=True)
+    torch.testing.assert_close(ref, sdpa, rtol=1e-5, atol=1e-5)
+    unpadded_differs = False
+    for T in range(1, 40):
+        R = pass_rows(fake, T)
+        out = exact_attention(q[:, :, :R], k, v, exact_plan(pos[:R], causal_recent(pos[:R]), sr, g))
+        assert torch.equal(out[:, :, :T], ref[:, :, :T]), (T, R)
+        raw = exact_attention(q[:, :, :T], k, v, exact_plan(pos[:T], causal_recent(pos[:T]), sr, g))
+        unpadded_differs |= not torch.equal(raw, ref[:, :, :T])
+    assert unpadded_differs
+
+
+def test_exact_mode_cache_has_one_kernel_class():
+    """The CPU flash kernel rounds differently for KV lengths below ~384; exact mode allocates >= 512."""
+    e = Engine.__new__(Engine)
+    e.exact = True
+    e.model = type("M", (), {"args": type("A", (), {"max_position_embeddings": 4096})()})()
+    assert e._cache_slots(64) == 512 and e._cache_slots(640) == 640
+    e.exact = False
+    assert e._cache_slots(64) == 64
