@@ -19,10 +19,11 @@ Task = Spec-Bench task: the eight MT-bench categories count as one (`mt_bench`),
 task, round-robin over its categories. On CPU the EAGLE-2 tree defaults to top-8 / depth 5 / 16 nodes (a
 60-node verify costs 3-4 decode steps there); on CUDA to the papers' top-10 / depth 5 / 60 nodes.
 
-In bfloat16 the multi-token verify pass and the 1-token decode step round differently, so a near tie of
-the target's top two logits can flip: the guard reports every difference and, for the first one of a
-turn, the target's logit gap there (a gap within the dtype's rounding = numerics, not a logic error).
-float32 runs compare exactly.
+On CPU the engine's exact mode (default) makes verify and decode do identical arithmetic, so every
+method must match autoregressive output bit for bit, bf16 included. With --no-exact or on CUDA the
+multi-token verify pass and the 1-token decode step round differently and a near tie of the target's
+top two logits can flip: the guard reports every difference and, for the first one of a turn, the
+target's logit gap there (a gap within the dtype's rounding = numerics; in exact mode, a bug).
 """
 import argparse
 import datetime
