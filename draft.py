@@ -441,6 +441,7 @@ class NgramDrafter:
             raise ValueError(f"--spec-k must be >= 1, got {k}")
         self.k, self.nmin, self.nmax = k, nmin, nmax
         self.depth, self.vocab, self.lm_head_s = k, None, 0.0
+        self.static = False  # the engine sets it under --compile
 
     def setup(self, max_seq):
         pass
@@ -459,7 +460,13 @@ class NgramDrafter:
     def draft(self, root: int, device) -> Tree:
         self.root = root
         prop = self.propose(self.hist + [root])
-        return chain_tree(torch.tensor([root] + prop, device=device))
+        if not self.static:
+            return chain_tree(torch.tensor([root] + prop, device=device))
+        # static: always k + 1 nodes, invalid padding, so a compiled verify step is traced once instead
+        # of once per proposal length (each CPU inductor compile costs tens of seconds)
+        pad = self.k - len(prop)
+        valid = torch.tensor([True] * (1 + len(prop)) + [False] * pad, device=device)
+        return chain_tree(torch.tensor([root] + prop + [0] * pad, device=device), valid)
 
     def update(self, emitted: list[int]):
         # history = every token before the next root: this step's root, then the accepted tokens

@@ -295,6 +295,8 @@ class Engine:
         self.max_seq = min(max_seq, model.args.max_position_embeddings)
         self.fused_steps = compile  # eager keeps the steps apart to time each phase
         if compile:
+            if hasattr(drafter, "static"):  # n-gram chains: one static shape for the compiled verify step
+                drafter.static = True
             # reduce-overhead = CUDA graphs on CUDA; on CPU inductor fuses the small per-layer ops.
             self.decode_fn = torch.compile(self._decode_one, mode="reduce-overhead" if cuda else None,
                                            fullgraph=True, dynamic=False, backend=backend)

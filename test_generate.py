@@ -235,7 +235,8 @@ def test_cli_errors(tmp_path, capsys):
     assert "max-new-tokens" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kind,vocab_spec", [("eagle3", "nanospec"), ("eagle2", "full"), ("model", "nanospec")])
+@pytest.mark.parametrize("kind,vocab_spec", [("eagle3", "nanospec"), ("eagle2", "full"), ("model", "nanospec"),
+                                             ("ngram", "full")])
 def test_compiled_steps_equal_eager(tiny, kind, vocab_spec):
     """--compile on CPU: the fused verify and advance steps under torch.compile(fullgraph=True) give the
     eager tokens (backend 'eager' here for speed; the CLI uses inductor)."""
@@ -245,6 +246,8 @@ def test_compiled_steps_equal_eager(tiny, kind, vocab_spec):
     eng = Engine(m, compile=True, backend="eager", drafter=make_drafter(kind, tiny, m, vocab_spec))
     for p, r in zip(PROMPTS, ref):
         assert eng.generate(p, 24)[0] == r
+    if kind == "ngram":  # padded to k + 1 nodes: one traced verify shape whatever the proposal length
+        assert eng.drafter.static and eng.drafter.draft(5, "cpu").tokens.shape[0] == eng.drafter.k + 1
 
 
 class FakeGraph:
