@@ -36,7 +36,7 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -362,6 +362,7 @@ class Method:
     vocab: str = "full"  # full | freq | nanospec
     k: int | None = None  # freq K or nanospec window
     ablation: str | None = None
+    compiled: bool = False  # torch.compile'd steps (--compile; --compile both adds a compiled twin "NAME@compile")
     groups: set = field(default_factory=set)
     engine: Engine | None = None
     timers: dict = field(default_factory=dict)
@@ -369,14 +370,14 @@ class Method:
     def order(self):
         """Report order: ar, ngram, then per head: full, freq by K, NanoSpec, other windows, ablations."""
         if self.kind != "eagle":
-            return (0 if self.kind == "ar" else 1,)
+            return (0 if self.kind == "ar" else 1, self.compiled)
         if self.ablation:
             v = (4, ABLATION_ORDER.index(self.ablation))
         elif self.vocab == "nanospec":
             v = (2, 0) if self.name.endswith("+nanospec") else (3, self.k)
         else:
             v = (0 if self.vocab == "full" else 1, self.k or 0)
-        return (2, self.head, *v)
+        return (2, self.head, *v, self.compiled)
 
 
 ABLATION_ORDER = ("ctx", "ext", "noasync")
@@ -454,11 +455,12 @@ def _timed(obj, attr: str, acc: dict, key: str, sync):
 def build_method(m: Method, model: Transformer, heads: dict, freq_path: Path | None, args, sampling, sync):
     """Attach an Engine to m (EAGLE methods share the loaded head; each has its own vocabulary state)."""
     if m.kind == "ar":
-        m.engine = Engine(model, sampling, compile=args.compile, exact=args.exact)
+        m.engine = Engine(model, sampling, compile=m.compiled, backend=args.compile_backend, exact=args.exact)
         return
     if m.kind == "ngram":
-        m.engine = Engine(model, sampling, compile=args.compile, exact=args.exact,
-                          drafter=dr.NgramDrafter(args.spec_k or 10, args.ngram_min, args.ngram_max))
+        m.engine = Engine(model, sampling, compile=m.compiled, backend=args.compile_backend, exact=args.exact,
+                          drafter=dr.NgramDrafter(args.spec_k or 10, args.ngram_min, args.ngram_max,
+                                                  static=m.compiled))
         return
     head = heads[m.head]
     rows = head.lm_weight().shape[0]
@@ -482,7 +484,7 @@ def build_method(m: Method, model: Transformer, heads: dict, freq_path: Path | N
     if hasattr(d, "_logp"):  # projection + log-softmax over the active rows
         m.timers["drafter_logp"] = 0.0
         _timed(d, "_logp", m.timers, "drafter_logp", sync)
-    m.engine = Engine(model, sampling, compile=args.compile, drafter=d, exact=args.exact)
+    m.engine = Engine(model, sampling, compile=m.compiled, backend=args.compile_backend, drafter=d, exact=args.exact)
 
 
 # ---------------------------------------------------------------- running
@@ -554,9 +556,11 @@ def run_benchmark(questions, methods, tok, max_new, log, progress=True, model=No
                 elif progress and done % max(1, total // 20) == 0:
                     el = time.perf_counter() - t_start
                     log(f"  {done}/{total} generations, {el:.0f} s, ETA {el / done * (total - done):.0f} s")
-        ref = outs["ar"]
-        refs.append(ref)
+        refs.append(outs["ar"])
         for m in methods:
+            # compiled kernels round differently from eager ones: a compiled method answers to compiled AR
+            rn = "ar@compile" if m.compiled and "ar@compile" in outs else "ar"
+            ref = outs[rn]
             for ti, (a, b) in enumerate(zip(ref, outs[m.name])):
                 if a != b:
                     i = first_diff(a, b)
@@ -566,10 +570,10 @@ def run_benchmark(questions, methods, tok, max_new, log, progress=True, model=No
                               len_expected=len(a), len_got=len(b))
                     msg = (f"!!! OUTPUT MISMATCH: question {q.qid} turn {ti + 1}, method {m.name}: first difference "
                            f"at token {i} (autoregressive {exp}, got {got}; lengths {len(a)} vs {len(b)})")
-                    if prompts[m.name][ti] != prompts["ar"][ti]:
+                    if prompts[m.name][ti] != prompts[rn][ti]:
                         mm["diagnosis"] = "follows an earlier turn's difference (different prompt)"
                     elif model is not None and i < len(a) and i < len(b):
-                        dg = diagnose(model, prompts["ar"][ti], a[:i], a[i], b[i])
+                        dg = diagnose(model, prompts[rn][ti], a[:i], a[i], b[i])
                         mm.update(dg)
                         mm["diagnosis"] = (f"near tie: logit gap {dg['gap']:+.4f} is within {str(model.lm_head.weight.dtype)[6:]} "
                                            "rounding (1-token decode and multi-token verify kernels round differently)"
@@ -740,6 +744,16 @@ def write_reports(out_dir: Path, tag: str, ctx: dict, S: dict, methods, tasks, r
     L.append("\nTokens/s (mean speed):\n\n")
     L.append(md_table(["method"] + [title(t) for t in cols],
                       [[n] + [_f((S[n].get(t) or {}).get("tokens_per_s")) for t in cols] for n in names]))
+    twins = [(n, f"{n}@compile") for n in names if f"{n}@compile" in S and S[n]["overall"] and S[f"{n}@compile"]["overall"]]
+    if twins:
+        L.append("\n## torch.compile vs eager (same run, interleaved)\n\n")
+        L.append("Compiled outputs are checked against compiled autoregressive decoding (ar@compile): compiled "
+                 "kernels round differently from eager ones. Tokens/s include prefill (eager in both).\n\n")
+        L.append(md_table(["method", "eager tok/s", "compiled tok/s", "compiled / eager", "τ eager", "τ compiled"],
+                          [[n, _f(S[n]["overall"]["tokens_per_s"]), _f(S[c]["overall"]["tokens_per_s"]),
+                            f"{S[c]['overall']['tokens_per_s'] / S[n]['overall']['tokens_per_s']:.3f}x",
+                            _f(S[n]["overall"]["mean_accepted_length"]), _f(S[c]["overall"]["mean_accepted_length"])]
+                           for n, c in twins]))
 
     spec = [n for n in names if (S[n]["overall"] or {}).get("step_ms")]
     if spec:
@@ -943,7 +957,7 @@ def check_targets(S, methods):
         sp, full = S[ns]["overall"]["tokens_per_s"], S[h]["overall"]["tokens_per_s"]
         rows.append([h, "NanoSpec tok/s >= 1.2x full vocabulary", f"{sp / full:.3f}x", "yes" if sp >= 1.2 * full else "NO"])
         fr = [(S[m.name]["overall"]["tokens_per_s"], m.name) for m in methods
-              if m.head == h and m.vocab == "freq" and S[m.name]["overall"]]
+              if m.head == h and m.vocab == "freq" and not m.compiled and S[m.name]["overall"]]
         if fr:
             best, bn = max(fr)
             rows.append([h, f"NanoSpec tok/s >= 1.05x best FR-Spec ({bn})", f"{sp / best:.3f}x",
@@ -1155,8 +1169,11 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="default bfloat16")
     p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU bit-exact decode/verify (default on CPU); --no-exact times the plain-SDPA path")
-    p.add_argument("--compile", action="store_true", help="torch.compile decode / verify / draft steps (CUDA graphs "
-                   "on CUDA); the steps are fused, so Table 4 then splits only verify vs the rest")
+    p.add_argument("--compile", nargs="?", const="on", default="off", choices=["off", "on", "both"],
+                   help="torch.compile decode / verify / draft steps (CUDA graphs on CUDA); the steps are fused, so "
+                   "Table 4 then splits only verify vs the rest. 'both': every method also runs compiled, as "
+                   "NAME@compile, side by side with eager (its outputs are checked against ar@compile)")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor; tests use eager)")
     p.add_argument("--max-seq", type=int, default=None, help="with --compile: KV cache slots of every request "
                    "(default: what the longest question needs)")
     p.add_argument("--sync-phases", action="store_true", help="CUDA: synchronise around the timed vocabulary / "
@@ -1283,6 +1300,12 @@ def run(args, log) -> int:
         raise UsageError(f"--w-max {args.w_max} must be smaller than the draft vocabulary ({V_draft})")
     spec = args.methods or ("all" if args.questions is None else "main")
     methods = expand_methods(spec, heads, freq_ks, sweep_ks, sweep_w, args.w_max)
+    if args.compile == "on":
+        for m in methods:
+            m.compiled = True
+    elif args.compile == "both":  # side by side: every method eager and compiled, interleaved like the rest
+        methods = sorted(methods + [replace(m, name=f"{m.name}@compile", compiled=True, groups=set(m.groups), timers={})
+                                    for m in methods], key=Method.order)
 
     freq_path, freq_info, ranked = None, None, None
     if any(m.vocab == "freq" for m in methods):
@@ -1326,7 +1349,7 @@ def run(args, log) -> int:
     torch.manual_seed(args.seed)
     for m in methods:
         build_method(m, model, heads, freq_path, args, sampling, sync)
-        if args.compile:
+        if m.compiled:
             # One KV-cache size for every request, so the compiled steps (and CUDA graphs) are built once, in the
             # warm-up, instead of once per cache-size bucket inside timed runs. generate.Engine keys this on
             # `graphs` (fixed buffers); on CPU it only fixes the size.

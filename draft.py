@@ -434,14 +434,16 @@ class NgramDrafter:
     """Prompt lookup: the longest suffix (nmax..nmin tokens) seen earlier in prompt + output proposes
     the tokens that followed it. Works on the host token list, which the loop has anyway."""
 
-    def __init__(self, k=10, nmin=1, nmax=3):
+    def __init__(self, k=10, nmin=1, nmax=3, static=False):
         if not 1 <= nmin <= nmax:
             raise ValueError(f"need 1 <= --ngram-min <= --ngram-max, got {nmin}, {nmax}")
         if k < 1:
             raise ValueError(f"--spec-k must be >= 1, got {k}")
         self.k, self.nmin, self.nmax = k, nmin, nmax
         self.depth, self.vocab, self.lm_head_s = k, None, 0.0
-        self.static = False  # the engine sets it under --compile
+        # static: always propose k + 1 nodes (invalid padding), so a compiled verify step is traced once
+        # instead of once per proposal length (each CPU inductor compile costs tens of seconds); for --compile
+        self.static = static
 
     def setup(self, max_seq):
         pass
@@ -462,8 +464,6 @@ class NgramDrafter:
         prop = self.propose(self.hist + [root])
         if not self.static:
             return chain_tree(torch.tensor([root] + prop, device=device))
-        # static: always k + 1 nodes, invalid padding, so a compiled verify step is traced once instead
-        # of once per proposal length (each CPU inductor compile costs tens of seconds)
         pad = self.k - len(prop)
         valid = torch.tensor([True] * (1 + len(prop)) + [False] * pad, device=device)
         return chain_tree(torch.tensor([root] + prop + [0] * pad, device=device), valid)

@@ -295,8 +295,9 @@ class Engine:
         self.max_seq = min(max_seq, model.args.max_position_embeddings)
         self.fused_steps = compile  # eager keeps the steps apart to time each phase
         if compile:
-            if hasattr(drafter, "static"):  # n-gram chains: one static shape for the compiled verify step
-                drafter.static = True
+            if getattr(drafter, "static", True) is False:
+                print("note: n-gram drafting under --compile without static chains retraces the verify step per "
+                      "proposal length (build it with NgramDrafter(..., static=True))", file=sys.stderr)
             # reduce-overhead = CUDA graphs on CUDA; on CPU inductor fuses the small per-layer ops.
             self.decode_fn = torch.compile(self._decode_one, mode="reduce-overhead" if cuda else None,
                                            fullgraph=True, dynamic=False, backend=backend)
@@ -361,11 +362,12 @@ class Engine:
         if self.drafter is not None:
             return self._generate_spec(prompt, max_new_tokens, on_tokens)
         m, dev = self.model, self.device
-        S = self._cache_slots(cache_len(T, max_new_tokens, self.rows(1), m.args.max_position_embeddings))
+        S = cache_len(T, max_new_tokens, self.rows(1), m.args.max_position_embeddings)
         if self.graphs:  # one cache size for every request: no re-capture per length
             if S > self.max_seq:
                 raise UsageError(f"prompt of {T} tokens + {max_new_tokens} new tokens exceeds --max-seq {self.max_seq}")
             S = self.max_seq
+        S = self._cache_slots(S)
         m.setup_caches(1, S)
         st = Stats()
         t0 = time.perf_counter()
@@ -452,7 +454,7 @@ class Engine:
         if self.graphs:  # fixed buffers: captured graphs hold their addresses
             if T + max_new_tokens + self.rows(getattr(d, "nodes", D + 1)) + 1 > self.max_seq:
                 raise UsageError(f"prompt of {T} tokens + {max_new_tokens} new tokens exceeds --max-seq {self.max_seq}")
-            S = self.max_seq
+            S = self._cache_slots(self.max_seq)
         m.setup_caches(1, S)
         d.setup(S)
         vocab = d.vocab
@@ -703,7 +705,7 @@ def build_drafter(args, model: Transformer, tok: "Tokenizer", sampling: Sampling
     if args.draft == "ngram":
         if args.vocab != "full":
             raise UsageError("--vocab does not apply to --draft ngram (it has no LM head)")
-        return dr.NgramDrafter(args.spec_k or 10, args.ngram_min, args.ngram_max)
+        return dr.NgramDrafter(args.spec_k or 10, args.ngram_min, args.ngram_max, static=args.compile)
     path = resolve_checkpoint(args.draft, patterns=EXTRA_DRAFT_PATTERNS)
     kind = dr.detect_draft_kind(path)
     dev, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype

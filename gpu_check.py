@@ -55,7 +55,7 @@ def engines(path, device, dtype, compile, head_path):
     from vocab import make_vocab
     m = load_model(path, dtype=dtype, device=device)
     out = [("autoregressive", Engine(m, compile=compile, max_seq=1024)),
-           ("ngram", Engine(m, compile=compile, drafter=dr.NgramDrafter(10, 1, 3), max_seq=1024))]
+           ("ngram", Engine(m, compile=compile, drafter=dr.NgramDrafter(10, 1, 3, static=compile), max_seq=1024))]
     head = dr.load_eagle(head_path, m, dtype, device)
     m.aux_layers = head.c.aux_layers
     freq = REPO / "results" / "cache" / f"freq_gpu_check_{m.args.vocab_size}.pt"

@@ -142,3 +142,18 @@ def test_state_table_llama8b():
     rows = bench.state_table("llama3.1-8b", 128256, 4096, 3072, [32768])
     ns = [r for r in rows if r[0].startswith("nanospec")][0]
     assert ns[1] == 3072 and ns[3].endswith("MiB") and 24 < float(ns[3].split()[0]) < 28
+
+
+def test_bench_compile_both_side_by_side(tiny_bench, tmp_path, capsys):
+    """--compile both: every method also runs compiled (NAME@compile), checked against compiled AR, and the
+    report has the compiled / eager table (backend 'eager' here for speed; the CLI default is inductor)."""
+    torch._dynamo.reset()
+    rc = bench.main(argv(tiny_bench, tmp_path, "--methods", "ngram,eagle3+nanospec", "--categories", "qa",
+                         "--limit", "1", "--compile", "both", "--compile-backend", "eager"))
+    assert rc == 0, capsys.readouterr().err
+    js = json.loads((tmp_path / "bench_questions.json").read_text())
+    assert set(js["methods"]) == {"ar", "ngram", "eagle3+nanospec", "ar@compile", "ngram@compile",
+                                  "eagle3+nanospec@compile"}
+    assert js["mismatches"] == []
+    md = (tmp_path / "bench_questions.md").read_text()
+    assert "torch.compile vs eager" in md and "| eagle3+nanospec | " in md

@@ -362,3 +362,9 @@ def test_build_freq_cli_round_trip(tmp_path):
     vocab.main(["build-freq", "--tokenizer", str(tmp_path / "tokenizer.json"),
                 "--corpus", str(txt), "--out", str(out)])
     assert torch.load(out) == [7, 4]
+    # token-id records (`eagle_train.py data` output) are counted as ids, next to text corpora
+    recs = tmp_path / "r.jsonl"
+    recs.write_text(json.dumps({"ids": [9, 9, 9, 4], "spans": [[1, 4]]}) + "\n")
+    vocab.main(["build-freq", "--tokenizer", str(tmp_path / "tokenizer.json"), "--vocab-size", "10",
+                "--corpus", str(txt), str(recs), "--out", str(out)])
+    assert torch.load(out) == [7, 9, 4]  # dog (7) 3 and 9 3 (tie: smaller id first), on (4) 1 + 1
