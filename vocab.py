@@ -162,9 +162,13 @@ def build_freq(token_ids, vocab_size):
     """
     t = torch.as_tensor(token_ids if isinstance(token_ids, torch.Tensor) else list(token_ids),
                         dtype=torch.long).flatten().cpu()
+    return _rank(build_freq_counts(t, vocab_size))
+
+
+def build_freq_counts(t, vocab_size):
     if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
         raise ValueError(f"token ids outside [0, {vocab_size}) (range {int(t.min())}..{int(t.max())})")
-    return _rank(torch.bincount(t, minlength=vocab_size))
+    return torch.bincount(t, minlength=vocab_size)
 
 
 def _rank(counts):
@@ -191,24 +195,35 @@ def _json_texts(obj, is_text=False):
             yield from _json_texts(v, key in _TEXT_KEYS)
 
 
-def corpus_texts(path):
-    """Texts of a .txt (one per non-empty line) or .jsonl corpus."""
+def corpus_texts(path, id_lists=None):
+    """Texts of a .txt (one per non-empty line) or .jsonl corpus. jsonl lines that are already token ids
+    ({"ids": [int, ...]}, e.g. `eagle_train.py data` records) go to id_lists instead, when it is given."""
     is_jsonl = str(path).endswith(".jsonl")
     with open(path, encoding="utf-8") as f:
         for line in f:
             if is_jsonl:
                 if line.strip():
-                    yield from _json_texts(json.loads(line))
+                    obj = json.loads(line)
+                    ids = obj.get("ids") if isinstance(obj, dict) else None
+                    if id_lists is not None and isinstance(ids, list) and all(isinstance(x, int) for x in ids):
+                        id_lists.append(ids)
+                    else:
+                        yield from _json_texts(obj)
             elif line.strip():
                 yield line.rstrip("\n")
 
 
-def build_freq_file(tokenizer_path, corpus_path, out_path, vocab_size=None, batch=256):
+def build_freq_file(tokenizer_path, corpus_paths, out_path, vocab_size=None, batch=256):
+    """Rank token ids by count over one or more corpora (text, or token-id records of the same tokenizer)."""
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(tokenizer_path)
     V = vocab_size or tok.get_vocab_size(with_added_tokens=True)
     counts = torch.zeros(V, dtype=torch.long)
-    texts = list(corpus_texts(corpus_path))
+    texts, id_lists = [], []
+    for p in [corpus_paths] if isinstance(corpus_paths, str) else corpus_paths:
+        texts += corpus_texts(p, id_lists)
+    if id_lists:
+        counts += build_freq_counts(torch.tensor([x for ids in id_lists for x in ids], dtype=torch.long), V)
     for i in range(0, len(texts), batch):
         for enc in tok.encode_batch(texts[i:i + batch], add_special_tokens=False):
             if enc.ids:
@@ -497,7 +512,9 @@ def main(argv=None):
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build-freq", help="rank token ids by frequency in a corpus (FR-Spec file)")
     b.add_argument("--tokenizer", required=True, help="path to tokenizer.json")
-    b.add_argument("--corpus", required=True, help=".txt (one text per line) or .jsonl")
+    b.add_argument("--corpus", required=True, nargs="+",
+                   help=".txt (one text per line) or .jsonl (texts, or token-id records {\"ids\": [...]} such as "
+                        "`eagle_train.py data` writes)")
     b.add_argument("--out", required=True, help="output .pt (list of ids, most frequent first)")
     b.add_argument("--vocab-size", type=int, default=None,
                    help="model vocabulary size (default: the tokenizer's, incl. added tokens)")
