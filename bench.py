@@ -4,6 +4,7 @@
     python bench.py --questions ../shared/data/spec_bench/question.jsonl --limit 10 --max-new-tokens 256
     python bench.py --eagle3 PATH/TO/HEAD --methods main,ablations --categories qa,rag --limit 2
     python bench.py --latency --shape llama3.1-8b               # GPU latency table (random weights)
+    python bench.py --compile both --methods ar,ngram,eagle3+nanospec   # torch.compile vs eager, side by side
 
 Methods run interleaved question by question (every method back to back on one question, the order
 rotated from question to question) so that drift of a shared machine hits all of them alike. Every
@@ -14,6 +15,8 @@ matplotlib is installed) go to --out (default results/).
 Method names: `ar`, `ngram`, `<head>` (full vocabulary), `<head>+freq-<K>` (FR-Spec top-K, K like 512,
 8k, 32k), `<head>+nanospec`, `<head>+nanospec-ctx|-ext|-noasync` (ablations), `<head>+nanospec-w<W>`
 (another window size), with <head> = eagle3 or eagle2. Presets: `main`, `ablations`, `sweep`, `all`.
+`--compile both` adds a compiled twin `NAME@compile` of every method (its output must equal `ar@compile`:
+compiled kernels round differently from eager ones) and a compiled / eager table.
 
 Task = Spec-Bench task: the eight MT-bench categories count as one (`mt_bench`), and `--limit` applies per
 task, round-robin over its categories. On CPU the EAGLE-2 tree defaults to top-8 / depth 5 / 16 nodes (a

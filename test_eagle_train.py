@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -340,6 +341,24 @@ def test_empty_or_malformed_training_data(tiny, tmp_path, capsys, content, words
     data = tmp_path / "bad.jsonl"
     data.write_text(content)
     one_line_error(capsys, train_cli(tiny, tmp_path / "r", data=data), *words)
+
+
+def test_several_data_files(tiny, tmp_path, capsys):
+    """--data takes several files: their records are concatenated; a bad one is named in a one-line error."""
+    good = tiny["root"] / "train.jsonl"
+    capsys.readouterr()
+    assert train_cli(tiny, tmp_path / "r", "--max-steps", "1", "--epochs", "1", data=good) == 0
+    one = capsys.readouterr().err
+    rc = et.main(["train", "--checkpoint", str(tiny["path"]), "--data", str(good), str(good), "--out",
+                  str(tmp_path / "r2"), "--target-dtype", "float32", "--no-bf16", "--max-steps", "1"])
+    assert rc == 0
+    two = capsys.readouterr().err
+    n1, n2 = (int(re.search(r"(\d+) records", e).group(1)) for e in (one, two))
+    assert n2 == 2 * n1 > 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    rc = et.main(["train", "--checkpoint", str(tiny["path"]), "--data", str(good), str(bad), "--out", str(tmp_path / "r3")])
+    one_line_error(capsys, rc, "bad.jsonl", "line 1")
 
 
 def test_malformed_or_empty_dataset(tiny, tmp_path, capsys):
