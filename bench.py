@@ -659,7 +659,8 @@ def freq_coverage_offline(refs: list, ranked: list[int], ks) -> dict:
     """Fraction of the autoregressive output tokens inside the top-K of the frequency ranking (what the
     freq vocabulary's coverage metric measures, computed for every K without running it)."""
     toks = torch.tensor([t for outs in refs for o in outs for t in o] or [0])
-    rank = torch.full((max(len(ranked), int(toks.max()) + 1),), 1 << 30, dtype=torch.long)
+    # a --freq file may rank only the ids its corpus saw (any subset of the vocabulary)
+    rank = torch.full((max(max(ranked, default=0), int(toks.max())) + 1,), 1 << 30, dtype=torch.long)
     rank[torch.tensor(ranked)] = torch.arange(len(ranked))
     r = rank[toks]
     return {k: float((r < k).float().mean()) for k in ks}

@@ -157,3 +157,10 @@ def test_bench_compile_both_side_by_side(tiny_bench, tmp_path, capsys):
     assert js["mismatches"] == []
     md = (tmp_path / "bench_questions.md").read_text()
     assert "torch.compile vs eager" in md and "| eagle3+nanospec | " in md
+
+
+def test_freq_coverage_offline_with_a_partial_ranking():
+    # a --freq file built from a corpus ranks only the ids it saw, in any id range
+    refs = [[[7, 7, 3, 900]], [[2]]]
+    cov = bench.freq_coverage_offline(refs, [7, 1000, 3], [1, 2, 3, 8])
+    assert cov == pytest.approx({1: 0.4, 2: 0.4, 3: 0.6, 8: 0.6})
