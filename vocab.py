@@ -20,6 +20,7 @@ CLI:  python vocab.py build-freq --tokenizer tokenizer.json --corpus FILE --out 
 """
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -220,7 +221,7 @@ def build_freq_file(tokenizer_path, corpus_paths, out_path, vocab_size=None, bat
     V = vocab_size or tok.get_vocab_size(with_added_tokens=True)
     counts = torch.zeros(V, dtype=torch.long)
     texts, id_lists = [], []
-    for p in [corpus_paths] if isinstance(corpus_paths, str) else corpus_paths:
+    for p in [corpus_paths] if isinstance(corpus_paths, (str, os.PathLike)) else corpus_paths:
         texts += corpus_texts(p, id_lists)
     if id_lists:
         counts += build_freq_counts(torch.tensor([x for ids in id_lists for x in ids], dtype=torch.long), V)
