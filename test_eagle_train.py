@@ -181,6 +181,24 @@ def test_batched_generation_equals_one_at_a_time(tiny):
         assert o == Engine(m).generate(p, 20)[0]
 
 
+def test_sampled_rows_draw_from_the_top_candidates(tiny, monkeypatch):
+    """Mixed batch: the greedy row is unchanged by its sampled neighbour, and every sampled token is one of
+    the CAND most likely tokens of the model at that point (checked by teacher forcing)."""
+    from generate import Engine
+    m = tiny["model"]
+    monkeypatch.setattr(et, "CAND", 3)
+    prompts = [[5, 6, 7], [9, 10, 11]]
+    torch.manual_seed(0)
+    greedy, sampled = et.batch_generate(m, prompts, 16, [0.0, 1.5], [-1])
+    assert greedy == Engine(m).generate(prompts[0], 16)[0]
+    seq = prompts[1] + sampled
+    m.setup_caches(1, 64)
+    logits = m(torch.tensor([seq]), torch.arange(len(seq)))[0]
+    for j, t in enumerate(sampled):
+        assert t in logits[len(prompts[1]) - 1 + j].topk(3).indices.tolist()
+    assert len(set(sampled)) > 1
+
+
 def test_self_generated_data_is_deterministic(tmp_path):
     path, _ = write_tiny_hf(tmp_path / "chat", num_hidden_layers=2, vocab_size=260)
     # many stop ids so that a random model finishes its requests and answers quickly
