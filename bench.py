@@ -1327,6 +1327,16 @@ def run(args, log) -> int:
             freq_path, freq_info = self_freq_file(model, tok, model_name, cache, r, n, args.seed, log)
         ranked = torch.load(freq_path, map_location="cpu", weights_only=True)
         ranked = ranked.tolist() if isinstance(ranked, torch.Tensor) else list(ranked)
+        n_ranked = len(dict.fromkeys(ranked))
+        short = [k for k in freq_ks if k > n_ranked]
+        if short:
+            raise UsageError(f"{freq_path} ranks {n_ranked} token ids, fewer than --freq-ks {fmt_k(max(short))}")
+        over = sorted({m.k for m in methods if m.vocab == "freq" and m.k > n_ranked})
+        if over:  # Figure 1's sweep stops where the file's ranking ends (FR-Spec files list only seen ids)
+            methods = [m for m in methods if not (m.vocab == "freq" and m.k > n_ranked)]
+            sweep_ks = [k for k in sweep_ks if k <= n_ranked]
+            warnings.append(f"{freq_path} ranks {n_ranked} token ids: sweep sizes {', '.join(map(fmt_k, over))} "
+                            "were left out")
         if "seen" in freq_info:
             over = [k for k in sorted(set(freq_ks + sweep_ks)) if k > freq_info["seen"]]
             if over:

@@ -292,6 +292,7 @@ class Engine:
             raise UsageError(f"--tree-depth must be below {RECENT} (exact tree verification), got {drafter.depth}")
         # CUDA graphs need fixed buffer addresses: one KV cache of max_seq slots for every request
         self.graphs = compile and cuda
+        self.graph_addresses = None
         self.max_seq = min(max_seq, model.args.max_position_embeddings)
         self.fused_steps = compile  # eager keeps the steps apart to time each phase
         if compile:
@@ -307,6 +308,11 @@ class Engine:
             else:
                 self.verify_step = torch.compile(self._spec_verify, fullgraph=True, dynamic=False, backend=backend)
                 self.advance_step = torch.compile(self._spec_advance, fullgraph=True, dynamic=False, backend=backend)
+
+    def _buffer_addresses(self) -> tuple:
+        """Addresses of the KV caches and RoPE tables of the target and the draft model or head."""
+        mods = [self.model] + [getattr(self.drafter, a, None) for a in ("head", "model")]
+        return tuple(b.data_ptr() for mod in mods if isinstance(mod, torch.nn.Module) for b in mod.buffers())
 
     def _cache_slots(self, S: int) -> int:
         # The CPU flash kernel's arithmetic changes with the KV length below ~384 slots (measured: 256, 320
@@ -457,6 +463,13 @@ class Engine:
             S = self._cache_slots(self.max_seq)
         m.setup_caches(1, S)
         d.setup(S)
+        if self.graphs and self._buffer_addresses() != self.graph_addresses:
+            # another engine sharing this model or head resized its caches: the captured graphs would read
+            # the freed buffers, so capture again on the new ones
+            for step in (self.verify_step, self.advance_step):
+                if isinstance(step, Graphed):  # (torch.compile'd CPU steps guard on their buffers themselves)
+                    step.reset()
+            self.graph_addresses = self._buffer_addresses()
         vocab = d.vocab
         ngram = isinstance(d, NgramDrafter)
         st = Stats(phase_s=dict(draft=0.0, lm_head=0.0, verify=0.0, accept=0.0, update=0.0))

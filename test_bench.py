@@ -164,3 +164,18 @@ def test_freq_coverage_offline_with_a_partial_ranking():
     refs = [[[7, 7, 3, 900]], [[2]]]
     cov = bench.freq_coverage_offline(refs, [7, 1000, 3], [1, 2, 3, 8])
     assert cov == pytest.approx({1: 0.4, 2: 0.4, 3: 0.6, 8: 0.6})
+
+
+def test_bench_partial_freq_file(tiny_bench, tmp_path, capsys):
+    # a --freq file ranks only the ids its corpus saw: Figure 1's sweep stops there, the main sizes must fit
+    freq = tmp_path / "freq.pt"
+    torch.save(list(range(100, 0, -1)), freq)
+    rc = bench.main(argv(tiny_bench, tmp_path, "--methods", "sweep", "--limit", "1", "--categories", "qa",
+                         "--freq", str(freq)))
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    js = json.loads((tmp_path / "bench_questions.json").read_text())
+    assert "eagle3+freq-16" in js["methods"] and "eagle3+freq-128" not in js["methods"]
+    assert "ranks 100 token ids: sweep sizes 128 were left out" in (tmp_path / "bench_questions.md").read_text()
+    rc = bench.main(argv(tiny_bench, tmp_path, "--methods", "main", "--freq-ks", "128", "--freq", str(freq)))
+    assert rc == 2 and "ranks 100 token ids, fewer than --freq-ks 128" in capsys.readouterr().err
