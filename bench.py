@@ -1331,11 +1331,11 @@ def run(args, log) -> int:
         short = [k for k in freq_ks if k > n_ranked]
         if short:
             raise UsageError(f"{freq_path} ranks {n_ranked} token ids, fewer than --freq-ks {fmt_k(max(short))}")
-        over = sorted({m.k for m in methods if m.vocab == "freq" and m.k > n_ranked})
-        if over:  # Figure 1's sweep stops where the file's ranking ends (FR-Spec files list only seen ids)
+        beyond = sorted({m.k for m in methods if m.vocab == "freq" and m.k > n_ranked})
+        if beyond:  # Figure 1's sweep stops where the file's ranking ends (FR-Spec files list only seen ids)
             methods = [m for m in methods if not (m.vocab == "freq" and m.k > n_ranked)]
             sweep_ks = [k for k in sweep_ks if k <= n_ranked]
-            warnings.append(f"{freq_path} ranks {n_ranked} token ids: sweep sizes {', '.join(map(fmt_k, over))} "
+            warnings.append(f"{freq_path} ranks {n_ranked} token ids: sweep sizes {', '.join(map(fmt_k, beyond))} "
                             "were left out")
         if "seen" in freq_info:
             over = [k for k in sorted(set(freq_ks + sweep_ks)) if k > freq_info["seen"]]

@@ -463,13 +463,15 @@ class Engine:
             S = self._cache_slots(self.max_seq)
         m.setup_caches(1, S)
         d.setup(S)
-        if self.graphs and self._buffer_addresses() != self.graph_addresses:
-            # another engine sharing this model or head resized its caches: the captured graphs would read
-            # the freed buffers, so capture again on the new ones
-            for step in (self.verify_step, self.advance_step):
-                if isinstance(step, Graphed):  # (torch.compile'd CPU steps guard on their buffers themselves)
+        graphed = [s for s in (self.verify_step, self.advance_step) if isinstance(s, Graphed)]
+        if graphed:  # (torch.compile'd CPU steps guard on their buffers themselves)
+            addresses = self._buffer_addresses()
+            if addresses != self.graph_addresses:
+                # another engine sharing this model or head resized its caches: the captured graphs would
+                # read the freed buffers, so capture again on the new ones
+                for step in graphed:
                     step.reset()
-            self.graph_addresses = self._buffer_addresses()
+                self.graph_addresses = addresses
         vocab = d.vocab
         ngram = isinstance(d, NgramDrafter)
         st = Stats(phase_s=dict(draft=0.0, lm_head=0.0, verify=0.0, accept=0.0, update=0.0))
