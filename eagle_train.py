@@ -563,8 +563,9 @@ def target_pass(target: Transformer, tokens: Tensor, sup: Tensor, chunk: int = 5
     """Teacher-forced target pass: aux states [B, T, 3d] and the logits at positions j - 1 of the supervised
     tokens j (the distributions the head learns), [P, V] (or [P, len(cols)]) in the model's dtype."""
     B, T = tokens.shape
-    if B > target.max_batch or T > target.max_seq:
-        target.setup_caches(max(B, target.max_batch), max(T, target.max_seq))
+    # caches of exactly this batch's shape: attention kernels round differently with the KV length, so a
+    # cache grown by earlier batches would make a resumed run (fresh cache) compute other aux states
+    target.setup_caches(B, T)
     pos = torch.arange(T, device=tokens.device)
     _, hid, aux = target(tokens, pos, return_hidden=True, compute_logits=False)
     sb, sj = sup.nonzero(as_tuple=True)
