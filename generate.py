@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from exact import MAX_ROWS, Invariance, machine_id
 from model import RECENT, ModelError, Transformer, causal_recent, load_model
 
 DEFAULT_PROMPT = "What is the capital of France?"
@@ -255,21 +256,6 @@ def accept_sample(tree, probs: Tensor):
 
 # ---------------------------------------------------------------- the engine
 
-# Batch invariance for bit-exact greedy output (CPU). A row's result must not depend on how many rows
-# share a target pass. Measured with torch 2.13 on this CPU: bf16 GEMMs give every row the same result
-# from 2 rows up (1 row takes a GEMV with other rounding); fp32 GEMMs work in blocks of 4 rows and round
-# the rows of a partial block differently; the flash attention kernel cuts its query rows (heads sharing
-# a KV head count as rows, see model.exact_attention) into blocks of 32 (64, 256 for long passes) and
-# rounds a block of 1-3 rows differently. So every target pass after the prefill (decode, tree verify)
-# is padded to pass_rows(model, n) rows; test_generate checks the property.
-def pass_rows(model: Transformer, n: int) -> int:
-    g = model.args.n_heads // model.args.n_kv_heads
-    mult = 4 if model.lm_head.weight.dtype == torch.float32 else 1
-    r = -(-max(n, 2) // mult) * mult
-    while (g * r) % 32 in (1, 2, 3):  # no flash block of 1-3 rows (this also covers 64- and 256-row blocks)
-        r += mult
-    return r
-
 class Engine:
     """Holds the target (and optionally a drafter with its draft vocabulary); one generation at a time."""
 
@@ -282,13 +268,17 @@ class Engine:
         self.decode_fn = self._decode_one
         self.verify_step, self.advance_step = self._spec_verify, self._spec_advance
         cuda = self.device.type == "cuda"
-        # CPU: bit-exact attention for decode and verify (model.exact_attention). CUDA's SDPA and cuBLAS
-        # kernels are not batch-invariant either way, so there greedy output equals autoregressive output
-        # up to floating-point near-ties (as in vLLM and SGLang).
-        self.exact = not cuda if exact is None else exact
-        if self.exact and cuda:
+        # CPU: bit-exact greedy output (exact attention + pass sizes this machine's kernels keep row-invariant,
+        # exact.py). exact=None uses it wherever the machine's check passes; True insists; False turns it off.
+        # CUDA's SDPA and cuBLAS kernels are not batch-invariant, so there greedy output equals autoregressive
+        # output up to floating-point near-ties (as in vLLM and SGLang).
+        if exact and cuda:
             raise UsageError("--exact is CPU-only (CUDA kernels are not batch invariant)")
-        if drafter is not None and self.exact and getattr(drafter, "depth", 0) >= RECENT and hasattr(drafter, "nodes"):
+        self.exact_requested = exact
+        self.invariance = Invariance(model) if exact is not False and not cuda else None
+        self.exact = False  # decided per request (plan): the attention check depends on the KV length
+        self.R_dec = self.R_ver = 1  # rows of the decode and verify passes of the current request
+        if drafter is not None and exact and getattr(drafter, "depth", 0) >= RECENT and hasattr(drafter, "nodes"):
             raise UsageError(f"--tree-depth must be below {RECENT} (exact tree verification), got {drafter.depth}")
         # CUDA graphs need fixed buffer addresses: one KV cache of max_seq slots for every request
         self.graphs = compile and cuda
@@ -314,31 +304,55 @@ class Engine:
         mods = [self.model] + [getattr(self.drafter, a, None) for a in ("head", "model")]
         return tuple(b.data_ptr() for mod in mods if isinstance(mod, torch.nn.Module) for b in mod.buffers())
 
-    def _cache_slots(self, S: int) -> int:
-        # The CPU flash kernel's arithmetic changes with the KV length below ~384 slots (measured: 256, 320
-        # and >= 384 round differently), so exact mode never allocates fewer than 512: autoregressive and
-        # speculative runs, whose margins differ, then attend over caches of one kernel class.
-        return min(max(S, 512), self.model.args.max_position_embeddings) if self.exact else S
+    def plan(self, T: int, max_new: int, n: int) -> tuple[int, int]:
+        """(KV slots S, rows R of each target pass after the prefill) for a request whose passes carry at most
+        n tokens; decides self.exact. Exact mode sizes the cache without the drafter's margin, so that
+        autoregressive and speculative runs attend over the same KV length (one kernel class), and pads passes
+        to the smallest size that this machine keeps row-invariant at that length (exact.py)."""
+        limit = self.model.args.max_position_embeddings
+        S, R = cache_len(T, max_new, n + 1, limit), n  # raises when even the plain request does not fit
+        fixed = self.max_seq if self.graphs else None  # one cache size for every request: no re-capture per length
+        if fixed is not None:
+            if T + max_new + n + 1 > fixed:
+                raise UsageError(f"prompt of {T} tokens + {max_new} new tokens exceeds --max-seq {fixed}")
+            S = fixed
+        self.exact = False
+        exact = self.invariance is not None and (self.drafter is None or getattr(self.drafter, "depth", 0) < RECENT
+                                                 or not hasattr(self.drafter, "nodes"))
+        if exact and n <= MAX_ROWS:
+            Se = fixed or min(limit, -(-(T + max_new + MAX_ROWS) // 128) * 128)
+            Re = self.invariance.pass_rows(n, Se)
+            if Re is not None and T + max_new + Re + 1 <= Se:
+                self.exact, S, R = True, Se, Re
+        if self.exact_requested and not self.exact:
+            raise UsageError(f"--exact: no target pass of {n} to {MAX_ROWS} rows gives every row the same bits on this "
+                             f"CPU ({machine_id()}); use --no-exact")
+        return S, R
 
-    def rows(self, n: int) -> int:
-        """Rows of a target pass over n tokens (see pass_rows)."""
-        return pass_rows(self.model, n) if self.exact else n
+    def rows(self, n: int, S: int) -> int:
+        """Rows to pad a pass of n tokens to, in this request's mode (plan)."""
+        if not self.exact:
+            return n
+        R = self.invariance.pass_rows(n, S)
+        if R is None:
+            raise UsageError(f"--exact: no target pass of {n} rows is row-invariant on this CPU; use --no-exact")
+        return R
 
     def _decode_one(self, tok: Tensor, pos: Tensor) -> Tensor:
-        # tok [1, 1], pos [1] -> next token [1] (sampled on device). Padded to pass_rows query rows (see
-        # pass_rows) so a decode step runs the same kernels as a tree verification: the pad rows write
-        # KV slots past the prefix, which the next step overwrites before anything attends to them.
-        R = self.rows(1)
+        # tok [1, 1], pos [1] -> next token [1] (sampled on device). Padded to R_dec rows (exact mode, see
+        # plan) so every row gets the bits a tree verification gives it: the pad rows write KV slots past
+        # the prefix, which the next step overwrites before anything attends to them.
+        R = self.R_dec
         p = pos + torch.arange(R, device=pos.device)
         logits = self.model(tok.expand(1, R), p, recent=causal_recent(p) if self.exact else None)[:, 0]
         return sample(logits, self.sampling)
 
     def _verify(self, tokens: Tensor, depth: Tensor, anc: Tensor, n: Tensor):
         # one target pass over the flattened tree: positions n + depth, KV slots n + node index.
-        # Pad nodes up to pass_rows (short n-gram chains, fp32 blocks) see only themselves.
+        # Pad nodes up to R_ver rows (exact mode, see plan) see only themselves.
         m = self.model
         N = tokens.shape[0]
-        R = self.rows(N)
+        R = max(self.R_ver, N)
         if N < R:
             P = R - N
             tokens = torch.cat([tokens, tokens.new_zeros(P)])
@@ -368,14 +382,9 @@ class Engine:
         if self.drafter is not None:
             return self._generate_spec(prompt, max_new_tokens, on_tokens)
         m, dev = self.model, self.device
-        S = cache_len(T, max_new_tokens, self.rows(1), m.args.max_position_embeddings)
-        if self.graphs:  # one cache size for every request: no re-capture per length
-            if S > self.max_seq:
-                raise UsageError(f"prompt of {T} tokens + {max_new_tokens} new tokens exceeds --max-seq {self.max_seq}")
-            S = self.max_seq
-        S = self._cache_slots(S)
+        S, self.R_dec = self.plan(T, max_new_tokens, 1)
         m.setup_caches(1, S)
-        st = Stats()
+        st = Stats(extra=dict(exact=self.exact))
         t0 = time.perf_counter()
         logits = m(torch.tensor([prompt], device=dev), torch.arange(T, device=dev))[:, -1]
         tok = sample(logits, self.sampling)  # [1]
@@ -456,11 +465,8 @@ class Engine:
         eos = set(m.args.eos_ids)
         T = len(prompt)
         D = d.depth
-        S = self._cache_slots(cache_len(T, max_new_tokens, self.rows(getattr(d, "nodes", D + 1)) + 1, m.args.max_position_embeddings))
-        if self.graphs:  # fixed buffers: captured graphs hold their addresses
-            if T + max_new_tokens + self.rows(getattr(d, "nodes", D + 1)) + 1 > self.max_seq:
-                raise UsageError(f"prompt of {T} tokens + {max_new_tokens} new tokens exceeds --max-seq {self.max_seq}")
-            S = self._cache_slots(self.max_seq)
+        N = getattr(d, "nodes", D + 1)  # tokens per verification (n-gram chains: at most k + 1)
+        S, self.R_ver = self.plan(T, max_new_tokens, N)
         m.setup_caches(1, S)
         d.setup(S)
         graphed = [s for s in (self.verify_step, self.advance_step) if isinstance(s, Graphed)]
@@ -474,7 +480,7 @@ class Engine:
                 self.graph_addresses = addresses
         vocab = d.vocab
         ngram = isinstance(d, NgramDrafter)
-        st = Stats(phase_s=dict(draft=0.0, lm_head=0.0, verify=0.0, accept=0.0, update=0.0))
+        st = Stats(phase_s=dict(draft=0.0, lm_head=0.0, verify=0.0, accept=0.0, update=0.0), extra=dict(exact=self.exact))
         d.lm_head_s = 0.0
         t0 = time.perf_counter()
         ptoks = torch.tensor(prompt, device=dev)
@@ -510,6 +516,7 @@ class Engine:
             if ngram:
                 t = d.draft(out[-1], dev)
                 tree = (t.tokens, t.parents, t.depth, t.anc, t.valid, t.q)
+                self.R_ver = self.rows(t.tokens.shape[0], S)  # chains vary in length (static ones do not)
                 st.phase_s["draft"] += time.perf_counter() - ts
                 ts = time.perf_counter()
             max_depth = tree[0].shape[0] - 1 if ngram else D
@@ -637,10 +644,11 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="torch.compile decode/verify/draft steps (inductor on CPU; CUDA graphs on CUDA)")
     p.add_argument("--max-seq", type=int, default=4096, help="KV cache slots when CUDA graphs are captured")
-    p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
-                   help="CPU: bit-exact greedy speculative output (default on CPU; README 'Why greedy output is "
-                        "bit-identical'). --no-exact: plain SDPA, no row padding, ~15%% faster decode steps, output "
-                        "equal to autoregressive only up to floating-point near-ties")
+    p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=False,
+                   help="CPU: bit-exact greedy output, identical for every drafter and for autoregressive decoding "
+                        "(passes padded to sizes this CPU keeps row-invariant, exact attention; README 'Why greedy "
+                        "output is bit-identical'); an error where this CPU's check fails. Default off: the fastest "
+                        "arithmetic, equal to autoregressive output up to floating-point near-ties")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text + stats")
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--draft", default=None, help="EAGLE head or draft-model folder/hub id, 'ngram', or 'none' (default: "
@@ -758,6 +766,8 @@ def stats_line(st: Stats, model: Transformer) -> str:
          f"prefill {st.prefill_s * 1000:.0f} ms")
     if "mean_accepted_length" in d:
         s += f", {st.target_forwards} target forwards, mean accepted length {d['mean_accepted_length']:.2f}"
+    if "exact" in d:
+        s += ", exact" if d["exact"] else ", not exact"
     if model.lm_head.weight.is_cuda:
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         s += f", {nbytes * st.target_forwards / max(st.decode_s, 1e-9) / 1e9:.1f} GB/s, peak {torch.cuda.max_memory_allocated() / 1e9:.2f} GB"

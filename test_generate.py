@@ -8,8 +8,10 @@ import torch
 
 import draft as dr
 from conftest import write_eagle_head, write_tiny_hf
+from exact import Invariance
 from generate import Engine, Sampling, accept_greedy, accept_sample, logits_to_probs, main
 from model import causal_recent, load_model
+from test_exact import fault_small_passes
 from vocab import make_vocab
 
 PROMPTS = [[5, 17, 99, 3, 42, 42, 8], [200, 201, 202, 203, 200, 201, 202], list(range(30, 60))]
@@ -236,6 +238,21 @@ def test_cli_errors(tmp_path, capsys):
     assert "max-new-tokens" in capsys.readouterr().err
 
 
+def test_cli_says_whether_it_is_exact(tiny, capsys, monkeypatch):
+    """--json says exact true/false (the default is the fastest arithmetic, not exact); --exact where this
+    CPU's check fails is a one-line error."""
+    base = ["--checkpoint", str(tiny[0]), "--max-new-tokens", "4", "--raw", "--prompt", "ab", "--dtype", "float32",
+            "--json"]
+    for flags, exact in (([], False), (["--exact"], True), (["--no-exact"], False)):
+        assert main(base + flags) == 0
+        assert json.loads(capsys.readouterr().out)["exact"] is exact, flags
+    monkeypatch.setattr(Invariance, "agrees", lambda self, r, S: False)  # a CPU whose kernels fail the check
+    assert main(base + ["--exact"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --exact") and "\n" not in err
+    assert Engine(target(tiny[0])).generate([5, 6], 3)[1].extra["exact"] is False  # the library default falls back
+
+
 @pytest.mark.parametrize("kind,vocab_spec", [("eagle3", "nanospec"), ("eagle2", "full"), ("model", "nanospec"),
                                              ("ngram", "full")])
 def test_compiled_steps_equal_eager(tiny, kind, vocab_spec):
@@ -335,26 +352,28 @@ def test_graph_capture_plumbing_on_cpu(tiny, monkeypatch):
         assert eng.verify_step.graphs and eng.advance_step.graphs  # replays really happened
 
 
-@pytest.mark.parametrize("dtype,plain_sdpa,nodes", [(torch.bfloat16, False, 14), (torch.float32, False, 14),
-                                                    (torch.float32, True, 14), (torch.float32, False, 17)])
-def test_tree_verify_is_bitwise_autoregressive(tiny, dtype, plain_sdpa, nodes):
-    """CPU: every tree node's verify logits equal, bit for bit, the logits autoregressive decoding
-    computes for the same token sequence (exact attention + min_rows padding). This is what makes greedy
-    speculative output identical to autoregressive output even at near-ties. The plain-SDPA variant is
-    the control (fp32, where attention's rounding differences reach the logits directly): a tree node off
-    the spine sees its ancestors at scattered KV slots and rounds differently, so the assertion must fail
-    there for at least one node (it shows the test can fail). 17 nodes x 2 heads per KV head = 34 flash
-    rows would leave a 2-row block without pass_rows' padding."""
+def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trust_all=False, cache=None):
+    """For one EAGLE-3 tree on the tiny target: per node, do its verify logits equal, bit for bit, the logits
+    autoregressive decoding computes for the same token sequence (as Engine._decode_one runs it)?"""
     path, heads, _, _ = tiny
     m = load_model(path, dtype=dtype)
+    if fault:
+        fault(m)
     head = dr.load_eagle(heads["eagle3"], m, dtype, "cpu")
     m.aux_layers = head.c.aux_layers
     d = dr.EagleDrafter(head, make_vocab("full", head.lm_weight()), topk=4, depth=4, nodes=nodes)
     e = Engine(m, drafter=d)
-    assert e.exact and e.rows(1) >= 2
-    e.exact = not plain_sdpa
-    S, p = 160, torch.tensor(PROMPTS[2] * 3)
+    if cache:  # a faulty model must not share the machine's answers for healthy kernels of its shapes
+        e.invariance = Invariance(m, cache)
+    if trust_all:  # the control: take every pass size as row-invariant without asking the machine
+        e.invariance.agrees = lambda r, S: True
+    p = torch.tensor(PROMPTS[2] * 3)
     T = len(p)
+    S, e.R_ver = e.plan(T, 8, nodes)
+    e.R_dec = e.rows(1, S)
+    assert e.exact
+    if plain_sdpa:
+        e.exact, e.R_ver, e.R_dec = False, nodes, 1
     m.setup_caches(1, S)
     d.setup(S)
     with torch.no_grad():
@@ -369,47 +388,34 @@ def test_tree_verify_is_bitwise_autoregressive(tiny, dtype, plain_sdpa, nodes):
             chain = sorted(torch.nonzero(tree.anc[i])[:, 0].tolist(), key=lambda j: int(tree.depth[j]))
             m(p[None], torch.arange(T))  # same prefix KV; later slots are rewritten before being read
             for t, j in enumerate(chain):  # autoregressive decode steps, as Engine._decode_one runs them
-                pos = T + t + torch.arange(e.rows(1))
-                out = m(tree.tokens[j].view(1, 1).expand(1, e.rows(1)), pos, recent=causal_recent(pos))[0, 0]
+                pos = T + t + torch.arange(e.R_dec)
+                out = m(tree.tokens[j].view(1, 1).expand(1, e.R_dec), pos,
+                        recent=causal_recent(pos) if e.exact else None)[0, 0]
             same.append(torch.equal(out, tree_logits[i]))
+    return same
+
+
+@pytest.mark.parametrize("dtype,plain_sdpa,nodes", [(torch.bfloat16, False, 14), (torch.float32, False, 14),
+                                                    (torch.float32, True, 14), (torch.float32, False, 17),
+                                                    (torch.bfloat16, False, 50), (torch.float32, False, 50)])
+def test_tree_verify_is_bitwise_autoregressive(tiny, dtype, plain_sdpa, nodes):
+    """CPU: every tree node's verify logits equal, bit for bit, the logits autoregressive decoding
+    computes for the same token sequence (exact attention + the pass sizes exact.py finds on this machine).
+    This is what makes greedy speculative output identical to autoregressive output even at near-ties.
+    The plain-SDPA variant is the control (fp32, where attention's rounding differences reach the logits
+    directly): a tree node off the spine sees its ancestors at scattered KV slots and rounds differently,
+    so the assertion must fail there for at least one node (it shows the test can fail)."""
+    same = verify_matches_decode(tiny, dtype, nodes, plain_sdpa)
     if plain_sdpa:
         assert not all(same)
     else:
         assert all(same), same
 
 
-def test_pass_rows_make_exact_attention_batch_invariant():
-    """Real head size (64), 3 query heads per KV head as in SmolLM2: a row's exact_attention output is
-    bit-identical in every pass of pass_rows rows, and (the control showing why the padding exists)
-    differs on this CPU for some unpadded pass sizes; exact_attention itself matches SDPA numerically."""
-    from types import SimpleNamespace
-
-    from generate import pass_rows
-    from model import exact_attention, exact_plan
-    torch.manual_seed(0)
-    g, S, n = 3, 640, 300
-    fake = SimpleNamespace(args=SimpleNamespace(n_heads=3 * g, n_kv_heads=3),
-                           lm_head=SimpleNamespace(weight=torch.empty(0, dtype=torch.bfloat16)))
-    k, v, q = torch.randn(1, 3, S, 64), torch.randn(1, 3, S, 64), torch.randn(1, 3 * g, 64, 64)
-    pos, sr = n + torch.arange(64), torch.arange(S)
-    ref = exact_attention(q, k, v, exact_plan(pos, causal_recent(pos), sr, g))
-    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=sr[None, :] <= pos[:, None], enable_gqa=True)
-    torch.testing.assert_close(ref, sdpa, rtol=1e-5, atol=1e-5)
-    unpadded_differs = False
-    for T in range(1, 40):
-        R = pass_rows(fake, T)
-        out = exact_attention(q[:, :, :R], k, v, exact_plan(pos[:R], causal_recent(pos[:R]), sr, g))
-        assert torch.equal(out[:, :, :T], ref[:, :, :T]), (T, R)
-        raw = exact_attention(q[:, :, :T], k, v, exact_plan(pos[:T], causal_recent(pos[:T]), sr, g))
-        unpadded_differs |= not torch.equal(raw, ref[:, :, :T])
-    assert unpadded_differs
-
-
-def test_exact_mode_cache_has_one_kernel_class():
-    """The CPU flash kernel rounds differently for KV lengths below ~384; exact mode allocates >= 512."""
-    e = Engine.__new__(Engine)
-    e.exact = True
-    e.model = type("M", (), {"args": type("A", (), {"max_position_embeddings": 4096})()})()
-    assert e._cache_slots(64) == 512 and e._cache_slots(640) == 640
-    e.exact = False
-    assert e._cache_slots(64) == 64
+def test_exact_mode_pads_past_a_faulty_kernel(tiny, tmp_path):
+    """The control for exact.py: a GEMM that rounds short passes differently (as a GEMV or partial-block path
+    does on some CPUs) breaks bit-exactness when every pass size is trusted, and the machine check finds
+    the sizes that keep it."""
+    fault = lambda m: fault_small_passes(m, below=8)
+    assert not all(verify_matches_decode(tiny, torch.float32, 14, fault=fault, trust_all=True, cache=tmp_path / "a"))
+    assert all(verify_matches_decode(tiny, torch.float32, 14, fault=fault, cache=tmp_path / "b"))

@@ -1,0 +1,151 @@
+"""Batch invariance, asked of this machine: which target-pass row counts give every row the same bits.
+
+Greedy speculative output equals autoregressive output bit for bit only if a token's logits do not depend
+on how many rows share its target pass, or on where it sits among them. CPU GEMM and attention kernels pick
+code paths by row count (a GEMV for one row, partial register blocks, flash-attention query blocks), and
+which counts are affected differs between CPUs (AVX2, AVX-512, AMX) and torch versions. So the engine does
+not carry thresholds measured somewhere else; it asks the machine it runs on.
+
+For each candidate pass size r (LADDER) the check runs every GEMM shape of the model, its norms and its
+activation, and exact attention (model.exact_attention, at the request's KV length) on random rows, r at a
+time at two different offsets, and compares the bits with the same rows computed in passes of REF rows.
+A size that agrees gives each row exactly the bits it gets in a REF-row pass, so any two agreeing sizes give
+each other's bits: the engine pads every pass after the prefill (decode steps and tree verification) to the
+smallest agreeing size. Answers are cached on disk per CPU, torch version, thread count and shape, so each
+is computed once per machine (well under a second).
+"""
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from model import Transformer, causal_recent, exact_attention, exact_plan, kv_dtype
+
+LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # pass sizes on offer (static shapes)
+MAX_ROWS = LADDER[-1]  # exact mode's largest target pass (trees / chains up to this many nodes)
+REF = 64  # the reference pass size every other size is compared with
+SHIFT = 5  # the second offset: rows move to other places in their pass (and in any register block)
+CACHE_ENV = "NANOSPEC_CACHE"
+
+
+def cache_file() -> Path:
+    root = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nanospec"
+    return Path(root) / "invariance.json"
+
+
+def machine_id() -> str:
+    """What the answers depend on besides the shapes: the CPU, its vector ISA, torch and the thread count."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+
+def rows_agree(fn, x: torch.Tensor, r: int) -> bool:
+    """fn maps the rows of x (dim 0) independently. True iff passes of r rows, at offsets 0 and SHIFT, give
+    every row the bits it gets in passes of REF rows. x holds at least max(REF, r + SHIFT) rows."""
+    n = x.shape[0]
+    ref = None
+    for s in list(range(0, n - REF, REF)) + [n - REF]:  # REF-row passes covering all n rows, the last flush
+        y = fn(x[s:s + REF])
+        ref = y.new_empty((n, *y.shape[1:])) if ref is None else ref
+        ref[s:s + REF] = y
+    return all(torch.equal(fn(x[o:o + r]), ref[o:o + r]) for o in (0, SHIFT))
+
+
+class Invariance:
+    """The target's row-invariance answers on this machine: `pass_rows(n, S)` -> rows to pad a pass of n
+    rows to at KV length S, or None when no size up to MAX_ROWS agrees (exact mode is then unavailable)."""
+
+    def __init__(self, model: Transformer, path: Path | None = None):
+        self.model, self.path = model, path or cache_file()
+        self.machine = machine_id()
+        self.answers = self._load()
+        self.memo = {}  # (n, S) -> pass_rows
+
+    def _load(self) -> dict:
+        try:
+            return json.loads(self.path.read_text()).get(self.machine, {})
+        except (OSError, ValueError):
+            return {}
+
+    def _save(self):
+        try:
+            data = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        except (OSError, ValueError):
+            data = {}
+        data[self.machine] = self.answers
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+            tmp.replace(self.path)
+        except OSError:
+            pass  # a read-only home only costs a re-check next time
+
+    def pass_rows(self, n: int, S: int) -> int | None:
+        if (n, S) not in self.memo:
+            self.memo[n, S] = next((r for r in LADDER if r >= n and self.agrees(r, S)), None)
+        return self.memo[n, S]
+
+    def agrees(self, r: int, S: int) -> bool:
+        return all(self._answer(key, r, check) for key, check in self._checks(S))
+
+    def _answer(self, key: str, r: int, check) -> bool:
+        k = f"{key} r={r}"
+        if k not in self.answers:
+            with torch.no_grad():
+                self.answers[k] = bool(check(r))
+            self._save()
+        return self.answers[k]
+
+    def _checks(self, S: int):
+        """(cache key, check(r) -> bool) for every row-mixing operation of a target pass."""
+        m = self.model
+        a, layer = m.args, m.layers[0]
+        p = m.lm_head.weight
+        dev, dt = p.device, p.dtype
+        g = torch.Generator(device="cpu").manual_seed(0)
+
+        def randn(*shape, dtype=dt):
+            return torch.randn(*shape, generator=g).to(device=dev, dtype=dtype)
+
+        def rows(r):
+            return max(REF, r + SHIFT)
+
+        seen = set()
+        for mod in [mod for mod in layer.modules() if isinstance(mod, torch.nn.Linear)] + [m.lm_head]:
+            w = mod.weight
+            key = f"linear {str(w.dtype)[6:]} {w.shape[1]}x{w.shape[0]}{' bias' if mod.bias is not None else ''}"
+            if key not in seen:
+                seen.add(key)
+                yield key, lambda r, mod=mod: rows_agree(mod, randn(rows(r), mod.weight.shape[1]), r)
+        norm, D, I = layer.input_layernorm, a.dim, a.intermediate_size
+        yield f"rmsnorm {str(dt)[6:]} {D}", lambda r: rows_agree(norm, randn(rows(r), D), r)
+        yield f"silu-mul {str(dt)[6:]} {I}", lambda r: rows_agree(lambda x: F.silu(x[:, :I]) * x[:, I:], randn(rows(r), 2 * I), r)
+        yield f"exact-attention {str(kv_dtype(dt, dev))[6:]} H{a.n_heads}/{a.n_kv_heads} hd{a.head_dim} S{S}", \
+            lambda r: self._attention_agrees(r, S, randn)
+
+    def _attention_agrees(self, r: int, S: int, randn) -> bool:
+        a = self.model.args
+        kdt = kv_dtype(self.model.lm_head.weight.dtype, self.model.lm_head.weight.device)
+        n = max(REF, r + SHIFT)
+        k, v = randn(1, a.n_kv_heads, S, a.head_dim, dtype=kdt), randn(1, a.n_kv_heads, S, a.head_dim, dtype=kdt)
+        q = randn(1, a.n_heads, n, a.head_dim, dtype=kdt)
+        pos = torch.arange(S - n, S, device=q.device)  # the last positions: the flash half sees most keys
+        seq = torch.arange(S, device=q.device)
+        g = a.n_heads // a.n_kv_heads
+
+        def attn(rows):  # rows: [T] positions of a pass, with their queries
+            i = rows - pos[0]
+            return exact_attention(q.index_select(2, i), k, v, exact_plan(rows, causal_recent(rows), seq, g))
+
+        return rows_agree(lambda rows: attn(rows).movedim(2, 0), pos, r)  # rows of the pass first

@@ -1,0 +1,84 @@
+"""exact.py: this machine's row-invariance answers, checked on fresh data, with controls that must fail."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import exact
+from conftest import write_tiny_hf
+from model import causal_recent, exact_attention, exact_plan, load_model
+
+
+@pytest.fixture(scope="module")
+def smol_shaped(tmp_path_factory):
+    """One layer at SmolLM2-135M's widths (d 576, 9 query / 3 KV heads of 64, MLP 1536), small vocabulary."""
+    path, _ = write_tiny_hf(tmp_path_factory.mktemp("smol1"), hidden_size=576, intermediate_size=1536,
+                            num_hidden_layers=1, num_attention_heads=9, num_key_value_heads=3,
+                            max_position_embeddings=1024)
+    return path
+
+
+def test_rows_agree_on_known_functions():
+    x = torch.randn(exact.REF + exact.SHIFT, 8)
+    small_path = lambda x: x * (1 + 2 ** -20 * (x.shape[0] < 8))  # a different code path for short passes
+    last_row = lambda x: torch.cat([x[:-1], x[-1:] * (1 + 2 ** -20)])  # the last row of a pass rounds apart
+    for r in exact.LADDER[:-2]:
+        assert exact.rows_agree(lambda x: x * 3, x, r)
+        assert exact.rows_agree(small_path, x, r) == (r >= 8), r
+        assert not exact.rows_agree(last_row, x, r), r
+
+
+def fault_small_passes(model, below=8):
+    """Make the target's first down projection round differently for passes of fewer than `below` rows,
+    like a GEMV or partial-block kernel path (machine independent, unlike the real ones)."""
+    lin = model.layers[0].mlp.down_proj
+    lin.forward = lambda x: F.linear(x, lin.weight) * (1 + 2 ** -12 * (x.shape[-2] < below))
+
+
+def test_invariance_rejects_a_faulty_kernel_and_caches(tmp_path, smol_shaped):
+    m = load_model(smol_shaped, dtype=torch.float32)
+    fault_small_passes(m)
+    inv = exact.Invariance(m, tmp_path / "inv.json")
+    for n in range(1, 20):
+        assert inv.pass_rows(n, 512) >= max(n, 8)
+    saved = json.loads((tmp_path / "inv.json").read_text())[exact.machine_id()]
+    down = {int(k.split("r=")[1]): v for k, v in saved.items() if k.startswith("linear float32 1536x576 r=")}
+    assert down and all(v == (r >= 8) for r, v in down.items()), down
+    # a second engine on this machine reads the answers instead of checking again
+    again = exact.Invariance(m, tmp_path / "inv.json")
+    again._answer = lambda key, r, check: again.answers[f"{key} r={r}"]
+    assert again.pass_rows(1, 512) == inv.pass_rows(1, 512)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chosen_pass_sizes_hold_on_fresh_data(tmp_path, smol_shaped, dtype):
+    """Real head size (64), 3 query heads per KV head as in SmolLM2: for every pass of n <= 40 rows, the size
+    the check picks gives each row of exact_attention and of every GEMM the bits of a REF-row pass, on data
+    the check never saw; exact_attention itself matches SDPA numerically."""
+    m = load_model(smol_shaped, dtype=dtype)
+    inv = exact.Invariance(m, tmp_path / "inv.json")
+    torch.manual_seed(1)
+    S, a = 640, m.args
+    kdt = torch.float32  # the CPU KV cache dtype
+    k, v = torch.randn(1, 3, S, 64, dtype=kdt), torch.randn(1, 3, S, 64, dtype=kdt)
+    q = torch.randn(1, 9, exact.REF, 64, dtype=kdt)
+    pos, sr = 300 + torch.arange(exact.REF), torch.arange(S)
+    attn = lambda i: exact_attention(q[:, :, i], k, v, exact_plan(pos[i], causal_recent(pos[i]), sr, 3))
+    ref = attn(torch.arange(exact.REF))
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=sr[None, :] <= pos[:, None], enable_gqa=True)
+    torch.testing.assert_close(ref, sdpa, rtol=1e-5, atol=1e-5)
+    x = torch.randn(exact.REF, a.intermediate_size, dtype=dtype)
+    down = m.layers[0].mlp.down_proj
+    lin_ref = down(x)
+    for n in range(1, 41):
+        R = inv.pass_rows(n, S)
+        assert R is not None and R >= n
+        if R <= exact.REF:
+            assert torch.equal(attn(torch.arange(R))[:, :, :n], ref[:, :, :n]), (n, R)
+            assert torch.equal(down(x[:R])[:n], lin_ref[:n]), (n, R)
+
+
+def test_machine_id_names_cpu_torch_and_threads():
+    mid = exact.machine_id()
+    assert torch.__version__ in mid and f"{torch.get_num_threads()} threads" in mid
