@@ -419,3 +419,15 @@ def test_exact_mode_pads_past_a_faulty_kernel(tiny, tmp_path):
     fault = lambda m: fault_small_passes(m, below=8)
     assert not all(verify_matches_decode(tiny, torch.float32, 14, fault=fault, trust_all=True, cache=tmp_path / "a"))
     assert all(verify_matches_decode(tiny, torch.float32, 14, fault=fault, cache=tmp_path / "b"))
+
+
+@pytest.mark.parametrize("bad", ["missing", "corrupt"])
+def test_cli_freq_file_errors_are_one_line(tiny, tmp_path, capsys, bad):
+    """--vocab freq:FILE with a missing or corrupt file: one-line error, exit code 2 (no traceback)."""
+    f = tmp_path / "freq.pt"
+    if bad == "corrupt":
+        f.write_bytes(b"\x80\x04not a pickle at all")
+    rc = main(["--checkpoint", str(tiny[0]), "--draft", str(tiny[1]["eagle3"]), "--vocab", f"freq:{f}",
+               "--max-new-tokens", "2", "--raw", "--prompt", "ab", "--dtype", "float32"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("error:") and "\n" not in err and str(f) in err, err

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -113,7 +114,13 @@ def load_freq_file(path, vocab_size, k=None, eos_ids=()):
     back: eos ids missing from the top k replace the least frequent entries, so the
     budget (and the GEMM width) stays k.
     """
-    data = torch.load(path, map_location="cpu", weights_only=True)
+    if not Path(path).is_file():
+        raise ValueError(f"frequency file not found: {path}")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle, zip and weights-only errors come in several types
+        raise ValueError(f"{path} is not a readable frequency file (torch.save of a list of token ids): "
+                         f"{str(e).splitlines()[0][:120]}") from None
     if isinstance(data, torch.Tensor):
         if data.dim() != 1 or data.is_floating_point() or data.is_complex():
             raise ValueError(f"{path}: expected a 1-D integer tensor of token ids, got "
