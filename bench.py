@@ -52,8 +52,9 @@ import torch.nn.functional as F
 
 import draft as dr
 import generate
-from generate import Engine, Sampling, Tokenizer, UsageError, logits_to_probs, sample_from
+from generate import Engine, Tokenizer, UsageError
 from model import ModelArgs, ModelError, Transformer, load_model
+from sampling import Sampling, logits_to_probs, sample_from
 from vocab import FreqVocab, FullVocab, build_freq, make_vocab, nanospec_state_bytes
 
 REPO = Path(__file__).resolve().parent
@@ -638,7 +639,7 @@ def aggregate(recs: list[dict]) -> dict:
             draft_backbone=per("draft") + per("lm_head") - lm + per("drafter_update"), lm_head=lm,
             gather_update=per("vocab_update"),
             verify=per("verify"),
-            bookkeeping=per("accept") + per("update") - per("drafter_update") - per("vocab_update"))
+            bookkeeping=per("sync") + per("update") - per("drafter_update") - per("vocab_update"))
         out["step_ms"]["total"] = out["decode_s"] / steps * 1000
         out["draft_ms"] = out["step_ms"]["draft_backbone"] + out["step_ms"]["lm_head"] + out["step_ms"]["gather_update"]
         out["decode_rate"] = acc / max(out["decode_s"], 1e-9)  # tokens from speculative steps per decode second

@@ -2,10 +2,12 @@
 EAGLE-2 dynamic tree. Every drafter proposes a `Tree` (chains are the one-child case). Every LM-head
 projection goes through `self.vocab.logits(h)` (vocab.py), which scores the active rows only.
 
-Protocol used by generate.py (batch 1, n = tokens already in the target's KV cache):
-    prefill(prompt, first_token, hidden, aux, logits)   after the target's prefill
-    draft(root [1] token at position n, n) -> Tree      root = last emitted token, not yet in the cache
-    update(path_feats, next_tokens, L, n)              after verification: L accepted nodes (root included)
+What generate.py calls (batch 1, n = tokens already in the target's KV cache; root = the last emitted token,
+not yet in the cache; L = accepted nodes, root included). The three drafters still differ in what they take:
+    setup(max_seq)                                      every drafter, before a request
+    EagleDrafter: prefill(feats, next_tokens), draft(root [1], n) -> Tree, update(path_feats, next_tokens, L, n)
+    ModelDrafter: prefill(prompt ids), draft(root [1], n) -> Tree, update(path_tokens, L)
+    NgramDrafter: prefill(prompt list), draft(root int, device) -> Tree, update(emitted list)  (host side)
 """
 import json
 import time
@@ -19,6 +21,7 @@ from torch import Tensor
 
 from model import (Attention, KVCache, MLP, ModelArgs, ModelError, RMSNorm, Transformer, load_state_dict,
                    rope_cache)
+from sampling import logits_to_probs, sample_from
 
 
 # ---------------------------------------------------------------- trees
@@ -277,9 +280,6 @@ class EagleDrafter:
         t2r = torch.full((head.c.args.vocab_size,), -1, dtype=torch.long, device=dev)
         return t2r.index_copy(0, torch.arange(Vd, device=dev) + head.d2t, torch.arange(Vd, device=dev))
 
-    def feature_dim(self):
-        return self.head.c.fc_in if self.version == 3 else self.head.c.args.dim
-
     def setup(self, max_seq: int):
         self.head.setup_caches(max_seq + self.depth * self.topk)
         d, w = self.head.c.args.dim, self.head.fc.weight
@@ -405,7 +405,6 @@ class ModelDrafter:
 
     @torch.no_grad()
     def draft(self, root: Tensor, n: Tensor) -> Tree:
-        from generate import logits_to_probs, sample_from
         m, k = self.model, self.k
         # re-feed the previous token with the root: its KV is missing when the whole last chain was accepted
         toks, pos = torch.cat([self.prev, root.view(1)]), n - 1 + torch.arange(2, device=n.device)

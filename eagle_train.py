@@ -42,7 +42,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import draft as dr
+from draft import EagleConfig, EagleHead, attach
+from download import CheckpointError, resolve_checkpoint
+from generate import Engine, Tokenizer
 from model import ModelArgs, ModelError, Transformer, apply_rope, load_model, rope_cache
+from sampling import Sampling, logits_to_probs, sample_from
+from vocab import make_vocab
 
 LOSS_DECAY = 0.8
 CKPT_NAME = "checkpoint.pt"
@@ -77,7 +83,6 @@ def batch_generate(model: Transformer, prompts: list[list[int]], max_new: int, t
     static cache (as test_model.test_left_padded_batch_equals_single). temps[b] 0 = greedy, else sampled at
     temps[b] from the top-CAND tokens with top_p. Each result ends at (and includes) the first eos, or has
     max_new tokens."""
-    from generate import Sampling, logits_to_probs, sample_from
     dev = model.lm_head.weight.device
     B, L = len(prompts), max(len(p) for p in prompts)
     max_new = max(1, min(max_new, model.args.max_position_embeddings - L))
@@ -346,7 +351,6 @@ def aux_layer_ids(target: Transformer, spec: str | None) -> tuple:
 
 def new_head(target: Transformer, aux_layers, rope_theta: float | None = None, seed: int = 0):
     """An EAGLE-3 head (draft.EagleHead) over the full vocabulary, its lm_head a copy of the target's."""
-    from draft import EagleConfig, EagleHead, attach
     ta = target.args
     args = ModelArgs(arch="eagle", dim=ta.dim, n_layers=1, n_heads=ta.n_heads, n_kv_heads=ta.n_kv_heads,
                      head_dim=ta.head_dim, intermediate_size=ta.intermediate_size, vocab_size=ta.vocab_size,
@@ -377,7 +381,6 @@ def head_config(head) -> dict:
 
 
 def head_from_config(hc: dict, target: Transformer):
-    from draft import EagleConfig, EagleHead, attach
     args = ModelArgs(arch="eagle", dim=hc["dim"], n_layers=1, n_heads=hc["n_heads"], n_kv_heads=hc["n_kv_heads"],
                      head_dim=hc["head_dim"], intermediate_size=hc["intermediate_size"], vocab_size=hc["vocab_size"],
                      norm_eps=hc["norm_eps"], rope_theta=hc["rope_theta"], rope_scaling=hc["rope_scaling"],
@@ -711,7 +714,6 @@ def train(args) -> dict:
 
 
 def _train(args, device, rank, world) -> dict:
-    from download import resolve_checkpoint
     from torch.utils.data import DistributedSampler
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -823,9 +825,6 @@ def mean_accepted_length(target: Transformer, head_dir, prompts: list[list[int]]
                          topk: int = 10, depth: int = 5, nodes: int = 60) -> float:
     """Greedy speculative decoding with the exported head (full vocabulary) through generate.Engine:
     tokens emitted per target forward, bonus included (Spec-Bench / vLLM convention)."""
-    import draft as dr
-    from generate import Engine
-    from vocab import make_vocab
     w = target.lm_head.weight
     head = dr.load_eagle(head_dir, target, w.dtype, w.device)
     saved = target.aux_layers
@@ -855,8 +854,6 @@ def data_meta(args, ckpt_path: Path) -> dict:
 
 
 def cmd_data(args):
-    from download import resolve_checkpoint
-    from generate import Tokenizer
     path = resolve_checkpoint(args.checkpoint)
     meta = data_meta(args, path)
     out = Path(args.out)
@@ -894,7 +891,6 @@ def cmd_data(args):
 
 
 def cmd_export(args):
-    from download import resolve_checkpoint
     ck = load_checkpoint(Path(args.run) / CKPT_NAME if Path(args.run).is_dir() else Path(args.run))
     path = resolve_checkpoint(args.checkpoint or ck["args"].get("checkpoint"))
     target = load_model(path, dtype=torch.float32)
@@ -985,7 +981,6 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from download import CheckpointError
     args = parse_args(argv)
     try:
         return args.func(args)

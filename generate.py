@@ -13,8 +13,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+import draft as dr
+from download import CheckpointError, resolve_checkpoint
 from exact import MAX_ROWS, Invariance, machine_id
 from model import RECENT, ModelError, Transformer, causal_recent, load_model
+from sampling import Sampling, accept_greedy, accept_sample, logits_to_probs, sample
+from vocab import make_vocab
 
 DEFAULT_PROMPT = "What is the capital of France?"
 # EAGLE-2 tree (top-k, depth, nodes): the papers' 10/5/60 on GPUs; on CPU a 60-node verify costs about three
@@ -77,58 +81,6 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         # The template already spells out BOS where the model wants it.
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
-
-
-# ---------------------------------------------------------------- sampling
-
-@dataclass
-class Sampling:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def validate(self, vocab_size: int):
-        if self.temperature < 0 or self.temperature != self.temperature:
-            raise UsageError(f"--temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise UsageError(f"--top-k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
-        self.top_k = min(self.top_k, vocab_size)
-
-
-def logits_to_probs(logits: Tensor, s: Sampling) -> Tensor:
-    """[..., V] logits -> [..., V] fp32 probabilities after temperature, top-k and top-p (static shapes)."""
-    logits = logits.float() / max(s.temperature, 1e-5)
-    if s.top_k:
-        kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if s.top_p < 1.0:
-        sp, si = torch.sort(probs, dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop = (sp.cumsum(-1) - sp) >= s.top_p
-        sp = sp.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, si, sp)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def sample_from(probs: Tensor) -> Tensor:
-    # Exponential-race (Gumbel-max) sampling: argmax(p / E) with E ~ Exp(1) is an exact draw from p
-    # and, unlike torch.multinomial, never syncs with the host.
-    q = torch.empty_like(probs).exponential_(1)
-    return torch.argmax(probs / q, dim=-1)
-
-
-def sample(logits: Tensor, s: Sampling) -> Tensor:
-    if s.greedy:
-        return torch.argmax(logits, dim=-1)
-    return sample_from(logits_to_probs(logits, s))
 
 
 # ---------------------------------------------------------------- decode loops
@@ -201,59 +153,6 @@ def tree_recent(anc: Tensor, depth: Tensor, n: Tensor, W: int = RECENT) -> Tenso
     return torch.where(j < n, torch.where(j >= 0, j, -1), in_tree)
 
 
-def best_path(tree, correct: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """correct [N] bool (is node i the target's choice given its parent) -> (path [D+1] node ids, L 0-dim
-    accepted nodes incl. the root, best node). Static shapes: entries of path past L are padding."""
-    correct = correct & tree.valid
-    correct[0] = True
-    ok = ~(tree.anc & ~correct[None, :]).any(-1)  # every node on the root path is correct
-    best = torch.argmax(torch.where(ok, tree.depth, -1))
-    levels = torch.arange(tree.max_depth + 1, device=correct.device)
-    # index_select with a 1-element tensor (not t[best]) keeps the index on device for tracing
-    on_path = tree.anc.index_select(0, best.view(1)) & (tree.depth[None, :] == levels[:, None])  # [D+1, N]
-    return torch.argmax(on_path.int(), dim=-1), tree.depth.index_select(0, best.view(1))[0] + 1, best
-
-
-def accept_greedy(tree, logits: Tensor):
-    """logits [N, V] -> (path, L, bonus): the longest path whose tokens equal the target argmax."""
-    pred = torch.argmax(logits, dim=-1)  # [N]
-    correct = tree.tokens == pred[tree.parents.clamp(min=0)]
-    path, L, best = best_path(tree, correct)
-    return path, L, pred.index_select(0, best.view(1))[0]
-
-
-def accept_sample(tree, probs: Tensor):
-    """probs [N, V] target distributions (after temperature/top-k/top-p) -> (path, L, bonus), exact in
-    distribution. Deterministic proposals (tree.q None): siblings are tried in rank order, x accepted with
-    its residual probability p(x) / (1 - sum of rejected siblings' p), rejected mass removed; the bonus is
-    drawn from what remains. Sampled chains (tree.q): accept with min(1, p/q), residual max(0, p - q)."""
-    N, dev = tree.tokens.shape[0], probs.device
-    par = tree.parents.clamp(min=0)
-    p_par = probs[par]  # [N, V] the target distribution each node was proposed under
-    px = p_par.gather(1, tree.tokens[:, None])[:, 0] * tree.valid  # [N]
-    ar = torch.arange(N, device=dev)
-    if tree.q is None:
-        sib_before = (tree.parents[None, :] == tree.parents[:, None]) & (ar[None, :] < ar[:, None])
-        rejected_mass = (sib_before.float() * px[None, :]).sum(-1)
-        acc = px / (1.0 - rejected_mass).clamp(min=1e-20)
-    else:
-        qx = tree.q[par].gather(1, tree.tokens[:, None])[:, 0]
-        acc = px / qx.clamp(min=1e-20)
-    hit = torch.rand(N, device=dev) < acc
-    if tree.q is None:  # only the first hit among siblings counts: later ones were never tried
-        hit = hit & ~(sib_before & hit[None, :]).any(-1)
-    path, L, best = best_path(tree, hit)
-    children = (tree.parents == best) & tree.valid  # all tried and rejected (or none)
-    p = probs.index_select(0, best.view(1))[0]
-    if tree.q is None:
-        drop = torch.zeros_like(p).scatter_reduce(0, tree.tokens, children.float(), "amax")
-        res = p * (1.0 - drop)
-    else:
-        res = torch.where(children.any(), (p - tree.q.index_select(0, best.view(1))[0]).clamp(min=0), p)
-    res = torch.where(res.sum() > 0, res, p)  # numerical guard: never sample from an all-zero residual
-    return path, L, sample_from(res)  # exponential race is scale-invariant: no renormalisation needed
-
-
 # ---------------------------------------------------------------- the engine
 
 class Engine:
@@ -293,8 +192,8 @@ class Engine:
             self.decode_fn = torch.compile(self._decode_one, mode="reduce-overhead" if cuda else None,
                                            fullgraph=True, dynamic=False, backend=backend)
             if cuda:  # explicit capture of the eager steps: robust with the copy-stream fork/join inside
-                self.verify_step = Graphed(self._spec_verify, True)
-                self.advance_step = Graphed(self._spec_advance, True)
+                self.verify_step = Graphed(self._spec_verify)
+                self.advance_step = Graphed(self._spec_advance)
             else:
                 self.verify_step = torch.compile(self._spec_verify, fullgraph=True, dynamic=False, backend=backend)
                 self.advance_step = torch.compile(self._spec_advance, fullgraph=True, dynamic=False, backend=backend)
@@ -413,9 +312,8 @@ class Engine:
     # drafter update + vocabulary update + the next draft. Between them sits the step's one host sync.
 
     def _spec_verify(self, tokens, parents, depth, anc, valid, q, n, max_depth: int):
-        from draft import EagleDrafter, Tree
         d = self.drafter
-        tree = Tree(tokens, parents, depth, anc, valid, q, max_depth)
+        tree = dr.Tree(tokens, parents, depth, anc, valid, q, max_depth)
         logits, hid, aux = self._verify(tokens, depth, anc, n)
         logits = logits[0]  # [N, V]
         if self.sampling.greedy:
@@ -424,7 +322,7 @@ class Engine:
             path, L, bonus = accept_sample(tree, logits_to_probs(logits, self.sampling))
         self.model.compact_kv(n + path, n)
         host = torch.cat([L.view(1), tokens[path], bonus.view(1)])  # what the host needs, read in one sync
-        feats = (aux if d.version == 3 else hid).index_select(1, path) if isinstance(d, EagleDrafter) else None
+        feats = (aux if d.version == 3 else hid).index_select(1, path) if isinstance(d, dr.EagleDrafter) else None
         vocab = d.vocab
         ver = torch.topk(logits.index_select(0, path), vocab.k_ver, dim=-1).indices if hasattr(vocab, "k_ver") else None
         return host, path, L, bonus, feats, ver
@@ -432,12 +330,11 @@ class Engine:
     def _spec_update(self, tokens, valid, path, L, bonus, feats, ver, n):
         """Feed the accepted path to the drafter and the candidate stream; returns the step's vocabulary
         stats (coverage hits, active size), measured before this step's append."""
-        from draft import EagleDrafter
         d, vocab, dev = self.drafter, self.drafter.vocab, tokens.device
         Dp = path.shape[0]
         nxt = torch.cat([tokens[path[1:]], bonus.view(1)])  # the token after each path node; bonus last
         nxt = torch.where(torch.arange(Dp, device=dev) == L - 1, bonus, nxt)
-        if isinstance(d, EagleDrafter):
+        if isinstance(d, dr.EagleDrafter):
             d.update(feats, nxt, L, n)
         else:
             d.update(tokens[path], L)
@@ -460,7 +357,6 @@ class Engine:
         return t.tokens, t.parents, t.depth, t.anc, t.valid, t.q, cov, act
 
     def _generate_spec(self, prompt: list[int], max_new_tokens: int, on_tokens=None) -> tuple[list[int], Stats]:
-        from draft import EagleDrafter, ModelDrafter, NgramDrafter
         m, dev, d = self.model, self.device, self.drafter
         eos = set(m.args.eos_ids)
         T = len(prompt)
@@ -479,17 +375,17 @@ class Engine:
                     step.reset()
                 self.graph_addresses = addresses
         vocab = d.vocab
-        ngram = isinstance(d, NgramDrafter)
-        st = Stats(phase_s=dict(draft=0.0, lm_head=0.0, verify=0.0, accept=0.0, update=0.0), extra=dict(exact=self.exact))
+        ngram = isinstance(d, dr.NgramDrafter)
+        st = Stats(phase_s=dict(draft=0.0, lm_head=0.0, verify=0.0, sync=0.0, update=0.0), extra=dict(exact=self.exact))
         d.lm_head_s = 0.0
         t0 = time.perf_counter()
         ptoks = torch.tensor(prompt, device=dev)
         logits, hid, aux = m(ptoks[None], torch.arange(T, device=dev), return_hidden=True)
         tok = sample(logits[:, -1], self.sampling)  # [1]
         n_dev = torch.tensor(T, device=dev)
-        if isinstance(d, EagleDrafter):
+        if isinstance(d, dr.EagleDrafter):
             d.prefill(aux if d.version == 3 else hid, torch.cat([ptoks[1:], tok]))
-        elif isinstance(d, ModelDrafter):
+        elif isinstance(d, dr.ModelDrafter):
             d.prefill(ptoks)
         else:
             d.prefill(prompt)
@@ -527,7 +423,7 @@ class Engine:
             emitted = host[2:1 + Lh] + [host[-1]]
             t2 = time.perf_counter()
             st.phase_s["verify"] += t1 - ts
-            st.phase_s["accept"] += t2 - t1
+            st.phase_s["sync"] += t2 - t1  # the step's one host sync (accepted length and tokens)
             if ngram:
                 d.update(emitted)
             elif fused:
@@ -577,18 +473,16 @@ class Graphed:
     the real state); the second captures fn (capture records kernels without running them) and replays it,
     so every call executes fn exactly once and state-mutating steps stay correct. Tensor inputs are copied
     into the graph's static buffers; the returned tensors are the graph's own outputs, valid until its next
-    replay (callers consume them within the step). With enabled=False (CPU) fn is called directly."""
+    replay (callers consume them within the step)."""
 
-    def __init__(self, fn, enabled: bool):
-        self.fn, self.enabled, self.graphs, self.seen = fn, enabled, {}, set()
+    def __init__(self, fn):
+        self.fn, self.graphs, self.seen = fn, {}, set()
 
     def reset(self):
         self.graphs.clear()
         self.seen.clear()
 
     def __call__(self, *args):
-        if not self.enabled:
-            return self.fn(*args)
         key = tuple((tuple(a.shape), a.dtype) if torch.is_tensor(a) else a for a in args)
         if key not in self.graphs:
             if key not in self.seen:
@@ -682,7 +576,6 @@ def read_prompt(arg: str | None) -> str:
 
 
 def build_engine(args):
-    from download import resolve_checkpoint
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     try:
@@ -707,9 +600,6 @@ def build_engine(args):
 
 def build_drafter(args, model: Transformer, tok: "Tokenizer", sampling: Sampling):
     """--draft none|ngram|PATH (EAGLE-1/2, EAGLE-3 head or independent draft model, detected from the folder)."""
-    from download import resolve_checkpoint
-    import draft as dr
-    from vocab import make_vocab
     if args.draft is None:  # out of the box: the default model drafts with its shipped EAGLE-3 head + NanoSpec
         shipped = args.checkpoint is None and (DEFAULT_HEAD / "config.json").is_file()
         args.draft = str(DEFAULT_HEAD) if shipped else "none"
@@ -809,7 +699,6 @@ def chat_loop(engine: Engine, tok: Tokenizer, args) -> int:
 
 
 def main(argv=None) -> int:
-    from download import CheckpointError
     args = parse_args(argv)
     try:
         return run(args)

@@ -381,8 +381,6 @@ def load_state_dict(files, dtype, device, strip_prefix: str = "") -> dict:
                     name = k[len(strip_prefix):] if strip_prefix and k.startswith(strip_prefix) else k
                     t = fh.get_tensor(k)
                     sd[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-        except ModelError:
-            raise
         except Exception as e:  # safetensors raises several types for corrupt files
             raise ModelError(f"cannot read {f}: {str(e).splitlines()[0]}") from None
     return sd

@@ -110,23 +110,6 @@ def test_greedy_lossless_every_vocab(tiny, tmp_path, vocab_spec, ablation, kind)
         assert 0.0 <= st.extra["vocab_coverage"] <= 1.0
 
 
-def test_accept_greedy_handcrafted():
-    # root(0) -> 1 (a), 2 (b); 1 -> 3 (c); 3 -> 4 (d); 2 -> 5 (e)
-    parents = torch.tensor([-1, 0, 0, 1, 3, 2])
-    tokens = torch.tensor([9, 1, 2, 3, 4, 5])
-    depth = torch.tensor([0, 1, 1, 2, 3, 2])
-    tree = dr.Tree(tokens, parents, depth, dr.ancestor_mask(parents, 3), torch.ones(6, dtype=torch.bool), None, 3)
-    V = 10
-    pred = torch.tensor([1, 3, 7, 8, 0, 0])  # root->1 ok, 1->3 ok, 3->8 (draft had 4): stop at node 3
-    logits = torch.nn.functional.one_hot(pred, V).float()
-    path, L, bonus = accept_greedy(tree, logits)
-    assert int(L) == 3 and path[:3].tolist() == [0, 1, 3] and int(bonus) == 8
-    pred[0] = 2  # root->2 ok, 2->5 needs pred[2] == 5
-    pred[2] = 5
-    path, L, bonus = accept_greedy(tree, torch.nn.functional.one_hot(pred, V).float())
-    assert int(L) == 3 and path[:3].tolist() == [0, 2, 5] and int(bonus) == int(pred[5])
-
-
 def test_ancestor_mask_and_tree_invariants(tiny):
     m = target(tiny[0])
     d = make_drafter("eagle3", tiny, m, topk=4, depth=4, nodes=25)
@@ -223,7 +206,7 @@ def test_sampler_catches_a_biased_acceptance(tmp_path, monkeypatch):
 
 
 def accept_sample_biased(tree, probs):
-    from generate import best_path, sample_from
+    from sampling import best_path, sample_from
     hit = torch.zeros_like(tree.valid)
     hit[1] = True  # the first child is always accepted, whatever the target says
     path, L, best = best_path(tree, hit)
@@ -343,7 +326,7 @@ def test_graph_capture_plumbing_on_cpu(tiny, monkeypatch):
 
         monkeypatch.setattr(g.Graphed, "_capture", capture)
         eng.graphs, eng.fused_steps, eng.max_seq = True, True, 160
-        eng.verify_step, eng.advance_step = g.Graphed(eng._spec_verify, True), g.Graphed(eng._spec_advance, True)
+        eng.verify_step, eng.advance_step = g.Graphed(eng._spec_verify), g.Graphed(eng._spec_advance)
         for i, p in enumerate(PROMPTS):
             ref = autoregressive(m, p, 30)
             assert eng.generate(p, 30)[0] == ref, kind

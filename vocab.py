@@ -14,7 +14,7 @@ reduced vocabulary maps its ids through d2t itself):
 
 FullVocab    every row (the baseline).
 FreqVocab    FR-Spec: a fixed top-K frequency subset, rows packed once.
-NanoSpecVocab  the dynamic window of DESIGN.md section 3.
+NanoSpecVocab  the dynamic window (README, "How NanoSpec works here").
 
 CLI:  python vocab.py build-freq --tokenizer tokenizer.json --corpus FILE --out freq.pt
 """

@@ -1,0 +1,112 @@
+"""Sampling and acceptance: temperature / top-k / top-p, sync-free draws, and the speculative acceptance rules
+(greedy longest path; the lossless sampled rule). Shared by the engine (generate.py) and the drafters
+(draft.py), which import it without importing each other."""
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int):
+        if self.temperature < 0 or self.temperature != self.temperature:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        self.top_k = min(self.top_k, vocab_size)
+
+
+def logits_to_probs(logits: Tensor, s: Sampling) -> Tensor:
+    """[..., V] logits -> [..., V] fp32 probabilities after temperature, top-k and top-p (static shapes)."""
+    logits = logits.float() / max(s.temperature, 1e-5)
+    if s.top_k:
+        kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if s.top_p < 1.0:
+        sp, si = torch.sort(probs, dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = (sp.cumsum(-1) - sp) >= s.top_p
+        sp = sp.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, si, sp)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_from(probs: Tensor) -> Tensor:
+    # Exponential-race (Gumbel-max) sampling: argmax(p / E) with E ~ Exp(1) is an exact draw from p
+    # and, unlike torch.multinomial, never syncs with the host.
+    q = torch.empty_like(probs).exponential_(1)
+    return torch.argmax(probs / q, dim=-1)
+
+
+def sample(logits: Tensor, s: Sampling) -> Tensor:
+    if s.greedy:
+        return torch.argmax(logits, dim=-1)
+    return sample_from(logits_to_probs(logits, s))
+
+
+# ---------------------------------------------------------------- speculative acceptance
+
+def best_path(tree, correct: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """correct [N] bool (is node i the target's choice given its parent) -> (path [D+1] node ids, L 0-dim
+    accepted nodes incl. the root, best node). Static shapes: entries of path past L are padding."""
+    correct = correct & tree.valid
+    correct[0] = True
+    ok = ~(tree.anc & ~correct[None, :]).any(-1)  # every node on the root path is correct
+    best = torch.argmax(torch.where(ok, tree.depth, -1))
+    levels = torch.arange(tree.max_depth + 1, device=correct.device)
+    # index_select with a 1-element tensor (not t[best]) keeps the index on device for tracing
+    on_path = tree.anc.index_select(0, best.view(1)) & (tree.depth[None, :] == levels[:, None])  # [D+1, N]
+    return torch.argmax(on_path.int(), dim=-1), tree.depth.index_select(0, best.view(1))[0] + 1, best
+
+
+def accept_greedy(tree, logits: Tensor):
+    """logits [N, V] -> (path, L, bonus): the longest path whose tokens equal the target argmax."""
+    pred = torch.argmax(logits, dim=-1)  # [N]
+    correct = tree.tokens == pred[tree.parents.clamp(min=0)]
+    path, L, best = best_path(tree, correct)
+    return path, L, pred.index_select(0, best.view(1))[0]
+
+
+def accept_sample(tree, probs: Tensor):
+    """probs [N, V] target distributions (after temperature/top-k/top-p) -> (path, L, bonus), exact in
+    distribution. Deterministic proposals (tree.q None): siblings are tried in rank order, x accepted with
+    its residual probability p(x) / (1 - sum of rejected siblings' p), rejected mass removed; the bonus is
+    drawn from what remains. Sampled chains (tree.q): accept with min(1, p/q), residual max(0, p - q)."""
+    N, dev = tree.tokens.shape[0], probs.device
+    par = tree.parents.clamp(min=0)
+    p_par = probs[par]  # [N, V] the target distribution each node was proposed under
+    px = p_par.gather(1, tree.tokens[:, None])[:, 0] * tree.valid  # [N]
+    ar = torch.arange(N, device=dev)
+    if tree.q is None:
+        sib_before = (tree.parents[None, :] == tree.parents[:, None]) & (ar[None, :] < ar[:, None])
+        rejected_mass = (sib_before.float() * px[None, :]).sum(-1)
+        acc = px / (1.0 - rejected_mass).clamp(min=1e-20)
+    else:
+        qx = tree.q[par].gather(1, tree.tokens[:, None])[:, 0]
+        acc = px / qx.clamp(min=1e-20)
+    hit = torch.rand(N, device=dev) < acc
+    if tree.q is None:  # only the first hit among siblings counts: later ones were never tried
+        hit = hit & ~(sib_before & hit[None, :]).any(-1)
+    path, L, best = best_path(tree, hit)
+    children = (tree.parents == best) & tree.valid  # all tried and rejected (or none)
+    p = probs.index_select(0, best.view(1))[0]
+    if tree.q is None:
+        drop = torch.zeros_like(p).scatter_reduce(0, tree.tokens, children.float(), "amax")
+        res = p * (1.0 - drop)
+    else:
+        res = torch.where(children.any(), (p - tree.q.index_select(0, best.view(1))[0]).clamp(min=0), p)
+    res = torch.where(res.sum() > 0, res, p)  # numerical guard: never sample from an all-zero residual
+    return path, L, sample_from(res)  # exponential race is scale-invariant: no renormalisation needed
