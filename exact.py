@@ -11,13 +11,16 @@ activation, and exact attention (model.exact_attention, at the request's KV leng
 time at two different offsets, and compares the bits with the same rows computed in passes of REF rows.
 A size that agrees gives each row exactly the bits it gets in a REF-row pass, so any two agreeing sizes give
 each other's bits: the engine pads every pass after the prefill (decode steps and tree verification) to the
-smallest agreeing size. Answers are cached on disk per CPU, torch version, thread count and shape, so each
-is computed once per machine (well under a second).
+smallest size at which the GEMMs, norm and activation agree, and exact attention's query rows (copies of the
+last row, cheap next to the GEMMs) further to the smallest size at which attention agrees. Answers are cached
+on disk per CPU, torch version, thread count and shape, so each is computed once per machine (well under a
+second).
 """
 import json
 import os
 import platform
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -61,15 +64,20 @@ def rows_agree(fn, x: torch.Tensor, r: int) -> bool:
     return all(torch.equal(fn(x[o:o + r]), ref[o:o + r]) for o in (0, SHIFT))
 
 
+class PassRows(NamedTuple):
+    gemm: int  # rows of the pass's GEMMs, norms and activations: the tokens, padded
+    attn: int  # query rows of exact attention (>= gemm), padded with copies of the last row
+
+
 class Invariance:
-    """The target's row-invariance answers on this machine: `pass_rows(n, S)` -> rows to pad a pass of n
-    rows to at KV length S, or None when no size up to MAX_ROWS agrees (exact mode is then unavailable)."""
+    """The target's row-invariance answers on this machine: `pass_rows(n, S)` -> PassRows to pad a pass of
+    n tokens to at KV length S, or None when no size up to MAX_ROWS agrees (exact mode is then unavailable)."""
 
     def __init__(self, model: Transformer, path: Path | None = None):
         self.model, self.path = model, path or cache_file()
         self.machine = machine_id()
         self.answers = self._load()
-        self.memo = {}  # (n, S) -> pass_rows
+        self.memo = {}  # (n, S) -> PassRows or None
 
     def _load(self) -> dict:
         try:
@@ -91,13 +99,18 @@ class Invariance:
         except OSError:
             pass  # a read-only home only costs a re-check next time
 
-    def pass_rows(self, n: int, S: int) -> int | None:
+    def pass_rows(self, n: int, S: int) -> PassRows | None:
         if (n, S) not in self.memo:
-            self.memo[n, S] = next((r for r in LADDER if r >= n and self.agrees(r, S)), None)
+            R = next((r for r in LADDER if r >= n and self.gemm_agrees(r)), None)
+            A = None if R is None else next((r for r in LADDER if r >= R and self.attn_agrees(r, S)), None)
+            self.memo[n, S] = None if A is None else PassRows(R, A)
         return self.memo[n, S]
 
-    def agrees(self, r: int, S: int) -> bool:
-        return all(self._answer(key, r, check) for key, check in self._checks(S))
+    def gemm_agrees(self, r: int) -> bool:
+        return all(self._answer(key, r, check) for key, check in self._gemm_checks())
+
+    def attn_agrees(self, r: int, S: int) -> bool:
+        return all(self._answer(key, r, check) for key, check in self._attn_checks(S))
 
     def _answer(self, key: str, r: int, check) -> bool:
         k = f"{key} r={r}"
@@ -107,16 +120,17 @@ class Invariance:
             self._save()
         return self.answers[k]
 
-    def _checks(self, S: int):
-        """(cache key, check(r) -> bool) for every row-mixing operation of a target pass."""
+    def _randn(self):
+        p = self.model.lm_head.weight
+        g = torch.Generator(device="cpu").manual_seed(0)
+        return lambda *shape, dtype=p.dtype: torch.randn(*shape, generator=g).to(device=p.device, dtype=dtype)
+
+    def _gemm_checks(self):
+        """(cache key, check(r) -> bool) for the GEMMs, the norm and the activation of a target pass."""
         m = self.model
         a, layer = m.args, m.layers[0]
-        p = m.lm_head.weight
-        dev, dt = p.device, p.dtype
-        g = torch.Generator(device="cpu").manual_seed(0)
-
-        def randn(*shape, dtype=dt):
-            return torch.randn(*shape, generator=g).to(device=dev, dtype=dtype)
+        dt = m.lm_head.weight.dtype
+        randn = self._randn()
 
         def rows(r):
             return max(REF, r + SHIFT)
@@ -131,8 +145,11 @@ class Invariance:
         norm, D, I = layer.input_layernorm, a.dim, a.intermediate_size
         yield f"rmsnorm {str(dt)[6:]} {D}", lambda r: rows_agree(norm, randn(rows(r), D), r)
         yield f"silu-mul {str(dt)[6:]} {I}", lambda r: rows_agree(lambda x: F.silu(x[:, :I]) * x[:, I:], randn(rows(r), 2 * I), r)
-        yield f"exact-attention {str(kv_dtype(dt, dev))[6:]} H{a.n_heads}/{a.n_kv_heads} hd{a.head_dim} S{S}", \
-            lambda r: self._attention_agrees(r, S, randn)
+
+    def _attn_checks(self, S: int):
+        a, p = self.model.args, self.model.lm_head.weight
+        yield f"exact-attention {str(kv_dtype(p.dtype, p.device))[6:]} H{a.n_heads}/{a.n_kv_heads} hd{a.head_dim} S{S}", \
+            lambda r: self._attention_agrees(r, S, self._randn())
 
     def _attention_agrees(self, r: int, S: int, randn) -> bool:
         a = self.model.args

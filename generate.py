@@ -15,7 +15,7 @@ from torch import Tensor
 
 import draft as dr
 from download import CheckpointError, resolve_checkpoint
-from exact import MAX_ROWS, Invariance, machine_id
+from exact import MAX_ROWS, Invariance, PassRows, machine_id
 from model import RECENT, ModelError, Transformer, causal_recent, load_model
 from sampling import Sampling, accept_greedy, accept_sample, logits_to_probs, sample
 from vocab import make_vocab
@@ -176,7 +176,7 @@ class Engine:
         self.exact_requested = exact
         self.invariance = Invariance(model) if exact is not False and not cuda else None
         self.exact = False  # decided per request (plan): the attention check depends on the KV length
-        self.R_dec = self.R_ver = 1  # rows of the decode and verify passes of the current request
+        self.R_dec = self.R_ver = PassRows(1, 1)  # rows of the decode and verify passes of the current request
         if drafter is not None and exact and getattr(drafter, "depth", 0) >= RECENT and hasattr(drafter, "nodes"):
             raise UsageError(f"--tree-depth must be below {RECENT} (exact tree verification), got {drafter.depth}")
         # CUDA graphs need fixed buffer addresses: one KV cache of max_seq slots for every request
@@ -203,13 +203,13 @@ class Engine:
         mods = [self.model] + [getattr(self.drafter, a, None) for a in ("head", "model")]
         return tuple(b.data_ptr() for mod in mods if isinstance(mod, torch.nn.Module) for b in mod.buffers())
 
-    def plan(self, T: int, max_new: int, n: int) -> tuple[int, int]:
-        """(KV slots S, rows R of each target pass after the prefill) for a request whose passes carry at most
+    def plan(self, T: int, max_new: int, n: int) -> tuple[int, PassRows]:
+        """(KV slots S, rows of each target pass after the prefill) for a request whose passes carry at most
         n tokens; decides self.exact. Exact mode sizes the cache without the drafter's margin, so that
         autoregressive and speculative runs attend over the same KV length (one kernel class), and pads passes
         to the smallest size that this machine keeps row-invariant at that length (exact.py)."""
         limit = self.model.args.max_position_embeddings
-        S, R = cache_len(T, max_new, n + 1, limit), n  # raises when even the plain request does not fit
+        S, R = cache_len(T, max_new, n + 1, limit), PassRows(n, n)  # raises when even the plain request does not fit
         fixed = self.max_seq if self.graphs else None  # one cache size for every request: no re-capture per length
         if fixed is not None:
             if T + max_new + n + 1 > fixed:
@@ -221,17 +221,17 @@ class Engine:
         if exact and n <= MAX_ROWS:
             Se = fixed or min(limit, -(-(T + max_new + MAX_ROWS) // 128) * 128)
             Re = self.invariance.pass_rows(n, Se)
-            if Re is not None and T + max_new + Re + 1 <= Se:
+            if Re is not None and T + max_new + Re.attn + 1 <= Se:
                 self.exact, S, R = True, Se, Re
         if self.exact_requested and not self.exact:
             raise UsageError(f"--exact: no target pass of {n} to {MAX_ROWS} rows gives every row the same bits on this "
                              f"CPU ({machine_id()}); use --no-exact")
         return S, R
 
-    def rows(self, n: int, S: int) -> int:
+    def rows(self, n: int, S: int) -> PassRows:
         """Rows to pad a pass of n tokens to, in this request's mode (plan)."""
         if not self.exact:
-            return n
+            return PassRows(n, n)
         R = self.invariance.pass_rows(n, S)
         if R is None:
             raise UsageError(f"--exact: no target pass of {n} rows is row-invariant on this CPU; use --no-exact")
@@ -241,9 +241,10 @@ class Engine:
         # tok [1, 1], pos [1] -> next token [1] (sampled on device). Padded to R_dec rows (exact mode, see
         # plan) so every row gets the bits a tree verification gives it: the pad rows write KV slots past
         # the prefix, which the next step overwrites before anything attends to them.
-        R = self.R_dec
+        R = self.R_dec.gemm
         p = pos + torch.arange(R, device=pos.device)
-        logits = self.model(tok.expand(1, R), p, recent=causal_recent(p) if self.exact else None)[:, 0]
+        logits = self.model(tok.expand(1, R), p, recent=causal_recent(p) if self.exact else None,
+                            attn_rows=self.R_dec.attn)[:, 0]
         return sample(logits, self.sampling)
 
     def _verify(self, tokens: Tensor, depth: Tensor, anc: Tensor, n: Tensor):
@@ -251,7 +252,7 @@ class Engine:
         # Pad nodes up to R_ver rows (exact mode, see plan) see only themselves.
         m = self.model
         N = tokens.shape[0]
-        R = max(self.R_ver, N)
+        R = max(self.R_ver.gemm, N)
         if N < R:
             P = R - N
             tokens = torch.cat([tokens, tokens.new_zeros(P)])
@@ -261,7 +262,7 @@ class Engine:
         mask = tree_mask(m.seq_range, anc, n)
         recent = tree_recent(anc, depth, n) if self.exact else None
         logits, hid, aux = m(tokens[None], n + depth, mask=mask, cache_pos=n + torch.arange(tokens.shape[0], device=n.device),
-                             return_hidden=True, recent=recent)
+                             return_hidden=True, recent=recent, attn_rows=max(self.R_ver.attn, R))
         return logits[:, :N], hid[:, :N], (aux[:, :N] if aux is not None else None)
 
     def warmup(self):

@@ -165,9 +165,14 @@ def causal_recent(input_pos: Tensor, W: int = RECENT) -> Tensor:
     return torch.where(j >= 0, j, -1)
 
 
-def exact_plan(input_pos: Tensor, recent: Tensor, seq_range: Tensor, n_groups: int) -> tuple:
+def exact_plan(input_pos: Tensor, recent: Tensor, seq_range: Tensor, n_groups: int, rows: int | None = None) -> tuple:
     """What every layer's exact_attention shares, built once per forward: the flash half's additive mask
-    [g*T, S] (keys at positions < input_pos - W + 1), its emptiness [T], and the recent half's slots."""
+    [g*T', S] (keys at positions < input_pos - W + 1), its emptiness [T'], and the recent half's slots.
+    rows: attention's own pass size T' >= T (exact.py), reached with copies of the last row."""
+    T = input_pos.shape[0]
+    if rows is not None and rows > T:  # the attention kernels may need more rows than the GEMMs (exact.py)
+        input_pos = torch.cat([input_pos, input_pos[-1:].expand(rows - T)])
+        recent = torch.cat([recent, recent[-1:].expand(rows - T, -1)])
     W = recent.shape[1]
     split = input_pos - (W - 1)  # [T]
     mask = torch.zeros(input_pos.shape[0], seq_range.shape[0], device=input_pos.device)
@@ -178,7 +183,10 @@ def exact_plan(input_pos: Tensor, recent: Tensor, seq_range: Tensor, n_groups: i
 def exact_attention(q: Tensor, k: Tensor, v: Tensor, plan: tuple) -> Tensor:
     """q [B, H, T, hd]; k, v [B, Hkv, S, hd] fp32; plan from exact_plan -> [B, H, T, hd]."""
     mask, has_flash, idx, pad = plan
-    B, H, T, hd = q.shape
+    B, H, T0, hd = q.shape
+    T = has_flash.shape[0]  # the plan's rows: the query rows past T0 are copies of the last one
+    if T > T0:
+        q = torch.cat([q, q[:, :, -1:].expand(B, H, T - T0, hd)], 2)
     Hkv, W = k.shape[1], pad.shape[-1]
     g = H // Hkv
     scale = hd ** -0.5
@@ -201,7 +209,7 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, plan: tuple) -> Tensor:
     # vectorised body and scalar tail, which would make a row's result depend on T again)
     m = torch.maximum(la, lb)
     wa, wb = torch.exp(la - m)[..., None], torch.exp(lb - m)[..., None]
-    return ((wa * oa + wb * ob) / (wa + wb)).reshape(B, H, T, hd)
+    return ((wa * oa + wb * ob) / (wa + wb)).reshape(B, H, T, hd)[:, :, :T0]
 
 
 class Attention(nn.Module):
@@ -299,13 +307,14 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: Tensor, input_pos: Tensor, mask: Tensor | None = None,
                 cache_pos: Tensor | None = None, return_hidden: bool = False, compute_logits: bool = True,
-                recent: Tensor | None = None):
+                recent: Tensor | None = None, attn_rows: int | None = None):
         """tokens [B, T]; input_pos [T] RoPE positions (or [B, T] per row, e.g. left-padded batches);
         cache_pos [T] KV slots (default input_pos, which must then be [T]);
         mask [T, S] or [B, 1, T, S] bool over the whole cache (default causal).
         Returns logits [B, T, V], or (logits, hidden [B, T, D] final-normed, aux [B, T, len(aux)*D] or None);
         compute_logits=False skips the LM head (logits None) for callers that project a sub-vocabulary;
-        recent [T, RECENT] (CPU, input_pos [T]) switches to exact_attention with these recent-key slots."""
+        recent [T, RECENT] (CPU, input_pos [T]) switches to exact_attention with these recent-key slots, over
+        attn_rows query rows (padded with copies of the last one; exact.py)."""
         if cache_pos is None:
             cache_pos = input_pos
         if mask is None:
@@ -313,7 +322,8 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, hd] or [B, T, hd]
         if input_pos.dim() == 2:
             cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
-        exact = None if recent is None else exact_plan(input_pos, recent, self.seq_range, self.args.n_heads // self.args.n_kv_heads)
+        exact = None if recent is None else exact_plan(input_pos, recent, self.seq_range,
+                                                        self.args.n_heads // self.args.n_kv_heads, attn_rows)
         x = self.embed_tokens(tokens)  # [B, T, D]
         aux = {}
         for i, layer in enumerate(self.layers):

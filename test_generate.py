@@ -8,7 +8,7 @@ import torch
 
 import draft as dr
 from conftest import write_eagle_head, write_tiny_hf
-from exact import Invariance
+from exact import Invariance, PassRows
 from generate import Engine, Sampling, accept_greedy, accept_sample, logits_to_probs, main
 from model import causal_recent, load_model
 from test_exact import fault_small_passes
@@ -229,7 +229,7 @@ def test_cli_says_whether_it_is_exact(tiny, capsys, monkeypatch):
     for flags, exact in (([], False), (["--exact"], True), (["--no-exact"], False)):
         assert main(base + flags) == 0
         assert json.loads(capsys.readouterr().out)["exact"] is exact, flags
-    monkeypatch.setattr(Invariance, "agrees", lambda self, r, S: False)  # a CPU whose kernels fail the check
+    monkeypatch.setattr(Invariance, "gemm_agrees", lambda self, r: False)  # a CPU whose kernels fail the check
     assert main(base + ["--exact"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --exact") and "\n" not in err
@@ -349,14 +349,14 @@ def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trus
     if cache:  # a faulty model must not share the machine's answers for healthy kernels of its shapes
         e.invariance = Invariance(m, cache)
     if trust_all:  # the control: take every pass size as row-invariant without asking the machine
-        e.invariance.agrees = lambda r, S: True
+        e.invariance.gemm_agrees = e.invariance.attn_agrees = lambda r, S=None: True
     p = torch.tensor(PROMPTS[2] * 3)
     T = len(p)
     S, e.R_ver = e.plan(T, 8, nodes)
     e.R_dec = e.rows(1, S)
     assert e.exact
     if plain_sdpa:
-        e.exact, e.R_ver, e.R_dec = False, nodes, 1
+        e.exact, e.R_ver, e.R_dec = False, PassRows(nodes, nodes), PassRows(1, 1)
     m.setup_caches(1, S)
     d.setup(S)
     with torch.no_grad():
@@ -371,9 +371,9 @@ def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trus
             chain = sorted(torch.nonzero(tree.anc[i])[:, 0].tolist(), key=lambda j: int(tree.depth[j]))
             m(p[None], torch.arange(T))  # same prefix KV; later slots are rewritten before being read
             for t, j in enumerate(chain):  # autoregressive decode steps, as Engine._decode_one runs them
-                pos = T + t + torch.arange(e.R_dec)
-                out = m(tree.tokens[j].view(1, 1).expand(1, e.R_dec), pos,
-                        recent=causal_recent(pos) if e.exact else None)[0, 0]
+                pos = T + t + torch.arange(e.R_dec.gemm)
+                out = m(tree.tokens[j].view(1, 1).expand(1, e.R_dec.gemm), pos,
+                        recent=causal_recent(pos) if e.exact else None, attn_rows=e.R_dec.attn)[0, 0]
             same.append(torch.equal(out, tree_logits[i]))
     return same
 
