@@ -38,7 +38,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import re
 import shlex
 import statistics
@@ -52,6 +51,9 @@ import torch.nn.functional as F
 
 import draft as dr
 import generate
+import kernels
+from download import CheckpointError, resolve_checkpoint
+from exact import machine_id
 from generate import Engine, Tokenizer, UsageError
 from model import ModelArgs, ModelError, Transformer, load_model
 from sampling import Sampling, logits_to_probs, sample_from
@@ -1148,7 +1150,6 @@ def latency_mode(args, log) -> int:
         ns.wait()
     # eager only: the update forks onto the copy stream, which a graph capture of one call does not model
     add(f"nanospec update ({N}+{(D + 1) * args.k_ver} appended ids, incl. gather)", upd, graph=False)
-    import kernels
     rows_buf = torch.zeros(W_max, a.dim, device=dev, dtype=dtype)
     nnew = max(1, (N + (D + 1) * args.k_ver) // 10)
     gt = torch.randint(0, a.vocab_size, (nnew,), generator=g).to(dev)
@@ -1264,7 +1265,6 @@ def run(args, log) -> int:
     dr.check_tree_budget(args.tree_topk, args.tree_depth, args.tree_nodes)
     if args.latency:
         return latency_mode(args, log)
-    from download import resolve_checkpoint
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     dev = torch.device(args.device)
@@ -1436,7 +1436,7 @@ def run(args, log) -> int:
         args.shape, a6.vocab_size, a6.dim, args.w_max, [8192, 16384, 32768, 65536])
     settings = {
         "model": f"{model_name} ({path})", "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else
-                                                               f" ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"),
+                                                               f" ({machine_id()}, {os.cpu_count()} cores)"),
         "torch threads": torch.get_num_threads(), "dtype": args.dtype, "compile": args.compile, "torch": torch.__version__,
         "workload": f"{args.questions or 'built-in prompts'}: {len(questions)} questions, {n_gen} generations per "
                     f"method, tasks {', '.join(tasks)}" + (f", limit {args.limit} per task" if args.limit else ""),
@@ -1485,7 +1485,6 @@ def print_summary(S, methods, tasks, mismatches, warnings, md_path):
 
 
 def main(argv=None) -> int:
-    from download import CheckpointError
     args = parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)
     log = lambda s: print(s, file=sys.stderr, flush=True)

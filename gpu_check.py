@@ -19,6 +19,14 @@ from pathlib import Path
 
 import torch
 
+import bench
+import draft as dr
+import kernels
+from download import resolve_checkpoint
+from generate import Engine, Tokenizer
+from model import load_model
+from vocab import make_vocab
+
 REPO = Path(__file__).resolve().parent
 HEAD = REPO / "heads" / "SmolLM2-135M-Instruct-eagle3"
 PROMPTS = ["What is the capital of France?", "Write a Python function that checks whether a number is prime.",
@@ -26,7 +34,6 @@ PROMPTS = ["What is the capital of France?", "Write a Python function that check
 
 
 def check_kernel(rows_out):
-    import kernels
     ok_all = True
     g = torch.Generator(device="cpu").manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16):
@@ -49,10 +56,6 @@ def check_kernel(rows_out):
 
 def engines(path, device, dtype, compile, head_path):
     """(name, Engine) for every method on one loaded target."""
-    import draft as dr
-    from generate import Engine, Tokenizer
-    from model import load_model
-    from vocab import make_vocab
     m = load_model(path, dtype=dtype, device=device)
     out = [("autoregressive", Engine(m, compile=compile, max_seq=1024)),
            ("ngram", Engine(m, compile=compile, drafter=dr.NgramDrafter(10, 1, 3, static=compile), max_seq=1024))]
@@ -94,11 +97,9 @@ def main():
         print("error: gpu_check.py needs a CUDA GPU", file=sys.stderr)
         return 2
     t_start = time.perf_counter()
-    from download import resolve_checkpoint
     path = resolve_checkpoint(None)
     head = HEAD
     if not (head / "config.json").is_file():  # no trained head in this checkout: a random one checks equality
-        import bench
         head = bench.write_random_eagle3(REPO / "results" / "cache" / "random_eagle3",
                                          json.loads((path / "config.json").read_text()))
     rows, ok = [], True
@@ -140,7 +141,6 @@ def main():
     del x, y
     rows.append(["device-to-device copy bandwidth", "read + write", f"{copy_bw:.0f} GB/s", ""])
 
-    import bench
     argv = ["--latency", "--shape", "llama3.1-8b", "--device", "cuda", "--out", args.out,
             "--latency-iters", "20" if args.quick else "50"]
     bargs = bench.parse_args(argv)
@@ -165,7 +165,6 @@ def main():
 @torch.no_grad()
 def gather_overlap(lat) -> str:
     """Time the draft backbone alone and with one step's gather issued on the copy stream in parallel."""
-    import kernels
     d, V, W, n = 4096, 128256, 3072, 60
     weight = torch.randn(V, d, device="cuda", dtype=torch.bfloat16)
     rows = torch.zeros(W, d, device="cuda", dtype=torch.bfloat16)
