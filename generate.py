@@ -218,14 +218,17 @@ class Engine:
         self.exact = False
         exact = self.invariance is not None and (self.drafter is None or getattr(self.drafter, "depth", 0) < RECENT
                                                  or not hasattr(self.drafter, "nodes"))
+        Re = None
         if exact and n <= MAX_ROWS:
             Se = fixed or min(limit, -(-(T + max_new + MAX_ROWS) // 128) * 128)
             Re = self.invariance.pass_rows(n, Se)
             if Re is not None and T + max_new + Re.attn + 1 <= Se:
                 self.exact, S, R = True, Se, Re
         if self.exact_requested and not self.exact:
-            raise UsageError(f"--exact: no target pass of {n} to {MAX_ROWS} rows gives every row the same bits on this "
-                             f"CPU ({machine_id()}); use --no-exact")
+            why = (f"a pass of {n} tokens is more than exact mode's {MAX_ROWS} rows" if n > MAX_ROWS else
+                   f"no target pass of {n} to {MAX_ROWS} rows gives every row the same bits on this CPU ({machine_id()})"
+                   if Re is None else "the padded passes do not fit the model's context")
+            raise UsageError(f"--exact: {why}; use --no-exact")
         return S, R
 
     def rows(self, n: int, S: int) -> PassRows:
