@@ -173,12 +173,14 @@ class Engine:
         # output up to floating-point near-ties (as in vLLM and SGLang).
         if exact and cuda:
             raise UsageError("--exact is CPU-only (CUDA kernels are not batch invariant)")
+        # exact tree verification gathers each node's last RECENT keys: trees must be shallower (chains need not)
+        too_deep = getattr(drafter, "depth", 0) >= RECENT and hasattr(drafter, "nodes")
+        if exact and too_deep:
+            raise UsageError(f"--tree-depth must be below {RECENT} (exact tree verification), got {drafter.depth}")
         self.exact_requested = exact
-        self.invariance = Invariance(model) if exact is not False and not cuda else None
+        self.invariance = None if exact is False or cuda or too_deep else Invariance(model)
         self.exact = False  # decided per request (plan): the attention check depends on the KV length
         self.R_dec = self.R_ver = PassRows(1, 1)  # rows of the decode and verify passes of the current request
-        if drafter is not None and exact and getattr(drafter, "depth", 0) >= RECENT and hasattr(drafter, "nodes"):
-            raise UsageError(f"--tree-depth must be below {RECENT} (exact tree verification), got {drafter.depth}")
         # CUDA graphs need fixed buffer addresses: one KV cache of max_seq slots for every request
         self.graphs = compile and cuda
         self.graph_addresses = None
@@ -216,10 +218,8 @@ class Engine:
                 raise UsageError(f"prompt of {T} tokens + {max_new} new tokens exceeds --max-seq {fixed}")
             S = fixed
         self.exact = False
-        exact = self.invariance is not None and (self.drafter is None or getattr(self.drafter, "depth", 0) < RECENT
-                                                 or not hasattr(self.drafter, "nodes"))
         Re = None
-        if exact and n <= MAX_ROWS:
+        if self.invariance is not None and n <= MAX_ROWS:
             Se = fixed or min(limit, -(-(T + max_new + MAX_ROWS) // 128) * 128)
             Re = self.invariance.pass_rows(n, Se)
             if Re is not None and T + max_new + Re.attn + 1 <= Se:
