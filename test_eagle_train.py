@@ -1,5 +1,5 @@
-"""eagle_train.py: TTT attention and its agreement with inference, the fused loss, data generation, training
-(loss down, accepted length up), export -> load round trip, resume, and one-line errors on bad input."""
+"""eagle_train.py: TTT attention and its agreement with inference, the fused loss, training (loss down, accepted
+length up), export -> load round trip, resume, and one-line errors on bad input (data tests: test_eagle_data.py)."""
 import json
 import math
 import os
@@ -12,53 +12,10 @@ import pytest
 import torch
 
 import draft as dr
+import eagle_data as ed
 import eagle_train as et
 from conftest import write_tiny_hf
-from model import load_model
-
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny matmuls: 2 OpenMP threads spin against other jobs on a shared 2-core box and run 100x slower
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
-def quiet(monkeypatch):
-    monkeypatch.setenv("EAGLE_TRAIN_QUIET", "1")
-
-
-def write_byte_tokenizer(path, eos_ids):
-    """A byte-level tokenizer (ids 0..255 = bytes, 256..258 = specials) with a ChatML template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(dict(chat_template=CHATML, eos_token="<|im_end|>")))
-    (path / "generation_config.json").write_text(json.dumps(dict(eos_token_id=eos_ids)))
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A 6-layer random target (aux layers 2, 3, 3) with its own greedy continuations as training data."""
-    root = tmp_path_factory.mktemp("eagle_train")
-    path, _ = write_tiny_hf(root / "target", num_hidden_layers=6, vocab_size=260)
-    m = load_model(path, dtype=torch.float32)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 256, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(176)]
-    recs = et.token_data(m, prompts, batch_size=32, max_new_tokens=48)
-    et.write_records(root / "train.jsonl", recs[:144], {})
-    return dict(root=root, path=path, model=m, recs=recs, eval_prompts=prompts[144:])
+from test_eagle_data import one_line_error, one_thread, quiet, tiny  # noqa: F401  (shared fixtures)
 
 
 def train_cli(tiny, out, *extra, data=None):
@@ -170,91 +127,6 @@ def test_sampled_loss_columns():
     torch.testing.assert_close(exact, same)
 
 
-# ---------------------------------------------------------------- data
-
-def test_batched_generation_equals_one_at_a_time(tiny):
-    from generate import Engine
-    m = tiny["model"]
-    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16], [40]]
-    outs = et.batch_generate(m, prompts, 20, [0.0] * 3, m.args.eos_ids)
-    for p, o in zip(prompts, outs):
-        assert o == Engine(m).generate(p, 20)[0]
-
-
-def test_sampled_rows_draw_from_the_top_candidates(tiny, monkeypatch):
-    """Mixed batch: the greedy row is unchanged by its sampled neighbour, and every sampled token is one of
-    the CAND most likely tokens of the model at that point (checked by teacher forcing)."""
-    from generate import Engine
-    m = tiny["model"]
-    monkeypatch.setattr(et, "CAND", 3)
-    prompts = [[5, 6, 7], [9, 10, 11]]
-    torch.manual_seed(0)
-    greedy, sampled = et.batch_generate(m, prompts, 16, [0.0, 1.5], [-1])
-    assert greedy == Engine(m).generate(prompts[0], 16)[0]
-    seq = prompts[1] + sampled
-    m.setup_caches(1, 64)
-    logits = m(torch.tensor([seq]), torch.arange(len(seq)))[0]
-    for j, t in enumerate(sampled):
-        assert t in logits[len(prompts[1]) - 1 + j].topk(3).indices.tolist()
-    assert len(set(sampled)) > 1
-
-
-def test_self_generated_data_is_deterministic(tmp_path):
-    path, _ = write_tiny_hf(tmp_path / "chat", num_hidden_layers=2, vocab_size=260)
-    # many stop ids so that a random model finishes its requests and answers quickly
-    write_byte_tokenizer(path, [258] + list(range(200, 256)))
-    outs = []
-    for i, seed in enumerate([1, 1, 2]):
-        out = tmp_path / f"d{i}.jsonl"
-        assert et.main(["data", "--checkpoint", str(path), "--out", str(out), "--num", "6", "--seed", str(seed),
-                        "--max-new-tokens", "12", "--request-tokens", "16", "--batch-size", "4", "--dtype", "float32",
-                        "--sampled-frac", "0.5", "--temperature", "0.8", "--min-request-chars", "2"]) == 0
-        outs.append(out.read_text())
-    assert outs[0] == outs[1] and outs[0] != outs[2]
-    recs = et.read_records(tmp_path / "d0.jsonl")
-    meta = json.loads((tmp_path / "d0.jsonl.meta.json").read_text())
-    assert meta["kind"] == "magpie" and meta["records"] == len(recs) > 0
-    from generate import Tokenizer
-    prefix = Tokenizer(path).encode("<|im_start|>user\n", add_special_tokens=False)
-    for r in recs:  # prompt = the self-written request in the chat template; span = the answer, to the end
-        assert r["ids"][:len(prefix)] == prefix and len(r["spans"]) == 1 and r["spans"][0][1] == len(r["ids"])
-    # the same command again reuses the cached file
-    before = (tmp_path / "d0.jsonl").stat().st_mtime_ns
-    et.main(["data", "--checkpoint", str(path), "--out", str(tmp_path / "d0.jsonl"), "--num", "6", "--seed", "1",
-             "--max-new-tokens", "12", "--request-tokens", "16", "--batch-size", "4", "--dtype", "float32",
-             "--sampled-frac", "0.5", "--temperature", "0.8", "--min-request-chars", "2"])
-    assert (tmp_path / "d0.jsonl").stat().st_mtime_ns == before
-
-
-def test_user_turn_prefix_is_cut_from_the_template(tmp_path):
-    path, _ = write_tiny_hf(tmp_path / "chat", num_hidden_layers=2, vocab_size=260)
-    write_byte_tokenizer(path, [258])
-    from generate import Tokenizer
-    assert et.user_turn_prefix(Tokenizer(path)) == "<|im_start|>user\n"
-
-
-def test_regenerated_dataset_keeps_user_turns(tmp_path):
-    path, _ = write_tiny_hf(tmp_path / "chat", num_hidden_layers=2, vocab_size=260)
-    write_byte_tokenizer(path, [258] + list(range(150, 256)))
-    ds = tmp_path / "sharegpt.jsonl"
-    ds.write_text("\n".join(json.dumps(x) for x in [
-        {"conversations": [{"from": "human", "value": "hi there"}, {"from": "gpt", "value": "old answer"},
-                           {"from": "human", "value": "more"}, {"from": "gpt", "value": "old"}]},
-        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"}]},
-        {"conversations": [{"from": "gpt", "value": "no user turn: skipped"}]},
-    ]) + "\n")
-    convs = et.read_conversations(ds)
-    assert [[m["role"] for m in c] for c in convs] == [["user", "user"], ["system", "user"]]
-    out = tmp_path / "regen.jsonl"
-    assert et.main(["data", "--checkpoint", str(path), "--dataset", str(ds), "--out", str(out),
-                    "--max-new-tokens", "8", "--dtype", "float32"]) == 0
-    recs = et.read_records(out)
-    assert len(recs) == 2
-    from generate import Tokenizer
-    text = Tokenizer(path).tok.decode(recs[0]["ids"], skip_special_tokens=False)
-    assert "hi there" in text and "more" in text and "old answer" not in text
-
-
 # ---------------------------------------------------------------- training, export, resume
 
 def test_training_lowers_loss_and_raises_accepted_length(tiny, tmp_path):
@@ -330,17 +202,10 @@ def test_resume_continues_exactly(tiny, tmp_path):
 
 # ---------------------------------------------------------------- bad input: one-line errors
 
-def one_line_error(capsys, rc, *words):
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and err[0].startswith("error: "), err
-    for w in words:
-        assert w in err[0], err[0]
-
-
 def test_target_without_the_aux_layers(tiny, tmp_path, capsys):
     path, _ = write_tiny_hf(tmp_path / "two", num_hidden_layers=2, vocab_size=260)
     data = tmp_path / "d.jsonl"
-    et.write_records(data, tiny["recs"][:4], {})
+    ed.write_records(data, tiny["recs"][:4], {})
     capsys.readouterr()
     rc = et.main(["train", "--checkpoint", str(path), "--data", str(data), "--out", str(tmp_path / "r")])
     one_line_error(capsys, rc, "aux layers", "2-layer")
@@ -377,17 +242,6 @@ def test_several_data_files(tiny, tmp_path, capsys):
     bad.write_text("not json\n")
     rc = et.main(["train", "--checkpoint", str(tiny["path"]), "--data", str(good), str(bad), "--out", str(tmp_path / "r3")])
     one_line_error(capsys, rc, "bad.jsonl", "line 1")
-
-
-def test_malformed_or_empty_dataset(tiny, tmp_path, capsys):
-    ds = tmp_path / "ds.jsonl"
-    for content, word in [('{"conversations": [{"from": "human", "value": "x"}]}\n{oops\n', "line 2"),
-                          ('{"prompt": "x"}\n', "line 1"), ("\n", "no conversation")]:
-        ds.write_text(content)
-        rc = et.main(["data", "--checkpoint", str(tiny["path"]), "--dataset", str(ds), "--out",
-                      str(tmp_path / "o.jsonl"), "--dtype", "float32"])
-        one_line_error(capsys, rc, word)
-    assert not (tmp_path / "o.jsonl").exists()
 
 
 def test_incompatible_or_broken_resume(tiny, tmp_path, capsys):

@@ -1,0 +1,294 @@
+"""EAGLE-3 training data: batched target generation, self-generated / regenerated conversations, record I/O."""
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from model import Transformer
+from sampling import Sampling, logits_to_probs, sample_from
+
+
+class TrainError(Exception):
+    """A user-facing problem (bad data, flags or checkpoint); reported as one line."""
+
+
+def log(*a):
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*a, file=sys.stderr, flush=True)
+
+
+def progress(iterable=None, **kw):
+    from tqdm import tqdm
+    kw.setdefault("disable", int(os.environ.get("RANK", "0")) != 0 or os.environ.get("EAGLE_TRAIN_QUIET") == "1")
+    kw.setdefault("dynamic_ncols", True)
+    return tqdm(iterable, **kw)
+
+
+# ---------------------------------------------------------------- batched generation (left padding)
+
+CAND = 256  # sampled data generation draws from the CAND most likely tokens (then top-p)
+
+
+@torch.no_grad()
+def batch_generate(model: Transformer, prompts: list[list[int]], max_new: int, temps: list[float],
+                   eos_ids, top_p: float = 1.0) -> list[list[int]]:
+    """Generate for several prompts at once: left padding, per-row RoPE positions and a per-row mask over the
+    static cache (as test_model.test_left_padded_batch_equals_single). temps[b] 0 = greedy, else sampled at
+    temps[b] from the top-CAND tokens with top_p. Each result ends at (and includes) the first eos, or has
+    max_new tokens."""
+    dev = model.lm_head.weight.device
+    B, L = len(prompts), max(len(p) for p in prompts)
+    max_new = max(1, min(max_new, model.args.max_position_embeddings - L))
+    model.setup_caches(B, L + max_new)
+    S = model.max_seq
+    pad = torch.tensor([L - len(p) for p in prompts], device=dev)
+    fill = model.args.eos_ids[0] if model.args.eos_ids else 0
+    toks = torch.tensor([[fill] * (L - len(p)) + list(p) for p in prompts], device=dev)
+    ar = torch.arange(L, device=dev)
+    pos = (ar[None, :] - pad[:, None]).clamp(min=0)
+    seq = torch.arange(S, device=dev)
+    key_ok = seq[None, :] >= pad[:, None]  # [B, S] padding slots are never attended ...
+    # ... except by themselves, so a padding query never has an all-masked row (NaN under some backends)
+    mask = ((seq[None, :] <= ar[:, None])[None] & (key_ok[:, None, :] | (seq[None, :] == ar[:, None])[None]))[:, None]
+    logits = model(toks, pos, mask=mask, cache_pos=ar)[:, -1]
+    t = torch.tensor(temps, device=dev, dtype=torch.float32)
+    greedy = t <= 0
+    samp = Sampling(1.0, 0, top_p)
+    eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=dev)
+    out = torch.zeros(B, max_new, dtype=torch.long, device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    all_greedy = all(x <= 0 for x in temps)  # skip the sampling kernels (13% of a batch-32 step) when unused
+    for s in range(max_new):
+        if all_greedy:
+            nxt = logits.argmax(-1)
+        else:  # sample among the CAND most likely tokens: a full-vocabulary top-p sort per step cost twice the
+            # model step at batch 128 on CPU; data generation needs diversity, not the exact nucleus tail
+            scaled = logits.float() / torch.where(greedy, 1.0, t)[:, None]
+            cand = scaled.topk(min(CAND, scaled.shape[-1]), dim=-1)  # [B, CAND]
+            pick = sample_from(logits_to_probs(cand.values, samp))
+            nxt = torch.where(greedy, logits.argmax(-1), cand.indices.gather(-1, pick[:, None])[:, 0])
+        out[:, s] = nxt
+        done |= torch.isin(nxt, eos)
+        if s == max_new - 1 or bool(done.all()):
+            out = out[:, :s + 1]
+            break
+        slot = L + s
+        m = (key_ok & (seq[None, :] <= slot))[:, None, None, :]
+        logits = model(nxt[:, None], (L - pad + s)[:, None], mask=m, cache_pos=torch.tensor([slot], device=dev))[:, -1]
+    res = []
+    eos_set = set(eos_ids)
+    for row in out.tolist():
+        cut = next((i + 1 for i, x in enumerate(row) if x in eos_set), len(row))
+        res.append(row[:cut])
+    return res
+
+
+def length_batches(items: list, key, batch_size: int) -> list[list]:
+    """Groups of similar length (sorted), in original order inside the result; less padding per batch."""
+    order = sorted(range(len(items)), key=lambda i: key(items[i]))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+# ---------------------------------------------------------------- data
+
+def user_turn_prefix(tok) -> str:
+    """The text a chat template puts before a user message (system prompt included), found generically:
+    render a conversation whose user message is a sentinel and cut there (Magpie)."""
+    sentinel = "\u2063NANOSPEC_SENTINEL\u2063"
+    text = tok.apply_chat_template([{"role": "user", "content": sentinel}], add_generation_prompt=False)
+    if sentinel not in text:
+        raise TrainError("the chat template does not render the user message verbatim; cannot self-generate data")
+    return text[:text.index(sentinel)]
+
+
+def clean_request(text: str) -> str:
+    return " ".join(text.split())
+
+
+def magpie_data(model, tok, num, *, batch_size=16, request_tokens=64, max_new_tokens=256,
+                temps=(0.7, 0.85, 1.0, 1.1, 1.2), top_p=0.95, answer_temperature=0.0, sampled_frac=0.0,
+                min_request_chars=12, seed=0):
+    """Self-generated instructions: the chat model writes a user request after the template's user-turn
+    prefix (mixed temperatures for diversity), requests are deduplicated, then the model answers them
+    (greedy by default: the head must learn the target's greedy behaviour; `sampled_frac` of the answers are
+    sampled at `answer_temperature`)."""
+    eos = model.args.eos_ids
+    prefix = tok.encode(user_turn_prefix(tok), add_special_tokens=False)
+    rng = random.Random(seed)
+    seen, requests = set(), []
+    tries, max_tries = 0, max(4 * num, 64)
+    bar = progress(total=num, desc="requests", unit="req")
+    while len(requests) < num and tries < max_tries:
+        n = min(batch_size, max_tries - tries)
+        temps_b = [rng.choice(temps) for _ in range(n)]
+        outs = batch_generate(model, [prefix] * n, request_tokens, temps_b, eos, top_p=top_p)
+        tries += n
+        for o in outs:
+            if not o or o[-1] not in eos:  # ran out of budget: an unfinished request
+                continue
+            text = clean_request(tok.decode(o[:-1]))
+            key = text.lower()
+            if len(text) < min_request_chars or key in seen:
+                continue
+            seen.add(key)
+            requests.append(text)
+            bar.update(1)
+            if len(requests) == num:
+                break
+    bar.close()
+    if not requests:
+        raise TrainError(f"the model wrote no usable request in {tries} tries")
+    if len(requests) < num:
+        log(f"note: only {len(requests)} distinct requests after {tries} tries (asked for {num})")
+    convs = [[{"role": "user", "content": r}] for r in requests]
+    return answer_conversations(model, tok, convs, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                                temperature=answer_temperature, sampled_frac=sampled_frac, seed=seed + 1,
+                                desc="answers")
+
+
+def answer_conversations(model, tok, convs, *, batch_size=16, max_new_tokens=256, temperature=0.0,
+                         sampled_frac=1.0, seed=0, desc="answers") -> list[dict]:
+    """convs: lists of {"role", "content"} messages (an optional leading system prompt and the user turns; any
+    assistant turns are ignored): every user turn gets a fresh assistant turn generated by the target, turn by
+    turn, batched across conversations.
+    Returns records {"ids", "spans"}; spans cover the generated assistant tokens (eos included)."""
+    eos = model.args.eos_ids
+    rng = random.Random(seed)
+    # split each conversation into (system?) + user turns
+    state = []  # per conversation: messages so far, remaining user turns, ids, spans
+    for c in convs:
+        head = [m for m in c[:1] if m["role"] == "system"]
+        users = [m["content"] for m in c if m["role"] == "user"]
+        state.append(dict(msgs=list(head), users=users, ids=[], spans=[]))
+    turn = 0
+    total = sum(len(s["users"]) for s in state)
+    bar = progress(total=total, desc=desc, unit="turn")
+    while True:
+        active = [s for s in state if len(s["users"]) > turn]
+        if not active:
+            break
+        prompts = []
+        for s in active:
+            s["msgs"].append({"role": "user", "content": s["users"][turn]})
+            p = tok.encode_chat(s["msgs"])
+            # keep the supervision of earlier turns only where the re-rendered prompt extends the token
+            # sequence we trained on (templates may re-tokenise an answer differently)
+            if s["ids"] and p[:len(s["ids"])] != s["ids"]:
+                s["spans"] = []
+            s["prompt"] = p
+            prompts.append(p)
+        for grp in length_batches(prompts, len, batch_size):
+            temps = [temperature if temperature > 0 and rng.random() < sampled_frac else 0.0 for _ in grp]
+            outs = batch_generate(model, [prompts[i] for i in grp], max_new_tokens, temps, eos)
+            for i, o in zip(grp, outs):
+                s = active[i]
+                p = s["prompt"]
+                s["ids"] = p + o
+                s["spans"].append([len(p), len(p) + len(o)])
+                text = tok.decode([x for x in o if x not in eos])
+                s["msgs"].append({"role": "assistant", "content": text})
+            bar.update(len(grp))
+        turn += 1
+    bar.close()
+    return [dict(ids=s["ids"], spans=s["spans"]) for s in state if s["ids"]]
+
+
+def token_data(model, prompts: list[list[int]], *, batch_size=16, max_new_tokens=64, temperature=0.0):
+    """Continuations of raw token prompts (no chat template): records whose spans cover the continuation."""
+    recs = []
+    for grp in progress(length_batches(prompts, len, batch_size), desc="continuations", unit="batch"):
+        outs = batch_generate(model, [prompts[i] for i in grp], max_new_tokens, [temperature] * len(grp),
+                              model.args.eos_ids)
+        for i, o in zip(grp, outs):
+            recs.append((i, dict(ids=list(prompts[i]) + o, spans=[[len(prompts[i]), len(prompts[i]) + len(o)]])))
+    return [r for _, r in sorted(recs, key=lambda x: x[0])]
+
+
+ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+            "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
+
+
+def read_conversations(path) -> list[list[dict]]:
+    """ShareGPT (`conversations`: from/value) or UltraChat/OpenAI (`messages`: role/content) jsonl -> message
+    lists that keep the system prompt and the user turns (assistant turns are regenerated)."""
+    path = Path(path)
+    if not path.is_file():
+        raise TrainError(f"dataset not found: {path}")
+    convs = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TrainError(f"{path} line {n} is not valid JSON ({e.msg})") from None
+            turns = obj.get("conversations", obj.get("messages")) if isinstance(obj, dict) else None
+            if not isinstance(turns, list):
+                raise TrainError(f"{path} line {n} has no 'conversations' or 'messages' list")
+            msgs = []
+            for t in turns:
+                if not isinstance(t, dict):
+                    raise TrainError(f"{path} line {n}: a turn is not an object")
+                role = ROLE_MAP.get(str(t.get("from", t.get("role", ""))).lower())
+                text = t.get("value", t.get("content"))
+                if role is None or not isinstance(text, str):
+                    raise TrainError(f"{path} line {n}: a turn lacks a known role/from or a text value/content")
+                if role == "system" and msgs:
+                    continue
+                if role != "assistant" and text.strip():
+                    msgs.append({"role": role, "content": text})
+            if any(m["role"] == "user" for m in msgs):
+                convs.append(msgs)
+    if not convs:
+        raise TrainError(f"dataset {path} holds no conversation with a user turn")
+    return convs
+
+
+def write_records(path, records: list[dict], meta: dict):
+    """Atomic: the data file and then its meta sidecar appear complete or not at all."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        for r in records:
+            f.write(json.dumps({"ids": r["ids"], "spans": r["spans"]}, separators=(",", ":")) + "\n")
+    os.replace(tmp, path)
+    meta_path = Path(str(path) + ".meta.json")
+    tmp = meta_path.with_name(meta_path.name + ".tmp")
+    tmp.write_text(json.dumps(dict(meta, records=len(records), tokens=sum(len(r["ids"]) for r in records),
+                                   supervised=sum(e - s for r in records for s, e in r["spans"])), indent=1))
+    os.replace(tmp, meta_path)
+
+
+def read_records(path, vocab_size: int | None = None, max_len: int | None = None) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise TrainError(f"training data not found: {path}")
+    recs = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                ids, spans = obj["ids"], obj["spans"]
+                ok = (isinstance(ids, list) and all(isinstance(x, int) for x in ids) and isinstance(spans, list)
+                      and all(isinstance(s, list) and len(s) == 2 and 0 <= s[0] <= s[1] <= len(ids) for s in spans))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                ok = False
+            if not ok:
+                raise TrainError(f"{path} line {n} is not a record {{\"ids\": [int], \"spans\": [[start, end]]}}")
+            if vocab_size is not None and ids and not (0 <= min(ids) and max(ids) < vocab_size):
+                raise TrainError(f"{path} line {n} holds token ids outside the target's vocabulary of {vocab_size}")
+            if max_len is not None and len(ids) > max_len:
+                ids = ids[:max_len]
+                spans = [[s, min(e, max_len)] for s, e in spans if s < max_len]
+            if len(ids) >= 3 and any(e - max(s, 2) > 0 for s, e in spans):
+                recs.append(dict(ids=ids, spans=spans))
+    if not recs:
+        raise TrainError(f"training data {path} is empty (no record with supervised tokens past position 2)")
+    return recs

@@ -1,0 +1,159 @@
+"""eagle_data.py: batched generation (greedy rows exact, sampled rows among the top candidates), self-generated
+and regenerated data through `eagle_train.py data`, the user-turn prefix, one-line errors on a bad dataset.
+Its fixtures (tiny, one_thread, quiet, one_line_error) are shared with test_eagle_train.py, which imports them."""
+import json
+
+import pytest
+import torch
+
+import eagle_data as ed
+import eagle_train as et
+from conftest import write_tiny_hf
+from model import load_model
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny matmuls: 2 OpenMP threads spin against other jobs on a shared 2-core box and run 100x slower
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def quiet(monkeypatch):
+    monkeypatch.setenv("EAGLE_TRAIN_QUIET", "1")
+
+
+def write_byte_tokenizer(path, eos_ids):
+    """A byte-level tokenizer (ids 0..255 = bytes, 256..258 = specials) with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(dict(chat_template=CHATML, eos_token="<|im_end|>")))
+    (path / "generation_config.json").write_text(json.dumps(dict(eos_token_id=eos_ids)))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A 6-layer random target (aux layers 2, 3, 3) with its own greedy continuations as training data."""
+    root = tmp_path_factory.mktemp("eagle_train")
+    path, _ = write_tiny_hf(root / "target", num_hidden_layers=6, vocab_size=260)
+    m = load_model(path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(176)]
+    recs = ed.token_data(m, prompts, batch_size=32, max_new_tokens=48)
+    ed.write_records(root / "train.jsonl", recs[:144], {})
+    return dict(root=root, path=path, model=m, recs=recs, eval_prompts=prompts[144:])
+
+
+def one_line_error(capsys, rc, *words):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    for w in words:
+        assert w in err[0], err[0]
+
+
+# ---------------------------------------------------------------- data
+
+def test_batched_generation_equals_one_at_a_time(tiny):
+    from generate import Engine
+    m = tiny["model"]
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16], [40]]
+    outs = ed.batch_generate(m, prompts, 20, [0.0] * 3, m.args.eos_ids)
+    for p, o in zip(prompts, outs):
+        assert o == Engine(m).generate(p, 20)[0]
+
+
+def test_sampled_rows_draw_from_the_top_candidates(tiny, monkeypatch):
+    """Mixed batch: the greedy row is unchanged by its sampled neighbour, and every sampled token is one of
+    the CAND most likely tokens of the model at that point (checked by teacher forcing)."""
+    from generate import Engine
+    m = tiny["model"]
+    monkeypatch.setattr(ed, "CAND", 3)
+    prompts = [[5, 6, 7], [9, 10, 11]]
+    torch.manual_seed(0)
+    greedy, sampled = ed.batch_generate(m, prompts, 16, [0.0, 1.5], [-1])
+    assert greedy == Engine(m).generate(prompts[0], 16)[0]
+    seq = prompts[1] + sampled
+    m.setup_caches(1, 64)
+    logits = m(torch.tensor([seq]), torch.arange(len(seq)))[0]
+    for j, t in enumerate(sampled):
+        assert t in logits[len(prompts[1]) - 1 + j].topk(3).indices.tolist()
+    assert len(set(sampled)) > 1
+
+
+def test_self_generated_data_is_deterministic(tmp_path):
+    path, _ = write_tiny_hf(tmp_path / "chat", num_hidden_layers=2, vocab_size=260)
+    # many stop ids so that a random model finishes its requests and answers quickly
+    write_byte_tokenizer(path, [258] + list(range(200, 256)))
+    outs = []
+    for i, seed in enumerate([1, 1, 2]):
+        out = tmp_path / f"d{i}.jsonl"
+        assert et.main(["data", "--checkpoint", str(path), "--out", str(out), "--num", "6", "--seed", str(seed),
+                        "--max-new-tokens", "12", "--request-tokens", "16", "--batch-size", "4", "--dtype", "float32",
+                        "--sampled-frac", "0.5", "--temperature", "0.8", "--min-request-chars", "2"]) == 0
+        outs.append(out.read_text())
+    assert outs[0] == outs[1] and outs[0] != outs[2]
+    recs = ed.read_records(tmp_path / "d0.jsonl")
+    meta = json.loads((tmp_path / "d0.jsonl.meta.json").read_text())
+    assert meta["kind"] == "magpie" and meta["records"] == len(recs) > 0
+    from generate import Tokenizer
+    prefix = Tokenizer(path).encode("<|im_start|>user\n", add_special_tokens=False)
+    for r in recs:  # prompt = the self-written request in the chat template; span = the answer, to the end
+        assert r["ids"][:len(prefix)] == prefix and len(r["spans"]) == 1 and r["spans"][0][1] == len(r["ids"])
+    # the same command again reuses the cached file
+    before = (tmp_path / "d0.jsonl").stat().st_mtime_ns
+    et.main(["data", "--checkpoint", str(path), "--out", str(tmp_path / "d0.jsonl"), "--num", "6", "--seed", "1",
+             "--max-new-tokens", "12", "--request-tokens", "16", "--batch-size", "4", "--dtype", "float32",
+             "--sampled-frac", "0.5", "--temperature", "0.8", "--min-request-chars", "2"])
+    assert (tmp_path / "d0.jsonl").stat().st_mtime_ns == before
+
+
+def test_user_turn_prefix_is_cut_from_the_template(tmp_path):
+    path, _ = write_tiny_hf(tmp_path / "chat", num_hidden_layers=2, vocab_size=260)
+    write_byte_tokenizer(path, [258])
+    from generate import Tokenizer
+    assert ed.user_turn_prefix(Tokenizer(path)) == "<|im_start|>user\n"
+
+
+def test_regenerated_dataset_keeps_user_turns(tmp_path):
+    path, _ = write_tiny_hf(tmp_path / "chat", num_hidden_layers=2, vocab_size=260)
+    write_byte_tokenizer(path, [258] + list(range(150, 256)))
+    ds = tmp_path / "sharegpt.jsonl"
+    ds.write_text("\n".join(json.dumps(x) for x in [
+        {"conversations": [{"from": "human", "value": "hi there"}, {"from": "gpt", "value": "old answer"},
+                           {"from": "human", "value": "more"}, {"from": "gpt", "value": "old"}]},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"}]},
+        {"conversations": [{"from": "gpt", "value": "no user turn: skipped"}]},
+    ]) + "\n")
+    convs = ed.read_conversations(ds)
+    assert [[m["role"] for m in c] for c in convs] == [["user", "user"], ["system", "user"]]
+    out = tmp_path / "regen.jsonl"
+    assert et.main(["data", "--checkpoint", str(path), "--dataset", str(ds), "--out", str(out),
+                    "--max-new-tokens", "8", "--dtype", "float32"]) == 0
+    recs = ed.read_records(out)
+    assert len(recs) == 2
+    from generate import Tokenizer
+    text = Tokenizer(path).tok.decode(recs[0]["ids"], skip_special_tokens=False)
+    assert "hi there" in text and "more" in text and "old answer" not in text
+
+
+def test_malformed_or_empty_dataset(tiny, tmp_path, capsys):
+    ds = tmp_path / "ds.jsonl"
+    for content, word in [('{"conversations": [{"from": "human", "value": "x"}]}\n{oops\n', "line 2"),
+                          ('{"prompt": "x"}\n', "line 1"), ("\n", "no conversation")]:
+        ds.write_text(content)
+        rc = et.main(["data", "--checkpoint", str(tiny["path"]), "--dataset", str(ds), "--out",
+                      str(tmp_path / "o.jsonl"), "--dtype", "float32"])
+        one_line_error(capsys, rc, word)
+    assert not (tmp_path / "o.jsonl").exists()
