@@ -1,10 +1,15 @@
-"""Shared test fixtures: tiny random models written as real HF checkpoint folders."""
+"""Shared test fixtures: tiny random models written as real HF checkpoint folders, and the EAGLE-3 training
+tests' fixtures (test_eagle_data, test_eagle_train, test_eagle_ttt opt in to one_thread and quiet)."""
 import json
 import os
 import tempfile
 
 import pytest
 import torch
+
+import eagle_data as ed
+from eagle import load_eagle
+from model import load_model
 
 # exact.py caches this machine's invariance answers on disk; tests start from an empty cache of their own
 # (subprocesses inherit it) so that they always exercise the check and never touch the user's cache
@@ -109,3 +114,62 @@ def write_eagle_head(path, target_cfg: dict, version=3, seed=0, draft_vocab=None
     else:
         torch.save(sd, f"{path}/pytorch_model.bin")
     return path
+
+
+# ---------------------------------------------------------------- EAGLE-3 training tests
+# one_thread and quiet are not autouse here: the modules that want them say
+# `pytestmark = pytest.mark.usefixtures("one_thread", "quiet")`
+
+@pytest.fixture(scope="module")
+def one_thread():
+    # tiny matmuls: 2 OpenMP threads spin against other jobs on a shared 2-core box and run 100x slower
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def quiet(monkeypatch):
+    monkeypatch.setenv("EAGLE_TRAIN_QUIET", "1")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A 6-layer random target (aux layers 2, 3, 3) with its own greedy continuations as training data."""
+    root = tmp_path_factory.mktemp("eagle_train")
+    path, _ = write_tiny_hf(root / "target", num_hidden_layers=6, vocab_size=260)
+    m = load_model(path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(176)]
+    recs = ed.token_data(m, prompts, batch_size=32, max_new_tokens=48)
+    ed.write_records(root / "train.jsonl", recs[:144], {})
+    return dict(root=root, path=path, model=m, recs=recs, eval_prompts=prompts[144:])
+
+
+def one_line_error(capsys, rc, *words):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    for w in words:
+        assert w in err[0], err[0]
+
+
+@pytest.fixture(scope="module")
+def draft_env(tmp_path_factory):
+    """(root, tiny target folder, its config) for the drafter and EAGLE-head tests."""
+    root = tmp_path_factory.mktemp("draft")
+    path, _ = write_tiny_hf(root / "target")
+    cfg = json.loads((path / "config.json").read_text())
+    return root, path, cfg
+
+
+def load_head(env, version=3, **kw):
+    """(fp32 tiny target, an EAGLE head of that version written with kw and loaded onto it)."""
+    root, path, cfg = env
+    m = load_model(path, dtype=torch.float32)
+    name = f"h{version}_" + "_".join(f"{k}{v}" for k, v in sorted(kw.items()))
+    head = load_eagle(write_eagle_head(root / name, cfg, version=version, **kw), m, torch.float32, "cpu")
+    if version == 3:
+        m.aux_layers = head.c.aux_layers
+    return m, head

@@ -1,30 +1,36 @@
-"""Drafters: EAGLE-1/2 and EAGLE-3 heads, an independent draft model, prompt-lookup n-grams, and the
-EAGLE-2 dynamic tree. Every drafter proposes a `Tree` (chains are the one-child case). Every LM-head
-projection goes through `self.vocab.logits(h)` (vocab.py), which scores the active rows only.
+"""Drafters: EAGLE-1/2 and EAGLE-3 heads, an independent draft model, prompt-lookup n-grams, the EAGLE-2
+dynamic tree, and `make_drafter`, the one place that builds a drafter with its vocabulary. Every drafter
+proposes a `Tree` (chains are the one-child case). Every LM-head projection goes through
+`self.vocab.logits(h)` (vocab.py), which scores the active rows only.
 
-What generate.py calls (batch 1, n = tokens already in the target's KV cache; root = the last emitted token,
-not yet in the cache; L = accepted nodes, root included). The three drafters still differ in what they take:
-    setup(max_seq)                                      every drafter, before a request
-    EagleDrafter: prefill(feats, next_tokens), draft(root [1], n) -> Tree, update(path_feats, next_tokens, L, n)
-    ModelDrafter: prefill(prompt ids), draft(root [1], n) -> Tree, update(path_tokens, L)
-    NgramDrafter: prefill(prompt list), draft(root int, device) -> Tree, update(emitted list)  (host side)
+The drafter protocol: every drafter has these, with these signatures, and the engine asks nothing else
+(batch 1; n = 0-dim tensor, tokens already in the target's KV cache; root = [1] the last emitted token,
+not yet in the cache):
+    nodes, depth                 most tokens one verification carries (root included); deepest tree level
+    graphable                    False when draft/update read host values (prompt lookup): run them eagerly
+    setup(max_seq)               before a request whose target cache has max_seq slots
+    prefill(p: Prefill)          the target's prefill: prompt, first token, logits, hidden and aux states
+    draft(root, n) -> Tree       static shapes, no host sync (graphable drafters)
+    update(a: Accepted)          one verification's outcome: accepted path, bonus, target logits and features
+    stats() -> dict              the request's metrics: LM-head time, vocabulary coverage and active size
 """
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import Tensor
 
-from model import (Attention, KVCache, MLP, ModelArgs, ModelError, RMSNorm, Transformer, load_state_dict,
-                   rope_cache)
-from sampling import logits_to_probs, sample_from
+from download import resolve_checkpoint
+from eagle import EagleHead, load_eagle, read_keys
+from model import ModelError, Transformer, load_model
+from sampling import Sampling, logits_to_probs, sample_from
+from tokenizer import Tokenizer
+from vocab import make_vocab
 
-
-# ---------------------------------------------------------------- trees
+# ---------------------------------------------------------------- trees and what steps hand each other
 
 @dataclass
 class Tree:
@@ -35,6 +41,39 @@ class Tree:
     valid: Tensor  # [N] bool, padding nodes are never accepted
     q: Tensor | None = None  # [N, V] draft distribution that proposed each node's children (sampled chains)
     max_depth: int = 0  # static bound on depth: the accepted path has at most max_depth + 1 nodes
+
+
+@dataclass
+class Prefill:
+    """What the target's prefill hands a drafter."""
+    tokens: Tensor  # [T] the prompt
+    first: Tensor  # [1] the first generated token
+    logits: Tensor  # [T, V] target logits at every prompt position
+    hidden: Tensor  # [1, T, d] target final hidden states
+    aux: Tensor | None  # [1, T, 3d] EAGLE-3 aux states (model.aux_layers), None when the target has none
+
+
+@dataclass
+class Accepted:
+    """One verification's outcome, on device with static shapes (path is padded past L)."""
+    tree: Tree  # the verified tree
+    path: Tensor  # [D+1] node indices of the accepted path, root first
+    L: Tensor  # 0-dim accepted nodes, root included
+    bonus: Tensor  # 0-dim the target's token after the path (the next root)
+    logits: Tensor  # [N, V] target logits at every tree node
+    hidden: Tensor  # [1, N, d] target final hidden states at every tree node
+    aux: Tensor | None  # [1, N, 3d] EAGLE-3 aux states, None when the target has none
+    n: Tensor  # 0-dim tokens in the target's KV cache before the step
+
+    def next_tokens(self) -> Tensor:
+        """[D+1] the token after each path node: the next path token, and the bonus after the last accepted."""
+        nxt = torch.cat([self.tree.tokens[self.path[1:]], self.bonus.view(1)])
+        return torch.where(torch.arange(nxt.shape[0], device=nxt.device) == self.L - 1, self.bonus, nxt)
+
+
+# registered pytrees: they pass whole through torch.compile'd and CUDA-graphed steps (Graphed flattens them)
+for _cls in (Tree, Prefill, Accepted):
+    pytree.register_dataclass(_cls)
 
 
 def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
@@ -70,179 +109,6 @@ def check_tree_budget(topk: int, depth: int, nodes: int):
         raise ValueError(f"--tree-nodes {nodes} cannot fit a top-{topk} depth-{depth} tree (2..{most} nodes)")
 
 
-# ---------------------------------------------------------------- EAGLE heads
-
-@dataclass
-class EagleConfig:
-    version: int  # 2 = EAGLE-1/2 (one layer on fc([emb; h])), 3 = EAGLE-3
-    args: ModelArgs  # the draft layer's dims, norm eps and RoPE (from the head's own config)
-    fc_in: int  # 2d (EAGLE-1/2) or 3 * d_target (EAGLE-3)
-    fc_bias: bool
-    draft_vocab_size: int
-    aux_layers: tuple = ()
-
-    @classmethod
-    def from_folder(cls, path: Path, keys: dict, target: ModelArgs) -> "EagleConfig":
-        cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
-        version = 3 if any(k.startswith("midlayer.") or k.endswith("hidden_norm.weight") for k in keys) else 2
-        fc = keys.get("fc.weight")
-        if fc is None:
-            raise ModelError(f"{path} is not an EAGLE head (no fc.weight)")
-        d = fc[0]
-        heads = cfg.get("num_attention_heads", target.n_heads)
-        rope = cfg.get("rope_parameters") or {}
-        args = ModelArgs(
-            arch="eagle", dim=d, n_layers=1, n_heads=heads,
-            n_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or d // heads,
-            intermediate_size=cfg.get("intermediate_size", target.intermediate_size),
-            vocab_size=target.vocab_size, norm_eps=cfg.get("rms_norm_eps", target.norm_eps),
-            # the draft's RoPE comes from its own config; official EAGLE-3 heads omit it: base 10000
-            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            rope_scaling=cfg.get("rope_scaling"),
-            max_position_embeddings=max(cfg.get("max_position_embeddings", 0), target.max_position_embeddings),
-            qkv_bias=any(k.endswith("q_proj.bias") for k in keys),
-        )
-        if d != target.dim:
-            raise ModelError(f"draft hidden size {d} does not match the target's {target.dim}")
-        L = target.n_layers
-        eagle_cfg = cfg.get("eagle_config") or {}
-        aux = tuple(eagle_cfg.get("eagle_aux_hidden_state_layer_ids") or cfg.get("aux_layer_ids") or (2, L // 2, L - 3))
-        if version == 3:
-            if fc[1] != 3 * target.dim:
-                raise ModelError(f"EAGLE-3 fc takes {fc[1]} inputs, expected 3 x target hidden size = {3 * target.dim}")
-            if any(not 0 <= i < L for i in aux):
-                raise ModelError(f"EAGLE-3 aux layers {list(aux)} do not exist in a {L}-layer target")
-        elif fc[1] != 2 * d:
-            raise ModelError(f"EAGLE fc takes {fc[1]} inputs, expected 2 x hidden size = {2 * d}")
-        dv = keys["lm_head.weight"][0] if "lm_head.weight" in keys else target.vocab_size
-        dv = cfg.get("draft_vocab_size", dv)
-        if version == 3 and dv > target.vocab_size:
-            raise ModelError(f"draft vocabulary {dv} is larger than the target's {target.vocab_size}")
-        return cls(version, args, fc[1], "fc.bias" in keys, dv, aux if version == 3 else ())
-
-
-class EagleHead(nn.Module):
-    """EAGLE-1/2 (version 2) and EAGLE-3 (version 3) draft heads, parameter names as in the official releases."""
-
-    def __init__(self, c: EagleConfig):
-        super().__init__()
-        self.c = c
-        a = c.args
-        self.fc = nn.Linear(c.fc_in, a.dim, bias=c.fc_bias)
-        layer = nn.Module()
-        layer.self_attn = Attention(a, in_dim=2 * a.dim if c.version == 3 else a.dim)
-        layer.mlp = MLP(a)
-        layer.post_attention_layernorm = RMSNorm(a.dim, a.norm_eps)
-        if c.version == 3:
-            layer.input_layernorm = RMSNorm(a.dim, a.norm_eps)
-            layer.hidden_norm = RMSNorm(a.dim, a.norm_eps)
-            self.midlayer = layer
-            self.norm = RMSNorm(a.dim, a.norm_eps)
-            self.lm_head = nn.Linear(a.dim, c.draft_vocab_size, bias=False)
-            if c.draft_vocab_size != a.vocab_size:
-                self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
-                self.register_buffer("t2d", torch.zeros(a.vocab_size, dtype=torch.bool))
-        else:
-            self.layers = nn.ModuleList([layer])
-        self.embed_tokens: nn.Embedding | None = None  # the target's, attached by attach()
-        self.target_lm_head: nn.Linear | None = None
-
-    @property
-    def layer(self):
-        return self.midlayer if self.c.version == 3 else self.layers[0]
-
-    def setup_caches(self, max_seq: int):
-        if getattr(self, "max_seq", None) == max_seq:
-            return  # keep buffer addresses stable (captured CUDA graphs point at them)
-        self.max_seq = max_seq
-        a, w = self.c.args, self.fc.weight
-        self.layer.self_attn.kv_cache = KVCache(1, max_seq, a.n_kv_heads, a.head_dim, w.dtype, w.device)
-        cos, sin = rope_cache(max_seq, a.head_dim, a.rope_theta, a.rope_scaling)
-        self.register_buffer("rope_cos", cos.to(w.device, w.dtype), persistent=False)
-        self.register_buffer("rope_sin", sin.to(w.device, w.dtype), persistent=False)
-        self.register_buffer("seq_range", torch.arange(max_seq, device=w.device), persistent=False)
-
-    def project(self, feats: Tensor) -> Tensor:
-        """Target features -> draft input features: EAGLE-3 fuses the three aux states with fc."""
-        return self.fc(feats) if self.c.version == 3 else feats
-
-    def forward(self, tokens: Tensor, feats: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor):
-        """tokens [1, T], feats [1, T, d] (target features, already project()ed, or the draft's own output)
-        -> (out [1, T, d] fed to deeper tree steps, lm_in [1, T, d] fed to the LM head)."""
-        emb = self.embed_tokens(tokens)
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
-        L = self.layer
-        if self.c.version == 3:
-            x = torch.cat([L.input_layernorm(emb), L.hidden_norm(feats)], dim=-1)  # embedding first
-            h = feats + L.self_attn(x, cos, sin, mask, cache_pos)
-        else:
-            x = self.fc(torch.cat([emb, feats], dim=-1))
-            h = x + L.self_attn(x, cos, sin, mask, cache_pos)
-        h = h + L.mlp(L.post_attention_layernorm(h))
-        return h, (self.norm(h) if self.c.version == 3 else h)
-
-    def lm_weight(self) -> Tensor:
-        return self.lm_head.weight if self.c.version == 3 else self.target_lm_head.weight
-
-
-def read_keys(path: Path) -> tuple[dict, Path]:
-    """{name: shape} of a head's weights (model.safetensors or pytorch_model.bin), names without 'model.'."""
-    st, pt = path / "model.safetensors", path / "pytorch_model.bin"
-    if st.is_file():
-        from safetensors import safe_open
-        try:
-            with safe_open(str(st), framework="pt") as f:
-                keys = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        except Exception as e:
-            raise ModelError(f"cannot read {st}: {str(e).splitlines()[0]}") from None
-        return {k.removeprefix("model."): v for k, v in keys.items()}, st
-    if pt.is_file():
-        sd = torch.load(pt, map_location="meta", weights_only=True, mmap=True)
-        return {k.removeprefix("model."): tuple(v.shape) for k, v in sd.items()}, pt
-    raise ModelError(f"no model.safetensors or pytorch_model.bin in {path}")
-
-
-def load_eagle(path, target: Transformer, dtype, device) -> EagleHead:
-    path = Path(path)
-    keys, wfile = read_keys(path)
-    c = EagleConfig.from_folder(path, keys, target.args)
-    with torch.device("meta"):
-        head = EagleHead(c)
-    if wfile.suffix == ".bin":
-        raw = torch.load(wfile, map_location="cpu", weights_only=True)
-        sd = {k.removeprefix("model."): v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in raw.items()}
-    else:
-        sd = load_state_dict([wfile], dtype, device, strip_prefix="model.")
-    if c.version == 3:  # SpecForge/vLLM exports sometimes name the midlayer layers.0
-        sd = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in sd.items()}
-    sd = {k: v for k, v in sd.items() if not k.startswith("embed_tokens")}  # the target's embedding is used
-    expected = head.state_dict()
-    if c.version == 3 and c.draft_vocab_size != c.args.vocab_size and "d2t" not in sd:
-        raise ModelError(f"EAGLE-3 head with draft vocabulary {c.draft_vocab_size} < {c.args.vocab_size} lacks d2t")
-    if c.version == 3 and "lm_head.weight" not in sd and "draft_vocab_size" not in json.loads(
-            (path / "config.json").read_text() if (path / "config.json").is_file() else "{}"):
-        sd["lm_head.weight"] = target.lm_head.weight  # no draft vocabulary, no lm_head: the target's (as SGLang/vLLM)
-    missing = [k for k in expected if k not in sd]
-    if missing:
-        raise ModelError(f"EAGLE head {path} lacks {missing[0]!r}")
-    for k, v in expected.items():
-        if tuple(sd[k].shape) != tuple(v.shape):
-            raise ModelError(f"EAGLE head tensor {k} has shape {tuple(sd[k].shape)}, expected {tuple(v.shape)}")
-    sd = {k: sd[k].to(device=device, dtype=v.dtype if not v.is_floating_point() else dtype) for k, v in expected.items()}
-    if "d2t" in sd:
-        sd["d2t"], sd["t2d"] = sd["d2t"].long(), sd["t2d"].bool()
-    head.load_state_dict(sd, assign=True, strict=True)
-    attach(head, target)
-    return head.eval()
-
-
-def attach(head: EagleHead, target: Transformer):
-    # Not registered as submodules: the head must not own (or save) the target's tensors.
-    object.__setattr__(head, "embed_tokens", target.embed_tokens)
-    object.__setattr__(head, "target_lm_head", target.lm_head)
-
-
 # ---------------------------------------------------------------- drafters
 
 def timed_lm_head(drafter, h: Tensor):
@@ -256,7 +122,53 @@ def timed_lm_head(drafter, h: Tensor):
     return out
 
 
-class EagleDrafter:
+class VocabDrafter:
+    """What the drafters with an LM head share: the draft vocabulary's reset at prefill, its update with each
+    verification, and the request's vocabulary metrics, kept in device buffers (in-place adds replay
+    correctly from a CUDA graph and cost no host sync)."""
+
+    graphable = True
+
+    def rows_of(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """target token ids -> (vocab rows, valid); identity unless the head has a pruned vocabulary."""
+        return ids, torch.ones_like(ids, dtype=torch.bool)
+
+    def reset_vocab(self, p: Prefill):
+        dev = p.tokens.device
+        if getattr(self, "metrics", None) is None or self.metrics.device != dev:
+            self.metrics = torch.zeros(5, dtype=torch.long, device=dev)  # hits, emitted, active sum, max, steps
+        self.metrics.zero_()
+        self.lm_head_s = 0.0
+        rows, _ = self.rows_of(p.tokens)
+        top, _ = self.rows_of(torch.topk(p.logits, self.vocab.k_pre, dim=-1).indices)  # [T, k_pre] (k_pre 0: none)
+        self.vocab.reset(rows, top)
+
+    def observe(self, a: Accepted, nxt: Tensor):
+        """Coverage (paper Fig. 1b: were the emitted tokens in the active vocabulary during this step?) and
+        active size, measured before this step's append; then append the tree and the target's top-k_ver."""
+        vocab, dev = self.vocab, nxt.device
+        on_path = torch.arange(nxt.shape[0], device=dev) < a.L
+        em_rows, em_ok = self.rows_of(nxt)
+        hits = (vocab.contains(em_rows) & em_ok & on_path).sum()
+        act = vocab.active_size().long()
+        m = self.metrics
+        m.add_(torch.stack([hits, a.L.long(), act, torch.zeros_like(act), torch.ones_like(act)]))
+        m[3:4].copy_(torch.maximum(m[3:4], act.view(1)))
+        ver = torch.topk(a.logits.index_select(0, a.path), vocab.k_ver, dim=-1).indices  # [D+1, k_ver]
+        drows, dvalid = self.rows_of(a.tree.tokens)
+        vrows, vvalid = self.rows_of(ver)
+        vocab.update(drows, dvalid & a.tree.valid, vrows, vvalid & on_path[:, None])
+
+    def stats(self) -> dict:
+        hits, emitted, act_sum, act_max, steps = self.metrics.tolist()
+        d = dict(lm_head_s=self.lm_head_s)
+        if steps:
+            d.update(vocab_active_mean=round(act_sum / steps, 1), vocab_active_max=act_max,
+                     vocab_coverage=round(hits / max(emitted, 1), 4), vocab_state_bytes=self.vocab.state_bytes())
+        return d
+
+
+class EagleDrafter(VocabDrafter):
     """EAGLE-2 dynamic tree over an EAGLE-1/2 or EAGLE-3 head.
 
     Draft position i holds the pair (target feature f_i, token x_{i+1}); its output predicts x_{i+2}."""
@@ -265,7 +177,6 @@ class EagleDrafter:
         check_tree_budget(topk, depth, nodes)
         self.head, self.vocab = head, vocab
         self.topk, self.depth, self.nodes = topk, depth, nodes
-        self.version = head.c.version
         self.lm_head_s = 0.0  # wall time inside vocab.logits (accurate on CPU; on CUDA only when synced)
         # row <-> token maps for heads with a pruned vocabulary (EAGLE-3 d2t); identity otherwise
         self.tok_to_row = self.token_to_row_map(head)
@@ -302,26 +213,33 @@ class EagleDrafter:
         scores, ids = timed_lm_head(self, lm_in)  # [..., n], [n] rows
         return torch.log_softmax(scores.float(), dim=-1), ids
 
-    @torch.no_grad()
-    def prefill(self, feats: Tensor, next_tokens: Tensor):
-        """feats [1, T, F] target features of the prompt; next_tokens [T] = prompt[1:] + [first token]."""
-        T = next_tokens.shape[0]
-        pos = torch.arange(T, device=feats.device)
-        h = self.head
-        out, lm_in = h(next_tokens[None], h.project(feats), pos, pos, h.seq_range[None, :] <= pos[:, None])
-        self.last_out.copy_(out[0, -1])
-        self.last_lm_in.copy_(lm_in[0, -1])
+    def _features(self, hidden: Tensor, aux: Tensor | None) -> Tensor:
+        return aux if self.head.c.version == 3 else hidden  # EAGLE-3 reads three aux layers, EAGLE-1/2 the last
 
     @torch.no_grad()
-    def update(self, feats: Tensor, next_tokens: Tensor, L: Tensor, n: Tensor):
-        """feats [1, D+1, F] at the accepted path (padded), next_tokens [D+1] the token after each path node
-        (bonus last), L 0-dim accepted count, n 0-dim prefix length before the step."""
+    def prefill(self, p: Prefill):
+        """Runs the head over the prompt: position t holds (target feature f_t, token x_{t+1})."""
+        next_tokens = torch.cat([p.tokens[1:], p.first.view(1)])  # [T]
+        pos = torch.arange(next_tokens.shape[0], device=next_tokens.device)
         h = self.head
-        pos = n + torch.arange(next_tokens.shape[0], device=n.device)
-        out, lm_in = h(next_tokens[None], h.project(feats), pos, pos, h.seq_range[None, :] <= pos[:, None])
-        idx = (L - 1).view(1)
+        out, lm_in = h(next_tokens[None], h.project(self._features(p.hidden, p.aux)), pos, pos,
+                       h.seq_range[None, :] <= pos[:, None])
+        self.last_out.copy_(out[0, -1])
+        self.last_lm_in.copy_(lm_in[0, -1])
+        self.reset_vocab(p)
+
+    @torch.no_grad()
+    def update(self, a: Accepted):
+        """Runs the head over the accepted path (padded to D+1) and keeps the last accepted position's state."""
+        feats = self._features(a.hidden, a.aux).index_select(1, a.path)  # [1, D+1, F]
+        nxt = a.next_tokens()
+        h = self.head
+        pos = a.n + torch.arange(nxt.shape[0], device=nxt.device)
+        out, lm_in = h(nxt[None], h.project(feats), pos, pos, h.seq_range[None, :] <= pos[:, None])
+        idx = (a.L - 1).view(1)
         self.last_out.copy_(out[0].index_select(0, idx)[0])
         self.last_lm_in.copy_(lm_in[0].index_select(0, idx)[0])
+        self.observe(a, nxt)
 
     @torch.no_grad()
     def draft(self, root: Tensor, n: Tensor) -> Tree:
@@ -376,14 +294,14 @@ class EagleDrafter:
         return Tree(tokens, parents, depth, anc, torch.ones(N, dtype=torch.bool, device=dev), None, self.depth)
 
 
-class ModelDrafter:
+class ModelDrafter(VocabDrafter):
     """An independent small model sharing the target's tokenizer; drafts a chain of k tokens."""
 
     def __init__(self, model: Transformer, vocab, k=5, sampling=None):
         if k < 1:
             raise ValueError(f"--spec-k must be >= 1, got {k}")
         self.model, self.vocab, self.k, self.sampling = model, vocab, k, sampling
-        self.depth = k
+        self.depth, self.nodes = k, k + 1
         self.lm_head_s = 0.0
 
     def setup(self, max_seq: int):
@@ -393,15 +311,12 @@ class ModelDrafter:
         if getattr(self, "prev", None) is None:
             self.prev = torch.zeros(1, dtype=torch.long, device=self.model.lm_head.weight.device)
 
-    def rows_of(self, ids):
-        return ids, torch.ones_like(ids, dtype=torch.bool)
-
     @torch.no_grad()
-    def prefill(self, prompt: Tensor):
-        T = prompt.shape[0]
-        self.model(prompt[None], torch.arange(T, device=prompt.device), compute_logits=False)
-        self.prev.copy_(prompt[-1:])
-
+    def prefill(self, p: Prefill):
+        T = p.tokens.shape[0]
+        self.model(p.tokens[None], torch.arange(T, device=p.tokens.device), compute_logits=False)
+        self.prev.copy_(p.tokens[-1:])
+        self.reset_vocab(p)
 
     @torch.no_grad()
     def draft(self, root: Tensor, n: Tensor) -> Tree:
@@ -424,14 +339,19 @@ class ModelDrafter:
         q = torch.stack(qs + [torch.zeros_like(qs[0])]) if qs else None
         return chain_tree(torch.cat(chain), q=q)
 
-    def update(self, path_tokens: Tensor, L: Tensor):
+    def update(self, a: Accepted):
         # the cache already holds root + accepted chain tokens at the right positions
-        self.prev.copy_(path_tokens.index_select(0, (L - 1).view(1)))
+        self.prev.copy_(a.tree.tokens.index_select(0, a.path.index_select(0, (a.L - 1).view(1))))
+        self.observe(a, a.next_tokens())
 
 
 class NgramDrafter:
     """Prompt lookup: the longest suffix (nmax..nmin tokens) seen earlier in prompt + output proposes
-    the tokens that followed it. Works on the host token list, which the loop has anyway."""
+    the tokens that followed it. It searches a host-side token list (as llama.cpp's lookup does), so its
+    draft and update read the root and the accepted tokens from the device (graphable = False); on CPU
+    that costs nothing, on CUDA two tiny copies after the step's sync."""
+
+    graphable = False
 
     def __init__(self, k=10, nmin=1, nmax=3, static=False):
         if not 1 <= nmin <= nmax:
@@ -439,7 +359,7 @@ class NgramDrafter:
         if k < 1:
             raise ValueError(f"--spec-k must be >= 1, got {k}")
         self.k, self.nmin, self.nmax = k, nmin, nmax
-        self.depth, self.vocab, self.lm_head_s = k, None, 0.0
+        self.depth, self.nodes = k, k + 1
         # static: always propose k + 1 nodes (invalid padding), so a compiled verify step is traced once
         # instead of once per proposal length (each CPU inductor compile costs tens of seconds); for --compile
         self.static = static
@@ -447,8 +367,8 @@ class NgramDrafter:
     def setup(self, max_seq):
         pass
 
-    def prefill(self, prompt: list[int]):
-        self.hist = list(prompt)
+    def prefill(self, p: Prefill):
+        self.hist = p.tokens.tolist()
 
     def propose(self, hist: list[int]) -> list[int]:
         for n in range(min(self.nmax, len(hist) - 1), self.nmin - 1, -1):
@@ -458,20 +378,23 @@ class NgramDrafter:
                     return hist[s + n:s + n + self.k]
         return []
 
-    def draft(self, root: int, device) -> Tree:
-        self.root = root
-        prop = self.propose(self.hist + [root])
+    def draft(self, root: Tensor, n: Tensor) -> Tree:
+        self.root = int(root)
+        prop = self.propose(self.hist + [self.root])
         if not self.static:
-            return chain_tree(torch.tensor([root] + prop, device=device))
+            return chain_tree(torch.tensor([self.root] + prop, device=root.device))
         pad = self.k - len(prop)
-        valid = torch.tensor([True] * (1 + len(prop)) + [False] * pad, device=device)
-        return chain_tree(torch.tensor([root] + prop + [0] * pad, device=device), valid)
+        valid = torch.tensor([True] * (1 + len(prop)) + [False] * pad, device=root.device)
+        return chain_tree(torch.tensor([self.root] + prop + [0] * pad, device=root.device), valid)
 
-    def update(self, emitted: list[int]):
+    def update(self, a: Accepted):
         # history = every token before the next root: this step's root, then the accepted tokens
-        # (emitted ends with the bonus token, which is the next step's root)
+        L = int(a.L)
         self.hist.append(self.root)
-        self.hist.extend(emitted[:-1])
+        self.hist.extend(a.tree.tokens[a.path[1:L]].tolist())
+
+    def stats(self) -> dict:
+        return {}
 
 
 def detect_draft_kind(path: Path) -> str:
@@ -490,3 +413,83 @@ def detect_draft_kind(path: Path) -> str:
     if any(k.startswith("layers.") for k in keys) and "embed_tokens.weight" in keys:
         return "model"
     raise ModelError(f"draft folder {path} is neither an EAGLE head nor a causal LM checkpoint")
+
+
+# ---------------------------------------------------------------- construction
+
+# EAGLE-2 tree (top-k, depth, nodes): the papers' 10/5/60 on GPUs; on CPU a 60-node verify costs about three
+# decode steps (compute-bound), so a 16-node tree is faster at nearly the same acceptance (measured).
+TREE_GPU, TREE_CPU = (10, 5, 60), (8, 5, 16)
+DRAFT_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                  "*.safetensors", "model.safetensors.index.json", "pytorch_model.bin"]
+
+
+@dataclass
+class DraftConfig:
+    """How to draft; each field is a flag of generate.py and bench.py."""
+    draft: str = "none"  # none | ngram | an EAGLE-1/2 or EAGLE-3 head, or a draft model (folder or hub id)
+    vocab: str = "full"  # full | freq:PATH[:K] | nanospec (drafters with an LM head)
+    tree_topk: int | None = None  # EAGLE-2 tree; None: TREE_CPU or TREE_GPU by device
+    tree_depth: int | None = None
+    tree_nodes: int | None = None
+    spec_k: int | None = None  # chain length: draft models 5, n-grams 10
+    ngram_min: int = 1
+    ngram_max: int = 3
+    w_max: int = 3072  # NanoSpec window
+    k_pre: int = 3  # NanoSpec: target top-K per prompt position
+    k_ver: int = 3  # NanoSpec: target top-K per accepted position
+    ablation: str | None = None  # NanoSpec ablation: ctx | ext | noasync
+    static: bool = False  # n-gram chains padded to spec_k + 1 nodes: one compiled verify shape
+
+    def tree(self, device) -> tuple[int, int, int]:
+        """(top-k, depth, nodes) with this device's defaults filled in."""
+        dflt = TREE_CPU if torch.device(device).type == "cpu" else TREE_GPU
+        return tuple(d if v is None else v for v, d in zip((self.tree_topk, self.tree_depth, self.tree_nodes), dflt))
+
+
+def append_width(nodes: int, depth: int, k_ver: int) -> int:
+    """Most ids one step appends to a NanoSpec window: the tree's nodes + the target's top-k_ver per path node."""
+    return nodes + (depth + 1) * k_ver
+
+
+def eagle_vocab(c: DraftConfig, head: EagleHead, target: Transformer):
+    """The draft vocabulary of an EAGLE head; sized for one step's append (tree nodes + target top-K)."""
+    topk, depth, nodes = c.tree(head.fc.weight.device)
+    check_tree_budget(topk, depth, nodes)
+    return make_vocab(c.vocab, head.lm_weight(), w_max=c.w_max, k_pre=c.k_pre, k_ver=c.k_ver, ablation=c.ablation,
+                      eos_ids=target.args.eos_ids, max_append=append_width(nodes, depth, c.k_ver),
+                      token_to_row=EagleDrafter.token_to_row_map(head))
+
+
+def make_drafter(c: DraftConfig, target: Transformer, sampling: Sampling | None = None,
+                 tokenizer: Tokenizer | None = None, head: EagleHead | None = None):
+    """The one place that builds a drafter with its vocabulary (None for c.draft == "none"). For an EAGLE-3
+    head it points the target's aux_layers at the head's. head: an EAGLE head already loaded from c.draft
+    (bench shares one head between vocabularies). tokenizer: the target's, checked against a draft model's."""
+    if c.draft == "none":
+        if c.vocab != "full":
+            raise ValueError("--vocab needs a drafter with an LM head (--draft PATH)")
+        return None
+    if c.draft == "ngram":
+        if c.vocab != "full":
+            raise ValueError("--vocab does not apply to --draft ngram (it has no LM head)")
+        return NgramDrafter(c.spec_k or 10, c.ngram_min, c.ngram_max, static=c.static)
+    dev, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
+    if head is None:
+        path = resolve_checkpoint(c.draft, patterns=DRAFT_PATTERNS)
+        if detect_draft_kind(path) == "eagle":
+            head = load_eagle(path, target, dtype, dev)
+    if head is not None:
+        if head.c.version == 3:
+            target.aux_layers = head.c.aux_layers
+        topk, depth, nodes = c.tree(dev)
+        return EagleDrafter(head, eagle_vocab(c, head, target), topk, depth, nodes)
+    dm = load_model(path, dtype=dtype, device=dev)
+    if dm.args.vocab_size != target.args.vocab_size:
+        raise ModelError(f"draft model vocabulary ({dm.args.vocab_size}) differs from the target's ({target.args.vocab_size})")
+    if tokenizer is not None and (path / "tokenizer.json").is_file() and Tokenizer(path).tok.get_vocab() != tokenizer.tok.get_vocab():
+        raise ModelError("draft model tokenizer differs from the target's")
+    k = c.spec_k or 5
+    vocab = make_vocab(c.vocab, dm.lm_head.weight, w_max=c.w_max, k_pre=c.k_pre, k_ver=c.k_ver, ablation=c.ablation,
+                       eos_ids=target.args.eos_ids, max_append=(k + 1) * (1 + c.k_ver))
+    return ModelDrafter(dm, vocab, k, sampling)

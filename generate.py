@@ -11,76 +11,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
 
 import draft as dr
 from download import CheckpointError, resolve_checkpoint
 from exact import MAX_ROWS, Invariance, PassRows, machine_id
-from model import RECENT, ModelError, Transformer, causal_recent, load_model
+from model import RECENT, ModelError, Transformer, causal_recent, load_model, tree_mask, tree_recent
 from sampling import Sampling, accept_greedy, accept_sample, logits_to_probs, sample
-from vocab import make_vocab
+from tokenizer import Streamer, Tokenizer
 
 DEFAULT_PROMPT = "What is the capital of France?"
-# EAGLE-2 tree (top-k, depth, nodes): the papers' 10/5/60 on GPUs; on CPU a 60-node verify costs about three
-# decode steps (compute-bound), so a 16-node tree is faster at nearly the same acceptance (measured).
-TREE_GPU, TREE_CPU = (10, 5, 60), (8, 5, 16)
 DEFAULT_HEAD = Path(__file__).resolve().parent / "heads" / "SmolLM2-135M-Instruct-eagle3"  # trained by eagle_train.py
 
 
 class UsageError(Exception):
     """Bad flags or input; reported as one line."""
-
-
-# ---------------------------------------------------------------- tokenizer and chat template
-
-class Tokenizer:
-    """`tokenizers.Tokenizer` + the jinja2 chat template from tokenizer_config.json."""
-
-    def __init__(self, path: Path):
-        from tokenizers import Tokenizer as HFTokenizer
-        f = Path(path) / "tokenizer.json"
-        if not f.is_file():
-            raise UsageError(f"no tokenizer.json in {path}")
-        try:
-            self.tok = HFTokenizer.from_file(str(f))
-        except Exception as e:
-            raise UsageError(f"cannot read {f}: {str(e).splitlines()[0]}") from None
-        cfg_file = Path(path) / "tokenizer_config.json"
-        self.config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-        self.chat_template = self.config.get("chat_template")
-        if isinstance(self.chat_template, list):  # some configs hold several named templates
-            self.chat_template = next((t["template"] for t in self.chat_template if t.get("name") == "default"), None)
-        self._template = None
-
-    def special(self, name: str) -> str:
-        v = self.config.get(name)
-        return v.get("content", "") if isinstance(v, dict) else (v or "")
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def decode(self, ids) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True)
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if self.chat_template is None:
-            raise UsageError("this tokenizer has no chat template; use --raw")
-        if self._template is None:
-            import jinja2
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            def raise_exception(msg):
-                raise jinja2.exceptions.TemplateError(msg)
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-            env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: time.strftime(fmt))
-            env.filters["tojson"] = lambda x, indent=None, **k: json.dumps(x, indent=indent, ensure_ascii=False)
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.special("bos_token"), eos_token=self.special("eos_token"))
-
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        # The template already spells out BOS where the model wants it.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
 
 
 # ---------------------------------------------------------------- decode loops
@@ -130,30 +76,33 @@ def cache_len(prompt_len: int, max_new: int, margin: int, limit: int) -> int:
     return min(limit, (need + 63) // 64 * 64)  # round up so nearby lengths share compiled graphs
 
 
-# ---------------------------------------------------------------- speculative verification
-
-def tree_mask(seq_range: Tensor, anc: Tensor, n: Tensor) -> Tensor:
-    """[N, S] bool: every node sees the cached prefix (slots < n) and its own ancestors (slots n + j)."""
-    N = anc.shape[0]
-    cols = torch.zeros(N, seq_range.shape[0], dtype=torch.bool, device=anc.device)
-    cols = cols.index_copy(1, n + torch.arange(N, device=anc.device), anc)
-    return (seq_range[None, :] < n) | cols
-
-
-def tree_recent(anc: Tensor, depth: Tensor, n: Tensor, W: int = RECENT) -> Tensor:
-    """[N, W] KV slots of each tree node's last W keys in logical order (model.exact_attention): keys before
-    the step's first slot n are the prefix (slot == position), the rest are the node's ancestors at depth
-    t = position - n, which sit at slot n + (ancestor's node index). Exact for chains of any length and
-    for trees shallower than W (deeper tree nodes would meet scattered ancestors in the flash half)."""
-    N, dev = anc.shape[0], anc.device
-    lv = torch.arange(N, device=dev)  # depth < N: chains of any length work too
-    anc_at = torch.argmax((anc[:, None, :] & (depth[None, None, :] == lv[None, :, None])).int(), dim=-1)  # [N, N]
-    j = (n + depth)[:, None] - (W - 1) + torch.arange(W, device=dev)  # [N, W] logical positions
-    in_tree = n + anc_at.gather(1, (j - n).clamp(0, N - 1))
-    return torch.where(j < n, torch.where(j >= 0, j, -1), in_tree)
-
-
 # ---------------------------------------------------------------- the engine
+
+class Clock:
+    """Adds the wall time of each `with clock(phase):` block to phase_s[phase] (on CUDA, unsynced: launch time)."""
+
+    def __init__(self, phase_s: dict):
+        self.phase_s, self.name = phase_s, None
+
+    def __call__(self, name: str) -> "Clock":
+        self.name = name
+        return self
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.phase_s[self.name] += time.perf_counter() - self.t0
+
+
+PHASES = ("draft", "lm_head", "verify", "sync", "update")
+
+
+def accepted_tokens(host: list[int]) -> tuple[int, list[int]]:
+    """host = [L, path tokens (root first, padded to D+1)..., bonus] -> (L, the tokens this step emits)."""
+    L = host[0]
+    return L, host[2:1 + L] + [host[-1]]  # the accepted draft tokens after the root, then the bonus
+
 
 class Engine:
     """Holds the target (and optionally a drafter with its draft vocabulary); one generation at a time."""
@@ -174,7 +123,7 @@ class Engine:
         if exact and cuda:
             raise UsageError("--exact is CPU-only (CUDA kernels are not batch invariant)")
         # exact tree verification gathers each node's last RECENT keys: trees must be shallower (chains need not)
-        too_deep = getattr(drafter, "depth", 0) >= RECENT and hasattr(drafter, "nodes")
+        too_deep = drafter is not None and drafter.depth >= RECENT and drafter.nodes > drafter.depth + 1
         if exact and too_deep:
             raise UsageError(f"--tree-depth must be below {RECENT} (exact tree verification), got {drafter.depth}")
         self.exact_requested = exact
@@ -185,11 +134,10 @@ class Engine:
         self.graphs = compile and cuda
         self.graph_addresses = None
         self.max_seq = min(max_seq, model.args.max_position_embeddings)
-        self.fused_steps = compile  # eager keeps the steps apart to time each phase
+        # compiled: the drafter's update and next draft run as one step (eager keeps them apart to time each);
+        # drafters that read host values (prompt lookup) always run eagerly
+        self.fused_steps = compile and getattr(drafter, "graphable", False)
         if compile:
-            if getattr(drafter, "static", True) is False:
-                print("note: n-gram drafting under --compile without static chains retraces the verify step per "
-                      "proposal length (build it with NgramDrafter(..., static=True))", file=sys.stderr)
             # reduce-overhead = CUDA graphs on CUDA; on CPU inductor fuses the small per-layer ops.
             self.decode_fn = torch.compile(self._decode_one, mode="reduce-overhead" if cuda else None,
                                            fullgraph=True, dynamic=False, backend=backend)
@@ -231,8 +179,8 @@ class Engine:
             raise UsageError(f"--exact: {why}; use --no-exact")
         return S, R
 
-    def rows(self, n: int, S: int) -> PassRows:
-        """Rows to pad a pass of n tokens to, in this request's mode (plan)."""
+    def pass_rows(self, n: int, S: int) -> PassRows:
+        """Rows to pad a target pass of n tokens to, in this request's mode (plan)."""
         if not self.exact:
             return PassRows(n, n)
         R = self.invariance.pass_rows(n, S)
@@ -266,7 +214,7 @@ class Engine:
         recent = tree_recent(anc, depth, n) if self.exact else None
         logits, hid, aux = m(tokens[None], n + depth, mask=mask, cache_pos=n + torch.arange(tokens.shape[0], device=n.device),
                              return_hidden=True, recent=recent, attn_rows=max(self.R_ver.attn, R))
-        return logits[:, :N], hid[:, :N], (aux[:, :N] if aux is not None else None)
+        return logits[0, :N], hid[:, :N], (aux[:, :N] if aux is not None else None)
 
     def warmup(self):
         """One tiny prefill + decode so one-time kernel set-up (oneDNN, cuBLAS) is not billed to the first prompt."""
@@ -311,64 +259,79 @@ class Engine:
         return out, st
 
     # ------------------------------------------------ speculative decoding
-    # A step is split in two static-shape, sync-free halves so each can be torch.compiled (CPU) or replayed
-    # from a CUDA graph (CUDA --compile): verify = target pass + acceptance + KV compaction; advance =
-    # drafter update + vocabulary update + the next draft. Between them sits the step's one host sync.
+    # A step is two static-shape, sync-free halves so each can be torch.compiled (CPU) or replayed from a
+    # CUDA graph (CUDA --compile): verify = target pass + acceptance + KV compaction; advance = the drafter's
+    # update (with its vocabulary's) + the next draft. Between them sits the step's one host sync.
 
-    def _spec_verify(self, tokens, parents, depth, anc, valid, q, n, max_depth: int):
-        d = self.drafter
-        tree = dr.Tree(tokens, parents, depth, anc, valid, q, max_depth)
-        logits, hid, aux = self._verify(tokens, depth, anc, n)
-        logits = logits[0]  # [N, V]
+    def _spec_verify(self, tree: dr.Tree, n: Tensor) -> tuple[Tensor, dr.Accepted]:
+        logits, hid, aux = self._verify(tree.tokens, tree.depth, tree.anc, n)  # [N, V], [1, N, d], [1, N, 3d]
         if self.sampling.greedy:
             path, L, bonus = accept_greedy(tree, logits)
         else:
             path, L, bonus = accept_sample(tree, logits_to_probs(logits, self.sampling))
-        self.model.compact_kv(n + path, n)
-        host = torch.cat([L.view(1), tokens[path], bonus.view(1)])  # what the host needs, read in one sync
-        feats = (aux if d.version == 3 else hid).index_select(1, path) if isinstance(d, dr.EagleDrafter) else None
-        vocab = d.vocab
-        ver = torch.topk(logits.index_select(0, path), vocab.k_ver, dim=-1).indices if hasattr(vocab, "k_ver") else None
-        return host, path, L, bonus, feats, ver
+        self.model.compact_kv(n + path, n)  # the accepted path's KV moves to slots n .. n + L - 1
+        host = torch.cat([L.view(1), tree.tokens[path], bonus.view(1)])  # what the host needs, read in one sync
+        return host, dr.Accepted(tree, path, L, bonus, logits, hid, aux, n)
 
-    def _spec_update(self, tokens, valid, path, L, bonus, feats, ver, n):
-        """Feed the accepted path to the drafter and the candidate stream; returns the step's vocabulary
-        stats (coverage hits, active size), measured before this step's append."""
-        d, vocab, dev = self.drafter, self.drafter.vocab, tokens.device
-        Dp = path.shape[0]
-        nxt = torch.cat([tokens[path[1:]], bonus.view(1)])  # the token after each path node; bonus last
-        nxt = torch.where(torch.arange(Dp, device=dev) == L - 1, bonus, nxt)
-        if isinstance(d, dr.EagleDrafter):
-            d.update(feats, nxt, L, n)
-        else:
-            d.update(tokens[path], L)
-        # coverage (paper Fig. 1b): were the emitted tokens in the active vocabulary during this step?
-        em_rows, em_ok = d.rows_of(nxt)
-        em_ok = em_ok & (torch.arange(Dp, device=dev) < L)
-        cov = (vocab.contains(em_rows) & em_ok).sum()
-        act = vocab.active_size()
-        if ver is not None:
-            drows, dvalid = d.rows_of(tokens)
-            vrows, vvalid = d.rows_of(ver)
-            vocab.update(drows, dvalid & valid, vrows, vvalid & (torch.arange(Dp, device=dev) < L)[:, None])
-        return cov, act
-
-    def _spec_advance(self, tokens, valid, path, L, bonus, feats, ver, n):
-        """update + next draft in one function (one graph: the vocabulary gather on the copy stream
-        overlaps the draft backbone and joins right before the first LM-head projection)."""
-        cov, act = self._spec_update(tokens, valid, path, L, bonus, feats, ver, n)
-        t = self.drafter.draft(bonus.view(1), n + L)
-        return t.tokens, t.parents, t.depth, t.anc, t.valid, t.q, cov, act
+    def _spec_advance(self, a: dr.Accepted) -> dr.Tree:
+        # one graph: the vocabulary gather on the copy stream overlaps the draft backbone and joins right
+        # before the first LM-head projection
+        self.drafter.update(a)
+        return self.drafter.draft(a.bonus.view(1), a.n + a.L)
 
     def _generate_spec(self, prompt: list[int], max_new_tokens: int, on_tokens=None) -> tuple[list[int], Stats]:
-        m, dev, d = self.model, self.device, self.drafter
-        eos = set(m.args.eos_ids)
-        T = len(prompt)
-        D = d.depth
-        N = getattr(d, "nodes", D + 1)  # tokens per verification (n-gram chains: at most k + 1)
-        S, self.R_ver = self.plan(T, max_new_tokens, N)
+        m, d, dev = self.model, self.drafter, self.device
+        T, eos = len(prompt), set(m.args.eos_ids)
+        S, self.R_ver = self.plan(T, max_new_tokens, d.nodes)
         m.setup_caches(1, S)
         d.setup(S)
+        self._check_graphs()
+        st = Stats(phase_s=dict.fromkeys(PHASES, 0.0), extra=dict(exact=self.exact))
+        clock = Clock(st.phase_s)
+        t0 = time.perf_counter()
+        ptoks = torch.tensor(prompt, device=dev)
+        logits, hid, aux = m(ptoks[None], torch.arange(T, device=dev), return_hidden=True)
+        tok = sample(logits[:, -1], self.sampling)  # [1]
+        d.prefill(dr.Prefill(ptoks, tok, logits[0], hid, aux))
+        out, n = [int(tok)], torch.tensor(T, device=dev)
+        st.prefill_s, st.target_forwards = time.perf_counter() - t0, 1
+        if on_tokens:
+            on_tokens(out)
+        t_start = time.perf_counter()
+        with clock("draft"):
+            tree = d.draft(tok, n)
+        planned = d.nodes
+        while len(out) < max_new_tokens and out[-1] not in eos:
+            if tree.tokens.shape[0] != planned:  # unpadded n-gram chains vary in length
+                planned = tree.tokens.shape[0]
+                self.R_ver = self.pass_rows(planned, S)
+            with clock("verify"):
+                host, acc = self.verify_step(tree, n)  # target pass over the tree, acceptance, KV compaction
+            with clock("sync"):
+                L, emitted = accepted_tokens(host.tolist())  # the one host sync of the step
+            if self.fused_steps:
+                with clock("draft"):
+                    tree = self.advance_step(acc)  # update + next draft, one compiled step or CUDA graph
+            else:
+                with clock("update"):
+                    d.update(acc)  # the drafter's state and its vocabulary's window follow the accepted path
+                with clock("draft"):
+                    tree = d.draft(acc.bonus.view(1), acc.n + acc.L)
+            n = n + L
+            st.target_forwards += 1
+            st.accept_hist[L] = st.accept_hist.get(L, 0) + 1
+            emitted = stop_at(emitted, out, max_new_tokens, eos)
+            out += emitted
+            if on_tokens and emitted:
+                on_tokens(emitted)
+        sync(dev)
+        st.decode_s, st.new_tokens = time.perf_counter() - t_start, len(out)
+        st.extra.update(d.stats())
+        lm = st.extra.pop("lm_head_s", 0.0)  # drafting time spent in the LM head (eager only)
+        st.phase_s["lm_head"], st.phase_s["draft"] = lm, st.phase_s["draft"] - lm
+        return out, st
+
+    def _check_graphs(self):
         graphed = [s for s in (self.verify_step, self.advance_step) if isinstance(s, Graphed)]
         if graphed:  # (torch.compile'd CPU steps guard on their buffers themselves)
             addresses = self._buffer_addresses()
@@ -378,100 +341,20 @@ class Engine:
                 for step in graphed:
                     step.reset()
                 self.graph_addresses = addresses
-        vocab = d.vocab
-        ngram = isinstance(d, dr.NgramDrafter)
-        st = Stats(phase_s=dict(draft=0.0, lm_head=0.0, verify=0.0, sync=0.0, update=0.0), extra=dict(exact=self.exact))
-        d.lm_head_s = 0.0
-        t0 = time.perf_counter()
-        ptoks = torch.tensor(prompt, device=dev)
-        logits, hid, aux = m(ptoks[None], torch.arange(T, device=dev), return_hidden=True)
-        tok = sample(logits[:, -1], self.sampling)  # [1]
-        n_dev = torch.tensor(T, device=dev)
-        if isinstance(d, dr.EagleDrafter):
-            d.prefill(aux if d.version == 3 else hid, torch.cat([ptoks[1:], tok]))
-        elif isinstance(d, dr.ModelDrafter):
-            d.prefill(ptoks)
-        else:
-            d.prefill(prompt)
-        if vocab is not None:
-            rows, _ = d.rows_of(ptoks)
-            top = d.rows_of(torch.topk(logits[0], vocab.k_pre, dim=-1).indices)[0] if hasattr(vocab, "k_pre") else None
-            vocab.reset(rows, top)
-        out = [int(tok)]
-        st.prefill_s = time.perf_counter() - t0
-        st.target_forwards = 1
-        if on_tokens:
-            on_tokens(out)
-        cov_hit, cov_n, active = 0, 0, []
-        t_start = time.perf_counter()
-        fused = self.fused_steps
-        tree = None
-        if not ngram:
-            ts = time.perf_counter()
-            t = d.draft(tok.view(1), n_dev)
-            tree = (t.tokens, t.parents, t.depth, t.anc, t.valid, t.q)
-            st.phase_s["draft"] += time.perf_counter() - ts
-        while len(out) < max_new_tokens and out[-1] not in eos:
-            ts = time.perf_counter()
-            if ngram:
-                t = d.draft(out[-1], dev)
-                tree = (t.tokens, t.parents, t.depth, t.anc, t.valid, t.q)
-                self.R_ver = self.rows(t.tokens.shape[0], S)  # chains vary in length (static ones do not)
-                st.phase_s["draft"] += time.perf_counter() - ts
-                ts = time.perf_counter()
-            max_depth = tree[0].shape[0] - 1 if ngram else D
-            host, path, L, bonus, feats, ver = self.verify_step(*tree, n_dev, max_depth)
-            t1 = time.perf_counter()
-            host = host.tolist()  # the one host sync of the step: accepted length and tokens
-            Lh = host[0]
-            emitted = host[2:1 + Lh] + [host[-1]]
-            t2 = time.perf_counter()
-            st.phase_s["verify"] += t1 - ts
-            st.phase_s["sync"] += t2 - t1  # the step's one host sync (accepted length and tokens)
-            if ngram:
-                d.update(emitted)
-            elif fused:
-                *tree, cov, act = self.advance_step(tree[0], tree[4], path, L, bonus, feats, ver, n_dev)
-                st.phase_s["draft"] += time.perf_counter() - t2
-            else:
-                lm0 = d.lm_head_s
-                cov, act = self._spec_update(tree[0], tree[4], path, L, bonus, feats, ver, n_dev)
-                t3 = time.perf_counter()
-                t = d.draft(bonus.view(1), n_dev + L)
-                tree = (t.tokens, t.parents, t.depth, t.anc, t.valid, t.q)
-                t4 = time.perf_counter()
-                st.phase_s["update"] += t3 - t2
-                st.phase_s["lm_head"] += d.lm_head_s - lm0
-                st.phase_s["draft"] += (t4 - t3) - (d.lm_head_s - lm0)
-            if not ngram:
-                cov_hit = cov_hit + cov  # device tensors: no extra sync
-                active.append(act.clone())
-                cov_n += Lh
-            st.target_forwards += 1
-            st.accept_hist[Lh] = st.accept_hist.get(Lh, 0) + 1
-            n_dev = n_dev + Lh
-            for i, t in enumerate(emitted):  # stop at eos or the token budget, exactly like autoregressive
-                if len(out) >= max_new_tokens:
-                    emitted = emitted[:i]
-                    break
-                out.append(t)
-                if t in eos:
-                    emitted = emitted[:i + 1]
-                    break
-            if on_tokens and emitted:
-                on_tokens(emitted)
-        sync(dev)
-        st.decode_s = time.perf_counter() - t_start
-        st.new_tokens = len(out)
-        if vocab is not None and active:
-            sizes = torch.stack(active).float()
-            st.extra.update(vocab_active_mean=round(float(sizes.mean()), 1), vocab_active_max=int(sizes.max()),
-                            vocab_coverage=round(int(cov_hit) / max(cov_n, 1), 4), vocab_state_bytes=vocab.state_bytes())
-        return out, st
+
+
+def stop_at(emitted: list[int], out: list[int], max_new: int, eos: set) -> list[int]:
+    """The emitted tokens up to the token budget and through the first eos, exactly like autoregressive."""
+    emitted = emitted[:max(max_new - len(out), 0)]
+    for i, t in enumerate(emitted):
+        if t in eos:
+            return emitted[:i + 1]
+    return emitted
 
 
 class Graphed:
-    """Calls fn through CUDA graphs captured per input signature (tensor shapes/dtypes and plain values).
+    """Calls fn through CUDA graphs captured per input signature (pytree structure, tensor shapes/dtypes
+    and plain values).
 
     The first call of a signature runs fn eagerly (it warms up lazily initialised kernels and libraries on
     the real state); the second captures fn (capture records kernels without running them) and replays it,
@@ -487,44 +370,29 @@ class Graphed:
         self.seen.clear()
 
     def __call__(self, *args):
-        key = tuple((tuple(a.shape), a.dtype) if torch.is_tensor(a) else a for a in args)
+        leaves, spec = pytree.tree_flatten(args)
+        key = (str(spec), tuple((tuple(a.shape), a.dtype) if torch.is_tensor(a) else a for a in leaves))
         if key not in self.graphs:
             if key not in self.seen:
                 self.seen.add(key)
                 return self.fn(*args)
-            static = [a.clone() if torch.is_tensor(a) else a for a in args]
-            self.graphs[key] = (*self._capture(static), static)
+            static = [a.clone() if torch.is_tensor(a) else a for a in leaves]
+            self.graphs[key] = (*self._capture(pytree.tree_unflatten(static, spec)), static)
         graph, out, static = self.graphs[key]
-        for buf, a in zip(static, args):
+        for buf, a in zip(static, leaves):
             if torch.is_tensor(a):
                 buf.copy_(a)
         graph.replay()
         return out
 
-    def _capture(self, static):
+    def _capture(self, static_args):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self.fn(*static)
+            out = self.fn(*static_args)
         return graph, out
 
 
 # ---------------------------------------------------------------- CLI
-
-class Streamer:
-    """Prints text as tokens arrive; decodes the whole tail so multi-byte characters come out whole."""
-
-    def __init__(self, tok: Tokenizer, out=sys.stdout):
-        self.tok, self.ids, self.printed, self.out = tok, [], "", out
-
-    def __call__(self, new_ids):
-        self.ids.extend(new_ids)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
-            return
-        self.out.write(text[len(self.printed):])
-        self.out.flush()
-        self.printed = text
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="NanoSpec engine: generate text with speculative decoding")
@@ -579,79 +447,39 @@ def read_prompt(arg: str | None) -> str:
     return arg
 
 
-def build_engine(args):
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+def load_target(checkpoint: str | None, device: str = "cpu", dtype: str = "bfloat16") -> tuple[Transformer, Tokenizer, Path]:
+    """The target model, its tokenizer and folder, from an HF folder or hub id (None: the embedded default model)."""
     try:
-        device = torch.device(args.device)
+        dev = torch.device(device)
     except RuntimeError:
-        raise UsageError(f"unknown device {args.device!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"unknown device {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but CUDA is not available")
-    path = resolve_checkpoint(args.checkpoint)
+    path = resolve_checkpoint(checkpoint)
     tok = Tokenizer(path)
-    model = load_model(path, dtype=getattr(torch, args.dtype), device=device)
+    model = load_model(path, dtype=getattr(torch, dtype), device=dev)
     if not model.args.eos_ids:
         raise UsageError(f"no eos_token_id in {path}/generation_config.json or config.json")
-    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    return model, tok, path
+
+
+def build_engine(model: Transformer, tok: Tokenizer | None, draft: dr.DraftConfig = dr.DraftConfig(),
+                 sampling: Sampling = Sampling(), *, compile: bool = False, max_seq: int = 4096,
+                 backend: str = "inductor", exact: bool | None = None, head=None) -> Engine:
+    """The engine with its drafter and draft vocabulary (CLI, bench, GPU check and trainer build it here)."""
     sampling.validate(model.args.vocab_size)
-    drafter = build_drafter(args, model, tok, sampling)
-    torch.manual_seed(args.seed)
-    engine = Engine(model, sampling, compile=args.compile, drafter=drafter, max_seq=args.max_seq, exact=args.exact)
-    engine.warmup()
-    return engine, tok
+    drafter = dr.make_drafter(draft, model, sampling, tok, head)
+    return Engine(model, sampling, compile=compile, drafter=drafter, max_seq=max_seq, backend=backend, exact=exact)
 
 
-def build_drafter(args, model: Transformer, tok: "Tokenizer", sampling: Sampling):
-    """--draft none|ngram|PATH (EAGLE-1/2, EAGLE-3 head or independent draft model, detected from the folder)."""
-    if args.draft is None:  # out of the box: the default model drafts with its shipped EAGLE-3 head + NanoSpec
-        shipped = args.checkpoint is None and (DEFAULT_HEAD / "config.json").is_file()
-        args.draft = str(DEFAULT_HEAD) if shipped else "none"
-        if args.vocab is None and shipped:
-            args.vocab = "nanospec"
-    if args.vocab is None:
-        args.vocab = "full"
-    dflt = TREE_CPU if model.lm_head.weight.device.type == "cpu" else TREE_GPU
-    args.tree_topk = dflt[0] if args.tree_topk is None else args.tree_topk
-    args.tree_depth = dflt[1] if args.tree_depth is None else args.tree_depth
-    args.tree_nodes = dflt[2] if args.tree_nodes is None else args.tree_nodes
-    if args.draft == "none":
-        if args.vocab != "full":
-            raise UsageError("--vocab needs a drafter with an LM head (--draft PATH)")
-        return None
-    if args.draft == "ngram":
-        if args.vocab != "full":
-            raise UsageError("--vocab does not apply to --draft ngram (it has no LM head)")
-        return dr.NgramDrafter(args.spec_k or 10, args.ngram_min, args.ngram_max, static=args.compile)
-    path = resolve_checkpoint(args.draft, patterns=EXTRA_DRAFT_PATTERNS)
-    kind = dr.detect_draft_kind(path)
-    dev, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
-    if kind == "eagle":
-        head = dr.load_eagle(path, model, dtype, dev)
-        if head.c.version == 3:
-            model.aux_layers = head.c.aux_layers
-        make = lambda max_append: make_vocab(args.vocab, head.lm_weight(), w_max=args.w_max, k_pre=args.k_pre,
-                                             k_ver=args.k_ver, ablation=args.vocab_ablation,
-                                             eos_ids=model.args.eos_ids, max_append=max_append,
-                                             token_to_row=tok_to_row)
-        dr.check_tree_budget(args.tree_topk, args.tree_depth, args.tree_nodes)
-        tok_to_row = dr.EagleDrafter.token_to_row_map(head)
-        vocab = make(args.tree_nodes + (args.tree_depth + 1) * args.k_ver)
-        return dr.EagleDrafter(head, vocab, args.tree_topk, args.tree_depth, args.tree_nodes)
-    dm = load_model(path, dtype=dtype, device=dev)
-    if dm.args.vocab_size != model.args.vocab_size:
-        raise UsageError(f"draft model vocabulary ({dm.args.vocab_size}) differs from the target's ({model.args.vocab_size})")
-    dtok = path / "tokenizer.json"
-    if dtok.is_file() and Tokenizer(path).tok.get_vocab() != tok.tok.get_vocab():
-        raise UsageError("draft model tokenizer differs from the target's")
-    k = args.spec_k or 5
-    vocab = make_vocab(args.vocab, dm.lm_head.weight, w_max=args.w_max, k_pre=args.k_pre, k_ver=args.k_ver,
-                       ablation=args.vocab_ablation, eos_ids=model.args.eos_ids, max_append=(k + 1) * (1 + args.k_ver))
-    return dr.ModelDrafter(dm, vocab, k, sampling)
-
-
-EXTRA_DRAFT_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                        "*.safetensors", "model.safetensors.index.json", "pytorch_model.bin"]
+def draft_config(args) -> dr.DraftConfig:
+    """The CLI's drafting flags; out of the box the default model drafts with its shipped EAGLE-3 head + NanoSpec."""
+    shipped = args.checkpoint is None and (DEFAULT_HEAD / "config.json").is_file()
+    draft = args.draft or (str(DEFAULT_HEAD) if shipped else "none")
+    vocab = args.vocab or ("nanospec" if args.draft is None and shipped else "full")
+    return dr.DraftConfig(draft, vocab, args.tree_topk, args.tree_depth, args.tree_nodes, args.spec_k,
+                          args.ngram_min, args.ngram_max, args.w_max, args.k_pre, args.k_ver, args.vocab_ablation,
+                          static=args.compile)
 
 
 def stats_line(st: Stats, model: Transformer) -> str:
@@ -669,7 +497,14 @@ def stats_line(st: Stats, model: Transformer) -> str:
 
 
 def run(args) -> int:
-    engine, tok = build_engine(args)
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    model, tok, _ = load_target(args.checkpoint, args.device, args.dtype)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    engine = build_engine(model, tok, draft_config(args), sampling, compile=args.compile, max_seq=args.max_seq,
+                          exact=args.exact)
+    torch.manual_seed(args.seed)
+    engine.warmup()
     if args.chat:
         return chat_loop(engine, tok, args)
     text = read_prompt(args.prompt)
@@ -702,15 +537,19 @@ def chat_loop(engine: Engine, tok: Tokenizer, args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def one_line_errors(fn, args, errors=(UsageError, ModelError, CheckpointError, ValueError)) -> int:
+    """fn(args), with bad input reported as one line and exit code 2 instead of a traceback."""
     try:
-        return run(args)
-    except (UsageError, ModelError, CheckpointError, ValueError) as e:
+        return fn(args)
+    except errors as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv=None) -> int:
+    return one_line_errors(run, parse_args(argv))
 
 
 if __name__ == "__main__":

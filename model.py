@@ -165,6 +165,27 @@ def causal_recent(input_pos: Tensor, W: int = RECENT) -> Tensor:
     return torch.where(j >= 0, j, -1)
 
 
+def tree_mask(seq_range: Tensor, anc: Tensor, n: Tensor) -> Tensor:
+    """[N, S] bool: every node sees the cached prefix (slots < n) and its own ancestors (slots n + j)."""
+    N = anc.shape[0]
+    cols = torch.zeros(N, seq_range.shape[0], dtype=torch.bool, device=anc.device)
+    cols = cols.index_copy(1, n + torch.arange(N, device=anc.device), anc)
+    return (seq_range[None, :] < n) | cols
+
+
+def tree_recent(anc: Tensor, depth: Tensor, n: Tensor, W: int = RECENT) -> Tensor:
+    """[N, W] KV slots of each tree node's last W keys in logical order (model.exact_attention): keys before
+    the step's first slot n are the prefix (slot == position), the rest are the node's ancestors at depth
+    t = position - n, which sit at slot n + (ancestor's node index). Exact for chains of any length and
+    for trees shallower than W (deeper tree nodes would meet scattered ancestors in the flash half)."""
+    N, dev = anc.shape[0], anc.device
+    lv = torch.arange(N, device=dev)  # depth < N: chains of any length work too
+    anc_at = torch.argmax((anc[:, None, :] & (depth[None, None, :] == lv[None, :, None])).int(), dim=-1)  # [N, N]
+    j = (n + depth)[:, None] - (W - 1) + torch.arange(W, device=dev)  # [N, W] logical positions
+    in_tree = n + anc_at.gather(1, (j - n).clamp(0, N - 1))
+    return torch.where(j < n, torch.where(j >= 0, j, -1), in_tree)
+
+
 def exact_plan(input_pos: Tensor, recent: Tensor, seq_range: Tensor, n_groups: int, rows: int | None = None) -> tuple:
     """What every layer's exact_attention shares, built once per forward: the flash half's additive mask
     [g*T', S] (keys at positions < input_pos - W + 1), its emptiness [T'], and the recent half's slots.
@@ -396,6 +417,16 @@ def load_state_dict(files, dtype, device, strip_prefix: str = "") -> dict:
     return sd
 
 
+def check_tensors(sd: dict, expected: dict, where: str):
+    """Every tensor the module expects is in sd, with its shape, else one ModelError naming the first."""
+    missing = [k for k in expected if k not in sd]
+    if missing:
+        raise ModelError(f"{where} lacks {len(missing)} tensors, e.g. {missing[0]!r}")
+    for k, v in expected.items():
+        if tuple(sd[k].shape) != tuple(v.shape):
+            raise ModelError(f"{where}: tensor {k} has shape {tuple(sd[k].shape)}, expected {tuple(v.shape)}")
+
+
 def load_model(path, dtype=torch.bfloat16, device="cpu") -> Transformer:
     """Build on the meta device, then assign the checkpoint tensors (no init, no conversion step)."""
     path = Path(path)
@@ -413,12 +444,7 @@ def load_model(path, dtype=torch.bfloat16, device="cpu") -> Transformer:
     if tied and "embed_tokens.weight" in sd:
         sd["lm_head.weight"] = sd["embed_tokens.weight"]  # tied: one tensor, two names
     expected = dict(model.state_dict())
-    missing = [k for k in expected if k not in sd]
-    if missing:
-        raise ModelError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[0]!r}")
-    for k, v in expected.items():
-        if tuple(sd[k].shape) != tuple(v.shape):
-            raise ModelError(f"tensor {k} has shape {tuple(sd[k].shape)}, config implies {tuple(v.shape)}")
+    check_tensors(sd, expected, f"checkpoint {path}")
     model.load_state_dict({k: sd[k] for k in expected}, assign=True, strict=True)
     if tied:
         model.lm_head.weight = model.embed_tokens.weight

@@ -5,11 +5,15 @@ import sys
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 import draft as dr
 from conftest import write_eagle_head, write_tiny_hf
+from eagle import load_eagle
 from exact import Invariance, PassRows
-from generate import Engine, Sampling, accept_greedy, accept_sample, logits_to_probs, main
+import generate as g
+from generate import Engine, main
+from sampling import Sampling, accept_greedy, accept_sample, best_path, logits_to_probs, sample_from
 from model import causal_recent, load_model
 from test_exact import fault_small_passes
 from vocab import make_vocab
@@ -23,7 +27,7 @@ def tiny(tmp_path_factory):
     path, hf = write_tiny_hf(root / "target")
     cfg = json.loads((path / "config.json").read_text())
     heads = {
-        "eagle2": write_eagle_head(root / "e2", cfg, version=2, fc_bias=True, fmt="bin"),
+        "eagle2": write_eagle_head(root / "e2", cfg, version=1, fc_bias=True, fmt="bin"),
         "eagle3": write_eagle_head(root / "e3", cfg, version=3),
         "eagle3_pruned": write_eagle_head(root / "e3p", cfg, version=3, draft_vocab=96, prefix="layers.0."),
     }
@@ -47,7 +51,7 @@ def make_drafter(kind, tiny, m, vocab_spec="full", topk=4, depth=3, nodes=10, ab
     if kind == "self":  # the target as its own draft model: every greedy proposal is accepted
         dm = load_model(path, dtype=torch.float32)
         return dr.ModelDrafter(dm, make_vocab("full", dm.lm_head.weight), k=3, sampling=sampling)
-    head = dr.load_eagle(heads[kind], m, torch.float32, "cpu")
+    head = load_eagle(heads[kind], m, torch.float32, "cpu")
     if head.c.version == 3:
         m.aux_layers = head.c.aux_layers
     vocab = make_vocab(vocab_spec, head.lm_weight(), w_max=w_max, ablation=ablation,
@@ -116,8 +120,8 @@ def test_ancestor_mask_and_tree_invariants(tiny):
     d.setup(128)
     m.setup_caches(1, 128)
     p = torch.tensor(PROMPTS[2])
-    _, h, aux = m(p[None], torch.arange(len(p)), return_hidden=True)
-    d.prefill(aux, torch.cat([p[1:], torch.tensor([3])]))
+    logits, h, aux = m(p[None], torch.arange(len(p)), return_hidden=True)
+    d.prefill(dr.Prefill(p, torch.tensor([3]), logits[0], h, aux))
     tree = d.draft(torch.tensor([3]), torch.tensor(len(p)))
     N = tree.tokens.shape[0]
     assert N == 25 and int(tree.parents[0]) == -1
@@ -163,7 +167,7 @@ def test_speculative_sampling_is_exact(tmp_path, kind, samp):
     m.args.eos_ids = []
     root = tmp_path
     heads = {"eagle3": write_eagle_head(root / "e3", cfg, version=3, seed=1),
-             "eagle2": write_eagle_head(root / "e2", cfg, version=2, seed=1)}
+             "eagle2": write_eagle_head(root / "e2", cfg, version=1, seed=1)}
     dpath, _ = write_tiny_hf(root / "dm", vocab_size=V, num_hidden_layers=1, seed=9)
     tiny = (path, heads, dpath, root)
     eng = Engine(m, samp, drafter=make_drafter(kind, tiny, m, topk=3, depth=2, nodes=6, w_max=8, sampling=samp))
@@ -196,7 +200,6 @@ def test_speculative_sampling_is_exact(tmp_path, kind, samp):
 def test_sampler_catches_a_biased_acceptance(tmp_path, monkeypatch):
     """Guard for the test above: a deliberately wrong acceptance rule (always accept the first child)
     must fail the same chi-square check."""
-    import generate as g
 
     def wrong(tree, probs):
         return accept_greedy(tree, torch.nn.functional.one_hot(tree.tokens[tree.parents.clamp(min=0)] * 0 + tree.tokens[1], probs.shape[-1]).float())
@@ -206,7 +209,6 @@ def test_sampler_catches_a_biased_acceptance(tmp_path, monkeypatch):
 
 
 def accept_sample_biased(tree, probs):
-    from sampling import best_path, sample_from
     hit = torch.zeros_like(tree.valid)
     hit[1] = True  # the first child is always accepted, whatever the target says
     path, L, best = best_path(tree, hit)
@@ -249,7 +251,7 @@ def test_compiled_steps_equal_eager(tiny, kind, vocab_spec):
     for p, r in zip(PROMPTS, ref):
         assert eng.generate(p, 24)[0] == r
     if kind == "ngram":  # padded to k + 1 nodes: one traced verify shape whatever the proposal length
-        assert eng.drafter.static and eng.drafter.draft(5, "cpu").tokens.shape[0] == eng.drafter.k + 1
+        assert eng.drafter.static and eng.drafter.draft(torch.tensor([5]), torch.tensor(3)).tokens.shape[0] == eng.drafter.k + 1
 
 
 def _walk(x, path, tensors, values, seen):
@@ -301,18 +303,13 @@ class FakeGraph:
 
 
 def _flat(x):
-    if torch.is_tensor(x):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for e in x for t in _flat(e)]
-    return []
+    return [t for t in pytree.tree_leaves(x) if torch.is_tensor(t)]  # Tree and Accepted are registered pytrees
 
 
 def test_graph_capture_plumbing_on_cpu(tiny, monkeypatch):
     """Exercise the real Graphed.__call__ (eager first call, capture on the second, replays after) with only
     the CUDA capture itself replaced: static input buffers, outputs reused across replays, persistent
     drafter/vocabulary state at fixed addresses, no host-side state changed by a step, fixed-size caches."""
-    import generate as g
     m = target(tiny[0])
     for kind, spec in [("eagle3", "nanospec"), ("model", "nanospec"), ("eagle2", "full"), ("eagle3", "freq")]:
         if spec == "freq":
@@ -342,7 +339,7 @@ def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trus
     m = load_model(path, dtype=dtype)
     if fault:
         fault(m)
-    head = dr.load_eagle(heads["eagle3"], m, dtype, "cpu")
+    head = load_eagle(heads["eagle3"], m, dtype, "cpu")
     m.aux_layers = head.c.aux_layers
     d = dr.EagleDrafter(head, make_vocab("full", head.lm_weight()), topk=4, depth=4, nodes=nodes)
     e = Engine(m, drafter=d)
@@ -353,19 +350,19 @@ def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trus
     p = torch.tensor(PROMPTS[2] * 3)
     T = len(p)
     S, e.R_ver = e.plan(T, 8, nodes)
-    e.R_dec = e.rows(1, S)
+    e.R_dec = e.pass_rows(1, S)
     assert e.exact
     if plain_sdpa:
         e.exact, e.R_ver, e.R_dec = False, PassRows(nodes, nodes), PassRows(1, 1)
     m.setup_caches(1, S)
     d.setup(S)
     with torch.no_grad():
-        logits, _, aux = m(p[None], torch.arange(T), return_hidden=True)
+        logits, hid, aux = m(p[None], torch.arange(T), return_hidden=True)
         tok = logits[0, -1].argmax().view(1)
-        d.prefill(aux, torch.cat([p[1:], tok]))
+        d.prefill(dr.Prefill(p, tok, logits[0], hid, aux))
         tree = d.draft(tok, torch.tensor(T))
         assert bool((tree.depth != torch.arange(len(tree.depth))).any())  # some nodes are off the spine
-        tree_logits = e._verify(tree.tokens, tree.depth, tree.anc, torch.tensor(T))[0][0]
+        tree_logits = e._verify(tree.tokens, tree.depth, tree.anc, torch.tensor(T))[0]
         same = []
         for i in range(len(tree.tokens)):
             chain = sorted(torch.nonzero(tree.anc[i])[:, 0].tolist(), key=lambda j: int(tree.depth[j]))

@@ -34,14 +34,9 @@ import kernels
 # --------------------------------------------------------------------------------------
 
 
-class FullVocab:
-    def __init__(self, weight):
-        self.weight = weight                                          # [V, d]
-        self.ids = torch.arange(weight.shape[0], device=weight.device)  # [V], built once
-        self.width = weight.shape[0]
-
-    def logits(self, h):
-        return F.linear(h, self.weight), self.ids                    # [..., V], [V]
+class StaticVocab:
+    """What the static vocabularies (full, FR-Spec) share: no window to reset or update, no target top-K."""
+    k_pre = k_ver = 0
 
     def reset(self, prompt_ids, prompt_topk=None):
         pass
@@ -52,11 +47,21 @@ class FullVocab:
     def wait(self):
         pass
 
-    def contains(self, ids):
-        return torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
-
     def active_size(self):
         return torch.tensor(self.width, device=self.weight.device)
+
+
+class FullVocab(StaticVocab):
+    def __init__(self, weight):
+        self.weight = weight                                          # [V, d]
+        self.ids = torch.arange(weight.shape[0], device=weight.device)  # [V], built once
+        self.width = weight.shape[0]
+
+    def logits(self, h):
+        return F.linear(h, self.weight), self.ids                    # [..., V], [V]
+
+    def contains(self, ids):
+        return torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
 
     def state_bytes(self):
         return self.ids.nbytes
@@ -67,7 +72,7 @@ class FullVocab:
 # --------------------------------------------------------------------------------------
 
 
-class FreqVocab:
+class FreqVocab(StaticVocab):
     def __init__(self, weight, ids):
         V = weight.shape[0]
         ids = torch.as_tensor(ids, dtype=torch.long).flatten()
@@ -87,20 +92,8 @@ class FreqVocab:
     def logits(self, h):
         return F.linear(h, self.rows), self.ids                      # [..., K], [K]
 
-    def reset(self, prompt_ids, prompt_topk=None):
-        pass
-
-    def update(self, draft_ids, draft_valid, ver_ids, ver_valid):
-        pass
-
-    def wait(self):
-        pass
-
     def contains(self, ids):
         return self.mask[ids]
-
-    def active_size(self):
-        return torch.tensor(self.width, device=self.weight.device)
 
     def state_bytes(self):
         return self.rows.nbytes + self.ids.nbytes + self.mask.nbytes
