@@ -40,6 +40,7 @@ import os
 import sys
 import time
 from dataclasses import replace
+from eagle import load_eagle
 from pathlib import Path
 
 import torch
@@ -54,8 +55,8 @@ from bench_workload import (SHAPES, TASK_TITLES, WARMUP_PROMPT, ensure_cache, lo
                             self_freq_file, shape_args, write_random_eagle3)
 from download import CheckpointError, resolve_checkpoint
 from exact import machine_id
-from generate import Tokenizer, UsageError
-from model import ModelError, load_model
+from generate import UsageError, load_target
+from model import ModelError
 from sampling import Sampling
 from vocab import FullVocab
 
@@ -131,15 +132,12 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-TREE_GPU, TREE_CPU = generate.TREE_GPU, generate.TREE_CPU
-
-
 def run(args, log) -> int:
     try:
         torch.device(args.device)
     except RuntimeError:
         raise UsageError(f"unknown device {args.device!r}") from None
-    dflt = TREE_CPU if (torch.device(args.device).type == "cpu" and not args.latency) else TREE_GPU
+    dflt = dr.TREE_CPU if (torch.device(args.device).type == "cpu" and not args.latency) else dr.TREE_GPU
     args.tree_topk = dflt[0] if args.tree_topk is None else args.tree_topk
     args.tree_depth = dflt[1] if args.tree_depth is None else args.tree_depth
     args.tree_nodes = dflt[2] if args.tree_nodes is None else args.tree_nodes
@@ -168,13 +166,8 @@ def run(args, log) -> int:
                             "CPU timings are unreliable (other jobs; with several torch threads each, contention "
                             "can slow runs many-fold: --threads 1 is steadier)")
 
-    path = resolve_checkpoint(args.checkpoint)
-    model_name = path.name
-    tok = Tokenizer(path)
-    dtype = getattr(torch, args.dtype)
-    model = load_model(path, dtype=dtype, device=dev)
-    if not model.args.eos_ids:
-        raise UsageError(f"no eos_token_id in {path}")
+    model, tok, path = load_target(args.checkpoint, args.device, args.dtype)
+    model_name, dtype = path.name, model.lm_head.weight.dtype
     cfg = json.loads((path / "config.json").read_text())
     sync = (lambda: torch.cuda.synchronize(dev)) if (dev.type == "cuda" and args.sync_phases) else (lambda: None)
 
@@ -195,12 +188,10 @@ def run(args, log) -> int:
         if p is None:
             continue
         hp = resolve_checkpoint(p, patterns=["config.json", "*.safetensors", "pytorch_model.bin"])
-        head = dr.load_eagle(hp, model, dtype, dev)
-        want = 3 if name == "eagle3" else 2
+        head = load_eagle(hp, model, dtype, dev)
+        want = 3 if name == "eagle3" else 1
         if head.c.version != want:
             raise UsageError(f"--{name} {p} is an EAGLE-{'3' if head.c.version == 3 else '1/2'} head")
-        if head.c.version == 3:
-            model.aux_layers = head.c.aux_layers
         heads[name] = head
         head_info.setdefault(name, str(hp))
     if not heads:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import draft as dr
 import kernels
 from bench_report import command_line, md_table
+from eagle import EagleConfig, EagleHead, attach
 from bench_workload import shape_args
 from generate import UsageError
 from model import ModelArgs, Transformer
@@ -94,11 +95,11 @@ def latency_mode(args, log) -> int:
                            head_dim=a.head_dim, intermediate_size=a.intermediate_size, vocab_size=a.vocab_size,
                            norm_eps=a.norm_eps, rope_theta=a.rope_theta, rope_scaling=a.rope_scaling,
                            max_position_embeddings=a.max_position_embeddings)
-    c = dr.EagleConfig(3, eagle_args, 3 * a.dim, False, a.vocab_size, (2, a.n_layers // 2, a.n_layers - 3))
+    c = EagleConfig(3, eagle_args, 3 * a.dim, False, a.vocab_size, (2, a.n_layers // 2, a.n_layers - 3))
     with torch.device("meta"):
-        head = dr.EagleHead(c)
+        head = EagleHead(c)
     head = _init_random_(head.to(dtype).to_empty(device=dev)).eval()
-    dr.attach(head, m)
+    attach(head, m)
     head.setup_caches(S + D * k)
     build_s = time.perf_counter() - t0
     log(f"built random {args.shape} target + full-vocabulary EAGLE-3 head on {dev} in {build_s:.1f} s")
@@ -138,7 +139,7 @@ def latency_mode(args, log) -> int:
     if 32768 < a.vocab_size:
         vocabs.append(("freq 32k", FreqVocab(W, torch.randperm(a.vocab_size, generator=g)[:32768]), 32768))
     ns = make_vocab("nanospec", W, w_max=W_max, k_pre=args.k_pre, k_ver=args.k_ver,
-                    max_append=N + (D + 1) * args.k_ver)
+                    max_append=dr.append_width(N, D, args.k_ver))
     ns.reset(torch.randperm(a.vocab_size, generator=g)[:W_max].to(dev))
     vocabs.append((f"nanospec {W_max}", ns, W_max))
     ns.wait()

@@ -2,15 +2,14 @@
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 import draft as dr
-from generate import Engine, UsageError
+from generate import Engine, UsageError, build_engine
 from model import Transformer
-from vocab import make_vocab
 
 
 # ---------------------------------------------------------------- methods
@@ -129,38 +128,33 @@ def _timed(obj, attr: str, acc: dict, key: str, sync):
 
 def build_method(m: Method, model: Transformer, heads: dict, freq_path: Path | None, args, sampling, sync):
     """Attach an Engine to m (EAGLE methods share the loaded head; each has its own vocabulary state)."""
-    if m.kind == "ar":
-        m.engine = Engine(model, sampling, compile=m.compiled, backend=args.compile_backend,
-                          exact=False if m.fast else args.exact)
-        return
-    if m.kind == "ngram":
-        m.engine = Engine(model, sampling, compile=m.compiled, backend=args.compile_backend, exact=args.exact,
-                          drafter=dr.NgramDrafter(args.spec_k or 10, args.ngram_min, args.ngram_max,
-                                                  static=m.compiled))
+    kw = dict(compile=m.compiled, backend=args.compile_backend, exact=False if m.fast else args.exact)
+    c = dr.DraftConfig(m.kind if m.kind in ("ar", "ngram") else m.head, tree_topk=args.tree_topk,
+                       tree_depth=args.tree_depth, tree_nodes=args.tree_nodes, spec_k=args.spec_k,
+                       ngram_min=args.ngram_min, ngram_max=args.ngram_max, k_pre=args.k_pre, k_ver=args.k_ver,
+                       ablation=m.ablation, static=m.compiled)
+    if m.kind in ("ar", "ngram"):
+        m.engine = build_engine(model, None, replace(c, draft="none" if m.kind == "ar" else "ngram"), sampling, **kw)
         return
     head = heads[m.head]
     rows = head.lm_weight().shape[0]
-    t2r = dr.EagleDrafter.token_to_row_map(head)
     if m.vocab == "freq":
         if freq_path is None:
             raise UsageError(f"{m.name} needs a frequency file (--freq PATH, or let bench build one)")
-        spec = f"freq:{freq_path}:{m.k}"
+        c.vocab = f"freq:{freq_path}:{m.k}"
     else:
-        spec = m.vocab
-    w = m.k if m.vocab == "nanospec" else args.w_max
+        c.vocab = m.vocab
+    c.w_max = m.k if m.vocab == "nanospec" else args.w_max
     if m.vocab in ("freq", "nanospec") and m.k >= rows:
         raise UsageError(f"{m.name}: size {m.k} >= the draft vocabulary ({rows}); choose a smaller size")
-    max_append = args.tree_nodes + (args.tree_depth + 1) * args.k_ver
-    vocab = make_vocab(spec, head.lm_weight(), w_max=w, k_pre=args.k_pre, k_ver=args.k_ver, ablation=m.ablation,
-                       eos_ids=model.args.eos_ids, max_append=max_append, token_to_row=t2r)
-    d = dr.EagleDrafter(head, vocab, args.tree_topk, args.tree_depth, args.tree_nodes)
+    m.engine = build_engine(model, None, c, sampling, head=head, **kw)
+    d = m.engine.drafter
+    # drafter_update includes its vocabulary's update (the drafter calls it); bench_report subtracts it
     m.timers = dict(drafter_update=0.0, vocab_update=0.0)
     _timed(d, "update", m.timers, "drafter_update", sync)
-    _timed(vocab, "update", m.timers, "vocab_update", sync)
-    if hasattr(d, "_logp"):  # projection + log-softmax over the active rows
-        m.timers["drafter_logp"] = 0.0
-        _timed(d, "_logp", m.timers, "drafter_logp", sync)
-    m.engine = Engine(model, sampling, compile=m.compiled, backend=args.compile_backend, drafter=d, exact=args.exact)
+    _timed(d.vocab, "update", m.timers, "vocab_update", sync)
+    m.timers["drafter_logp"] = 0.0  # projection + log-softmax over the active rows
+    _timed(d, "_logp", m.timers, "drafter_logp", sync)
 
 
 # ---------------------------------------------------------------- running

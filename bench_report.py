@@ -42,10 +42,11 @@ def aggregate(recs: list[dict]) -> dict:
         # vocabulary-dependent part of drafting); generate.py's own lm_head phase (projection only) otherwise
         lm = per("drafter_logp") if "drafter_logp" in ph else per("lm_head")
         out["step_ms"] = dict(
-            draft_backbone=per("draft") + per("lm_head") - lm + per("drafter_update"), lm_head=lm,
-            gather_update=per("vocab_update"),
+            # the drafter's update contains its vocabulary's (drafter_update includes vocab_update)
+            draft_backbone=per("draft") + per("lm_head") - lm + per("drafter_update") - per("vocab_update"),
+            lm_head=lm, gather_update=per("vocab_update"),
             verify=per("verify"),
-            bookkeeping=per("sync") + per("update") - per("drafter_update") - per("vocab_update"))
+            bookkeeping=per("sync") + per("update") - per("drafter_update"))
         out["step_ms"]["total"] = out["decode_s"] / steps * 1000
         out["draft_ms"] = out["step_ms"]["draft_backbone"] + out["step_ms"]["lm_head"] + out["step_ms"]["gather_update"]
         out["decode_rate"] = acc / max(out["decode_s"], 1e-9)  # tokens from speculative steps per decode second

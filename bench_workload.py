@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from generate import Tokenizer, UsageError
+from generate import UsageError
+from tokenizer import Tokenizer
 from model import ModelArgs, Transformer
 from sampling import Sampling, logits_to_probs, sample_from
 from vocab import build_freq

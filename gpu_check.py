@@ -23,9 +23,8 @@ import bench
 import draft as dr
 import kernels
 from download import resolve_checkpoint
-from generate import Engine, Tokenizer
-from model import load_model
-from vocab import make_vocab
+from eagle import load_eagle
+from generate import build_engine, load_target
 
 REPO = Path(__file__).resolve().parent
 HEAD = REPO / "heads" / "SmolLM2-135M-Instruct-eagle3"
@@ -55,21 +54,21 @@ def check_kernel(rows_out):
 
 
 def engines(path, device, dtype, compile, head_path):
-    """(name, Engine) for every method on one loaded target."""
-    m = load_model(path, dtype=dtype, device=device)
-    out = [("autoregressive", Engine(m, compile=compile, max_seq=1024)),
-           ("ngram", Engine(m, compile=compile, drafter=dr.NgramDrafter(10, 1, 3, static=compile), max_seq=1024))]
-    head = dr.load_eagle(head_path, m, dtype, device)
-    m.aux_layers = head.c.aux_layers
+    """(name, Engine) for every method on one loaded target (the papers' GPU tree: 10/5/60)."""
+    m, tok, _ = load_target(str(path), device, str(dtype).replace("torch.", ""))
+    head = load_eagle(head_path, m, dtype, device)
     freq = REPO / "results" / "cache" / f"freq_gpu_check_{m.args.vocab_size}.pt"
     if not freq.is_file():  # any frequency ranking works for an equality check: use the token ids in order
         freq.parent.mkdir(parents=True, exist_ok=True)
         torch.save(list(range(m.args.vocab_size)), freq)
-    for name, spec in [("eagle3 full", "full"), ("fr-spec 8k", f"freq:{freq}:{min(8192, m.args.vocab_size // 2)}"), ("nanospec", "nanospec")]:
-        v = make_vocab(spec, head.lm_weight(), eos_ids=m.args.eos_ids, max_append=60 + 6 * 3,
-                       w_max=min(3072, m.args.vocab_size // 2))
-        out.append((name, Engine(m, compile=compile, drafter=dr.EagleDrafter(head, v, 10, 5, 60), max_seq=1024)))
-    return out, Tokenizer(path)
+    methods = [("autoregressive", "none", "full"), ("ngram", "ngram", "full"), ("eagle3 full", head_path, "full"),
+               ("fr-spec 8k", head_path, f"freq:{freq}:{min(8192, m.args.vocab_size // 2)}"),
+               ("nanospec", head_path, "nanospec")]
+    out = []
+    for name, draft, vocab in methods:
+        c = dr.DraftConfig(str(draft), vocab, *dr.TREE_GPU, w_max=min(3072, m.args.vocab_size // 2), static=compile)
+        out.append((name, build_engine(m, tok, c, compile=compile, max_seq=1024, head=head if draft == head_path else None)))
+    return out, tok
 
 
 def run_all(path, device, dtype, compile, head_path, n_new, repeats=1):

@@ -7,7 +7,7 @@ import torch
 
 import bench
 import generate
-from conftest import write_tiny_hf
+from conftest import write_eagle_head, write_tiny_hf
 
 
 QUESTIONS = [
@@ -91,9 +91,8 @@ def test_bench_guard_fires_on_tampered_output(tiny_bench, tmp_path, monkeypatch,
 
 
 def test_bench_eagle2_head(tiny_bench, tmp_path, capsys):
-    from conftest import write_eagle_head
     path, q, root = tiny_bench
-    head = write_eagle_head(tmp_path / "e2", json.loads((path / "config.json").read_text()), version=2)
+    head = write_eagle_head(tmp_path / "e2", json.loads((path / "config.json").read_text()), version=1)
     args = [a for a in argv(tiny_bench, tmp_path) if a != "--random-head"]
     rc = bench.main(args + ["--eagle2", str(head), "--methods", "eagle2,eagle2+nanospec", "--categories", "qa",
                             "--limit", "1"])
