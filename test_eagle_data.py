@@ -1,6 +1,7 @@
 """eagle_data.py: batched generation (greedy rows exact, sampled rows among the top candidates), self-generated
 and regenerated data through `eagle_train.py data`, the user-turn prefix, one-line errors on a bad dataset.
-Its fixtures (tiny, one_thread, quiet, one_line_error) are shared with test_eagle_train.py, which imports them."""
+Its fixtures (tiny, one_thread, quiet, one_line_error) live in conftest.py, shared with test_eagle_train.py
+and test_eagle_ttt.py."""
 import json
 
 import pytest
@@ -8,25 +9,14 @@ import torch
 
 import eagle_data as ed
 import eagle_train as et
-from conftest import write_tiny_hf
-from model import load_model
+from conftest import one_line_error, write_tiny_hf
+from generate import Engine
+from tokenizer import Tokenizer
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny matmuls: 2 OpenMP threads spin against other jobs on a shared 2-core box and run 100x slower
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
-def quiet(monkeypatch):
-    monkeypatch.setenv("EAGLE_TRAIN_QUIET", "1")
+pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
 
 
 def write_byte_tokenizer(path, eos_ids):
@@ -42,31 +32,9 @@ def write_byte_tokenizer(path, eos_ids):
     (path / "generation_config.json").write_text(json.dumps(dict(eos_token_id=eos_ids)))
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A 6-layer random target (aux layers 2, 3, 3) with its own greedy continuations as training data."""
-    root = tmp_path_factory.mktemp("eagle_train")
-    path, _ = write_tiny_hf(root / "target", num_hidden_layers=6, vocab_size=260)
-    m = load_model(path, dtype=torch.float32)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 256, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(176)]
-    recs = ed.token_data(m, prompts, batch_size=32, max_new_tokens=48)
-    ed.write_records(root / "train.jsonl", recs[:144], {})
-    return dict(root=root, path=path, model=m, recs=recs, eval_prompts=prompts[144:])
-
-
-def one_line_error(capsys, rc, *words):
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and err[0].startswith("error: "), err
-    for w in words:
-        assert w in err[0], err[0]
-
-
 # ---------------------------------------------------------------- data
 
 def test_batched_generation_equals_one_at_a_time(tiny):
-    from generate import Engine
     m = tiny["model"]
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16], [40]]
     outs = ed.batch_generate(m, prompts, 20, [0.0] * 3, m.args.eos_ids)
@@ -77,7 +45,6 @@ def test_batched_generation_equals_one_at_a_time(tiny):
 def test_sampled_rows_draw_from_the_top_candidates(tiny, monkeypatch):
     """Mixed batch: the greedy row is unchanged by its sampled neighbour, and every sampled token is one of
     the CAND most likely tokens of the model at that point (checked by teacher forcing)."""
-    from generate import Engine
     m = tiny["model"]
     monkeypatch.setattr(ed, "CAND", 3)
     prompts = [[5, 6, 7], [9, 10, 11]]
@@ -107,7 +74,6 @@ def test_self_generated_data_is_deterministic(tmp_path):
     recs = ed.read_records(tmp_path / "d0.jsonl")
     meta = json.loads((tmp_path / "d0.jsonl.meta.json").read_text())
     assert meta["kind"] == "magpie" and meta["records"] == len(recs) > 0
-    from generate import Tokenizer
     prefix = Tokenizer(path).encode("<|im_start|>user\n", add_special_tokens=False)
     for r in recs:  # prompt = the self-written request in the chat template; span = the answer, to the end
         assert r["ids"][:len(prefix)] == prefix and len(r["spans"]) == 1 and r["spans"][0][1] == len(r["ids"])
@@ -122,7 +88,6 @@ def test_self_generated_data_is_deterministic(tmp_path):
 def test_user_turn_prefix_is_cut_from_the_template(tmp_path):
     path, _ = write_tiny_hf(tmp_path / "chat", num_hidden_layers=2, vocab_size=260)
     write_byte_tokenizer(path, [258])
-    from generate import Tokenizer
     assert ed.user_turn_prefix(Tokenizer(path)) == "<|im_start|>user\n"
 
 
@@ -143,7 +108,6 @@ def test_regenerated_dataset_keeps_user_turns(tmp_path):
                     "--max-new-tokens", "8", "--dtype", "float32"]) == 0
     recs = ed.read_records(out)
     assert len(recs) == 2
-    from generate import Tokenizer
     text = Tokenizer(path).tok.decode(recs[0]["ids"], skip_special_tokens=False)
     assert "hi there" in text and "more" in text and "old answer" not in text
 

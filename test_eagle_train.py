@@ -1,7 +1,6 @@
-"""eagle_train.py: TTT attention and its agreement with inference, the fused loss, training (loss down, accepted
-length up), export -> load round trip, resume, and one-line errors on bad input (data tests: test_eagle_data.py)."""
+"""eagle_train.py: training (loss down, accepted length up), export -> load round trip, resume, and one-line
+errors on bad input (data tests: test_eagle_data.py; TTT forward and loss: test_eagle_ttt.py)."""
 import json
-import math
 import os
 import re
 import subprocess
@@ -11,11 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import draft as dr
 import eagle_data as ed
 import eagle_train as et
-from conftest import write_tiny_hf
-from test_eagle_data import one_line_error, one_thread, quiet, tiny  # noqa: F401  (shared fixtures)
+import eagle_ttt as ttt
+from conftest import one_line_error, write_tiny_hf
+from eagle import load_eagle
+
+pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
 
 
 def train_cli(tiny, out, *extra, data=None):
@@ -24,114 +25,11 @@ def train_cli(tiny, out, *extra, data=None):
                     "--epochs", "1000", "--ttt-steps", "3", "--lr", "2e-3", "--save-every", "0", *extra])
 
 
-# ---------------------------------------------------------------- TTT attention
-
-def slow_ttt_mask(T, step):
-    cols = (step + 1) * T
-    m = torch.zeros(T, cols, dtype=torch.bool)
-    for t in range(T):
-        for s in range(T):
-            m[t, s] = s <= t  # the real context: step-0 keys, causal
-        for j in range(1, step + 1):
-            m[t, j * T + t] = True  # the same row's key at each later step
-    return m
-
-
-@pytest.mark.parametrize("T,step", [(1, 0), (5, 0), (5, 1), (7, 3), (4, 6)])
-def test_ttt_mask_matches_explicit_construction(T, step):
-    assert torch.equal(et.ttt_mask(T, step), slow_ttt_mask(T, step))
-
-
-def test_ttt_attention_equals_masked_dense_attention():
-    torch.manual_seed(0)
-    B, H, Hkv, T, hd = 2, 4, 2, 6, 8
-    q = torch.randn(B, H, T, hd)
-    ks = [torch.randn(B, Hkv, T, hd) for _ in range(4)]
-    vs = [torch.randn(B, Hkv, T, hd) for _ in range(4)]
-    for step in range(4):
-        fast = et.ttt_attention(q, ks[0], vs[0], ks[1:step + 1], vs[1:step + 1])
-        K = torch.cat(ks[:step + 1], dim=2).repeat_interleave(H // Hkv, dim=1)  # [B, H, (step+1)T, hd]
-        V = torch.cat(vs[:step + 1], dim=2).repeat_interleave(H // Hkv, dim=1)
-        ref = torch.nn.functional.scaled_dot_product_attention(q, K, V, attn_mask=slow_ttt_mask(T, step))
-        torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
-
-
-def test_ttt_forward_matches_the_inference_path(tiny):
-    """Row t of unrolled step i == the KV-cache head of draft.py fed the real context 0..t and then a chain of
-    i tokens, each step feeding back its own output (what EagleDrafter does inside a tree)."""
-    m = tiny["model"]
-    m.aux_layers = m.eagle3_aux_layers()
-    head = et.new_head(m, m.aux_layers, seed=3)
-    with torch.no_grad():  # non-trivial norms
-        for n, p in head.named_parameters():
-            if n.endswith("norm.weight"):
-                p.add_(torch.randn_like(p) * 0.2)
-    toks = torch.tensor([tiny["recs"][0]["ids"][:20]])
-    T, steps = toks.shape[1], 4
-    m.setup_caches(1, 32)
-    _, _, aux = m(toks, torch.arange(T), return_hidden=True)
-    cos, sin = et.rope_cache(T + steps, head.c.args.head_dim, head.c.args.rope_theta, None)
-    with torch.no_grad():
-        outs = et.ttt_forward(head, aux, toks, steps, cos, sin)
-    head.setup_caches(64)
-    for t in [0, 5, 13]:
-        pos = torch.arange(t + 1)
-        mask = head.seq_range[None, :] <= pos[:, None]
-        with torch.no_grad():
-            out, lm_in = head(toks[:, 1:t + 2], head.fc(aux[:, :t + 1]), pos, pos, mask)
-            torch.testing.assert_close(lm_in[0, t], outs[0][0, t], atol=1e-5, rtol=1e-5)
-            feat = out[:, t:t + 1]
-            for i in range(1, steps):
-                if t + i + 1 >= T:
-                    break
-                p = torch.tensor([t + i])
-                mask = (head.seq_range <= t) | ((head.seq_range > t) & (head.seq_range <= t + i))
-                feat, lm_in = head(toks[:, t + i + 1:t + i + 2], feat, p, p, mask[None])
-                torch.testing.assert_close(lm_in[0, 0], outs[i][0, t], atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("train_w", [False, True])
-def test_fused_soft_ce_matches_autograd(train_w):
-    torch.manual_seed(0)
-    N, d, V = 37, 16, 50
-    h = torch.randn(N, d, requires_grad=True)
-    W = torch.randn(V, d, requires_grad=train_w)
-    tgt = torch.randn(N, V) * 3
-    w = torch.rand(N)
-    loss, correct = et.LinearSoftCE.apply(h, W, tgt, w, 8, torch.float32)
-    loss.backward()
-    h2 = h.detach().clone().requires_grad_(True)
-    W2 = W.detach().clone().requires_grad_(train_w)
-    z = h2 @ W2.T
-    ref = -(w * (torch.softmax(tgt, -1) * torch.log_softmax(z, -1)).sum(-1)).sum()
-    ref.backward()
-    torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(h.grad, h2.grad, atol=1e-5, rtol=1e-4)
-    if train_w:
-        torch.testing.assert_close(W.grad, W2.grad, atol=1e-5, rtol=1e-4)
-    assert torch.equal(correct, z.argmax(-1) == tgt.argmax(-1))
-
-
-def test_sampled_loss_columns():
-    torch.manual_seed(0)
-    tokens = torch.tensor([[3, 5, 5, 9], [9, 0, 2, 2]])
-    cols, bias = et.loss_columns(tokens, 100, 20)
-    assert cols.shape == bias.shape == (20,) and len(set(cols.tolist())) == 20
-    assert set(cols[:5].tolist()) == {0, 2, 3, 5, 9} and bias[:5].eq(0).all()  # every batch token, exact
-    torch.testing.assert_close(bias[5:], torch.full((15,), math.log(95 / 15)))  # negatives stand for the rest
-    assert et.loss_columns(tokens, 100, 0) == (None, None) and et.loss_columns(tokens, 100, 100) == (None, None)
-    # bias added to both sides: with every column sampled the loss is the exact one
-    h, W, tgt, w = torch.randn(6, 8), torch.randn(30, 8), torch.randn(6, 30), torch.ones(6)
-    exact, _ = et.LinearSoftCE.apply(h, W, tgt, w, 4, torch.float32)
-    same, _ = et.LinearSoftCE.apply(h, W, tgt, w, 4, torch.float32, torch.zeros(30))
-    torch.testing.assert_close(exact, same)
-
-
 # ---------------------------------------------------------------- training, export, resume
 
 def test_training_lowers_loss_and_raises_accepted_length(tiny, tmp_path):
     m = tiny["model"]
-    untrained = et.export_head(et.new_head(m, m.eagle3_aux_layers(), seed=0), tmp_path / "untrained", torch.float32)
+    untrained = et.export_head(ttt.new_head(m, m.eagle3_aux_layers(), seed=0), tmp_path / "untrained", torch.float32)
     assert train_cli(tiny, tmp_path / "run", "--max-steps", "150", "--export", str(tmp_path / "head"),
                      "--export-dtype", "float32") == 0
     hist = json.loads((tmp_path / "run" / "history.json").read_text())
@@ -149,7 +47,7 @@ def test_training_lowers_loss_and_raises_accepted_length(tiny, tmp_path):
 def test_export_round_trip_reproduces_logits(tiny, tmp_path):
     m = tiny["model"]
     m.aux_layers = m.eagle3_aux_layers()
-    head = et.new_head(m, m.aux_layers, rope_theta=5000.0, seed=1)
+    head = ttt.new_head(m, m.aux_layers, rope_theta=5000.0, seed=1)
     with torch.no_grad():
         head.lm_head.weight.add_(0.01)  # a trained lm_head: must travel with the export
     full = et.export_head(head, tmp_path / "full", torch.float32)
@@ -165,21 +63,21 @@ def test_export_round_trip_reproduces_logits(tiny, tmp_path):
     toks = torch.tensor([tiny["recs"][1]["ids"][:24]])
     m.setup_caches(1, 32)
     _, _, aux = m(toks, torch.arange(24), return_hidden=True)
-    cos, sin = et.rope_cache(30, head.c.args.head_dim, 5000.0, None)
+    cos, sin = ttt.rope_cache(30, head.c.args.head_dim, 5000.0, None)
 
     def logits(h):
         with torch.no_grad():
-            return [o @ h.lm_head.weight.T for o in et.ttt_forward(h, aux, toks, 3, cos, sin)]
+            return [o @ h.lm_head.weight.T for o in ttt.ttt_forward(h, aux, toks, 3, cos, sin)]
     ref = logits(head)
-    loaded = dr.load_eagle(full, m, torch.float32, "cpu")
+    loaded = load_eagle(full, m, torch.float32, "cpu")
     assert loaded.c.args.rope_theta == 5000.0 and loaded.c.aux_layers == (2, 3, 3)
     for a, b in zip(ref, logits(loaded)):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
-    # without lm_head (a frozen, target-tied head): draft.load_eagle takes the target's
-    frozen = et.new_head(m, m.aux_layers, seed=1)
+    # without lm_head (a frozen, target-tied head): eagle.load_eagle takes the target's
+    frozen = ttt.new_head(m, m.aux_layers, seed=1)
     lean = et.export_head(frozen, tmp_path / "lean", torch.float32, with_lm_head=False)
     assert "draft_vocab_size" not in json.loads((lean / "config.json").read_text())
-    loaded = dr.load_eagle(lean, m, torch.float32, "cpu")
+    loaded = load_eagle(lean, m, torch.float32, "cpu")
     assert torch.equal(loaded.lm_head.weight, m.lm_head.weight)
     for a, b in zip(logits(frozen), logits(loaded)):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
