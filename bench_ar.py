@@ -1,6 +1,7 @@
 """Autoregressive speed: this engine's configurations against HF transformers `generate()` on the same checkpoint.
 
     python bench_ar.py [--checkpoint PATH] [--max-new-tokens 128] [--rounds 3] [--compile]
+    python bench_ar.py --profile [--context 300]      # where one target pass spends its time
 
 Rows: the engine with plain arithmetic (the fastest eager configuration), the engine in exact mode (`--exact`:
 what makes speculative output bit-identical; its cost is the ratio of the two), `--compile` when asked, and
@@ -16,7 +17,8 @@ import torch
 
 from download import resolve_checkpoint
 from exact import machine_id
-from generate import Engine, Tokenizer
+from generate import Engine
+from tokenizer import Tokenizer
 from model import load_model
 
 PROMPTS = [
@@ -35,13 +37,19 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--compile", action="store_true", help="also time our engine with --compile")
+    p.add_argument("--profile", action="store_true", help="per target pass: GEMMs, attention and the rest, "
+                   "against the floor of reading the weights once")
+    p.add_argument("--context", type=int, default=300, help="--profile: tokens already in the KV cache")
+    p.add_argument("--rows", default="1,16,60", help="--profile: pass sizes (decode = 1, tree verifies)")
     args = p.parse_args()
-    import transformers as tf
-
     path = resolve_checkpoint(args.checkpoint)
     dtype = getattr(torch, args.dtype)
     tok = Tokenizer(path)
     model = load_model(path, dtype=dtype)
+    if args.profile:
+        return profile(model, path.name, args.dtype, args.context, [int(r) for r in args.rows.split(",")])
+    import transformers as tf  # a peer, not a dependency of the engine
+
     ours = Engine(model, exact=False)
     methods = {"engine": ours, "engine --exact": Engine(model, exact=True)}
     if args.compile:
@@ -86,6 +94,56 @@ def main():
     for k, v in med.items():
         print(f"| {k} | {v:.2f} | {v / base:.2f}x | {v / med[fastest]:.3f}x |")
     print(f"tokens identical to transformers (prefix compared): {same}")
+
+
+def median_ms(fn, iters: int = 15) -> float:
+    fn()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1000
+
+
+def read_bandwidth_gbs() -> float:
+    """This machine's memory read bandwidth: summing a 1 GiB tensor (far larger than any CPU cache)."""
+    x = torch.ones(256 * 1024 * 1024)
+    return x.nbytes / median_ms(lambda: x.sum(), 5) / 1e6
+
+
+@torch.no_grad()
+def profile(model, name: str, dtype: str, ctx: int, rows_list: list[int]):
+    """One target pass after a ctx-token prefill (plain arithmetic, the fastest eager path), split into its
+    GEMMs alone (the same weights and shapes, back to back), its attention alone (the same SDPA calls over
+    the same cache), and the rest (norms, RoPE, cache writes, residuals, dispatch), against the floor of
+    reading every weight once at this machine's measured bandwidth."""
+    a, dev = model.args, model.lm_head.weight.device
+    S = (ctx + max(rows_list) + 64 + 63) // 64 * 64  # what Engine.plan allocates for such a request
+    model.setup_caches(1, S)
+    model(torch.randint(0, a.vocab_size, (1, ctx)), torch.arange(ctx))
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weight_bytes = sum(w.numel() * w.element_size() for w in {m.weight.data_ptr(): m.weight for m in linears}.values())
+    bw = read_bandwidth_gbs()
+    floor = weight_bytes / bw / 1e6
+    kv = model.layers[0].self_attn.kv_cache
+    print(f"\n{name}, {dtype}, {torch.get_num_threads()} threads, {machine_id()}; context {ctx} tokens, KV cache "
+          f"{S} slots ({str(kv.k.dtype)[6:]}); weights {weight_bytes / 1e6:.0f} MB; read bandwidth {bw:.1f} GB/s, "
+          f"so reading the weights once takes {floor:.1f} ms")
+    print("| rows | whole pass ms | GEMMs alone ms | attention alone ms | the rest ms | whole / weight floor |\n"
+          "|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    for T in rows_list:
+        tok = torch.randint(0, a.vocab_size, (1, T), generator=g).to(dev)
+        pos = ctx + torch.arange(T, device=dev)
+        whole = median_ms(lambda: model(tok, pos))
+        xs = {m: torch.randn(1, T, m.in_features, generator=g).to(dev, m.weight.dtype) for m in linears}
+        gemms = median_ms(lambda: [m(x) for m, x in xs.items()])
+        q = torch.randn(1, a.n_heads, T, a.head_dim, generator=g).to(dev, kv.k.dtype)
+        mask = model.causal_mask(pos)
+        attn = median_ms(lambda: [torch.nn.functional.scaled_dot_product_attention(
+            q, kv.k, kv.v, attn_mask=mask, enable_gqa=a.n_kv_heads != a.n_heads) for _ in model.layers])
+        print(f"| {T} | {whole:.1f} | {gemms:.1f} | {attn:.1f} | {whole - gemms - attn:.1f} | {whole / floor:.1f}x |")
 
 
 if __name__ == "__main__":

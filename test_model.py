@@ -4,7 +4,10 @@ import pytest
 import torch
 
 from conftest import write_tiny_hf
+from download import CheckpointError, resolve_checkpoint
+from generate import Engine
 from model import ModelArgs, ModelError, Transformer, load_model
+from tokenizer import Tokenizer
 
 
 def hf_logits(m, ids):
@@ -166,7 +169,6 @@ DEFAULT_PROMPTS = ["What is the capital of France?", "Write a Python function th
 
 @pytest.fixture(scope="module")
 def default_ckpt():
-    from download import CheckpointError, resolve_checkpoint
     try:
         return resolve_checkpoint(None)
     except CheckpointError as e:
@@ -176,7 +178,6 @@ def default_ckpt():
 def test_default_model_greedy_equals_transformers(default_ckpt):
     """Integration: our engine's greedy tokens == HF transformers' greedy tokens, fp32, 5 prompts x 64 tokens."""
     import transformers as tf
-    from generate import Engine, Tokenizer
     tok = Tokenizer(default_ckpt)
     ours = Engine(load_model(default_ckpt, dtype=torch.float32))
     ours.model.args.eos_ids = []  # run all 64 tokens on both sides
@@ -191,7 +192,6 @@ def test_default_model_greedy_equals_transformers(default_ckpt):
 
 
 def test_default_chat_answer(default_ckpt):
-    from generate import Engine, Tokenizer
     tok = Tokenizer(default_ckpt)
     eng = Engine(load_model(default_ckpt, dtype=torch.bfloat16))
     out, st = eng.generate(tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}]), 32)
