@@ -149,9 +149,9 @@ class Engine:
                 self.advance_step = torch.compile(self._spec_advance, fullgraph=True, dynamic=False, backend=backend)
 
     def _buffer_addresses(self) -> tuple:
-        """Addresses of the KV caches and RoPE tables of the target and the draft model or head."""
-        mods = [self.model] + [getattr(self.drafter, a, None) for a in ("head", "model")]
-        return tuple(b.data_ptr() for mod in mods if isinstance(mod, torch.nn.Module) for b in mod.buffers())
+        """Addresses of the KV caches and RoPE tables of the target and of the drafter's modules (head, model)."""
+        mods = [self.model] + [v for v in vars(self.drafter).values() if isinstance(v, torch.nn.Module)]
+        return tuple(b.data_ptr() for mod in mods for b in mod.buffers())
 
     def plan(self, T: int, max_new: int, n: int) -> tuple[int, PassRows]:
         """(KV slots S, rows of each target pass after the prefill) for a request whose passes carry at most
