@@ -491,5 +491,5 @@ def make_drafter(c: DraftConfig, target: Transformer, sampling: Sampling | None 
         raise ModelError("draft model tokenizer differs from the target's")
     k = c.spec_k or 5
     vocab = make_vocab(c.vocab, dm.lm_head.weight, w_max=c.w_max, k_pre=c.k_pre, k_ver=c.k_ver, ablation=c.ablation,
-                       eos_ids=target.args.eos_ids, max_append=(k + 1) * (1 + c.k_ver))
+                       eos_ids=target.args.eos_ids, max_append=append_width(k + 1, k, c.k_ver))  # a chain: k + 1 nodes
     return ModelDrafter(dm, vocab, k, sampling)

@@ -371,7 +371,7 @@ class Graphed:
 
     def __call__(self, *args):
         leaves, spec = pytree.tree_flatten(args)
-        key = (str(spec), tuple((tuple(a.shape), a.dtype) if torch.is_tensor(a) else a for a in leaves))
+        key = (spec, tuple((tuple(a.shape), a.dtype) if torch.is_tensor(a) else a for a in leaves))
         if key not in self.graphs:
             if key not in self.seen:
                 self.seen.add(key)
