@@ -14,6 +14,9 @@ from model import load_model
 # exact.py caches this machine's invariance answers on disk; tests start from an empty cache of their own
 # (subprocesses inherit it) so that they always exercise the check and never touch the user's cache
 os.environ["NANOSPEC_CACHE"] = tempfile.mkdtemp(prefix="nanospec-test-cache-")
+# bf16 models use cpu_gemm's kernel wherever it builds (not a timing check's verdict on tiny shapes), so runs
+# are repeatable; tests that need torch's GEMM set NANOSPEC_CPU_GEMM=torch themselves
+os.environ.setdefault("NANOSPEC_CPU_GEMM", "kernel")
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5)

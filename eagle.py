@@ -8,8 +8,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from model import (Attention, KVCache, MLP, ModelArgs, ModelError, RMSNorm, Transformer, check_tensors, load_state_dict,
-                   rope_cache)
+import cpu_gemm
+from model import (Attention, KVCache, Linear, MLP, ModelArgs, ModelError, RMSNorm, Transformer, check_tensors,
+                   load_state_dict, rope_cache)
 
 
 @dataclass
@@ -70,7 +71,7 @@ class EagleHead(nn.Module):
         super().__init__()
         self.c = c
         a = c.args
-        self.fc = nn.Linear(c.fc_in, a.dim, bias=c.fc_bias)
+        self.fc = Linear(c.fc_in, a.dim, bias=c.fc_bias)
         layer = nn.Module()
         layer.self_attn = Attention(a, in_dim=2 * a.dim if c.version == 3 else a.dim)
         layer.mlp = MLP(a)
@@ -170,6 +171,7 @@ def load_eagle(path, target: Transformer, dtype, device) -> EagleHead:
         sd["d2t"], sd["t2d"] = sd["d2t"].long(), sd["t2d"].bool()
     head.load_state_dict(sd, assign=True, strict=True)
     attach(head, target)
+    cpu_gemm.pack_linears(head)  # where the target's load chose the kernel (bf16 on CPU)
     return head.eval()
 
 

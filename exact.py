@@ -18,38 +18,24 @@ second).
 """
 import json
 import os
-import platform
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+import cpu_gemm
+from cpu_gemm import cache_dir, machine_id
 from model import Transformer, causal_recent, exact_attention, exact_plan, kv_dtype
 
 LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # pass sizes on offer (static shapes)
 MAX_ROWS = LADDER[-1]  # exact mode's largest target pass (trees / chains up to this many nodes)
 REF = 64  # the reference pass size every other size is compared with
 SHIFT = 5  # the second offset: rows move to other places in their pass (and in any register block)
-CACHE_ENV = "NANOSPEC_CACHE"
 
 
 def cache_file() -> Path:
-    root = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nanospec"
-    return Path(root) / "invariance.json"
-
-
-def machine_id() -> str:
-    """What the answers depend on besides the shapes: the CPU, its vector ISA, torch and the thread count."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    return cache_dir() / "invariance.json"
 
 
 def rows_agree(fn, x: torch.Tensor, r: int) -> bool:
@@ -138,7 +124,8 @@ class Invariance:
         seen = set()
         for mod in [mod for mod in layer.modules() if isinstance(mod, torch.nn.Linear)] + [m.lm_head]:
             w = mod.weight
-            key = f"linear {str(w.dtype)[6:]} {w.shape[1]}x{w.shape[0]}{' bias' if mod.bias is not None else ''}"
+            kern = " cpu_gemm" if cpu_gemm.enabled() and getattr(mod, "packed", None) is not None else ""  # its kernel
+            key = f"linear {str(w.dtype)[6:]} {w.shape[1]}x{w.shape[0]}{' bias' if mod.bias is not None else ''}{kern}"
             if key not in seen:
                 seen.add(key)
                 yield key, lambda r, mod=mod: rows_agree(mod, randn(rows(r), mod.weight.shape[1]), r)

@@ -13,6 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import cpu_gemm
+
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
@@ -94,6 +96,18 @@ class KVCache(nn.Module):
         self.k[:B].index_copy_(2, cache_pos, k)
         self.v[:B].index_copy_(2, cache_pos, v)
         return self.k[:B], self.v[:B]
+
+
+class Linear(nn.Linear):
+    """nn.Linear (HF weight names) whose bf16 CPU products go through cpu_gemm where this machine's check
+    chose it: row-invariant, and extra rows of a verification pass cost little (cpu_gemm.py)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("packed", None, persistent=False)  # cpu_gemm.pack(weight), set by cpu_gemm.pack_linears
+
+    def forward(self, x: Tensor) -> Tensor:
+        return cpu_gemm.linear(x, self.weight, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):
@@ -238,10 +252,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         in_dim = in_dim or a.dim
-        self.q_proj = nn.Linear(in_dim, a.n_heads * a.head_dim, bias=a.qkv_bias)
-        self.k_proj = nn.Linear(in_dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
-        self.v_proj = nn.Linear(in_dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
-        self.o_proj = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
+        self.q_proj = Linear(in_dim, a.n_heads * a.head_dim, bias=a.qkv_bias)
+        self.k_proj = Linear(in_dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.v_proj = Linear(in_dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.o_proj = Linear(a.n_heads * a.head_dim, a.dim, bias=False)
         if a.qk_norm:
             self.q_norm = RMSNorm(a.head_dim, a.norm_eps)
             self.k_norm = RMSNorm(a.head_dim, a.norm_eps)
@@ -271,9 +285,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(a.dim, a.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(a.dim, a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.dim, bias=False)
+        self.gate_proj = Linear(a.dim, a.intermediate_size, bias=False)
+        self.up_proj = Linear(a.dim, a.intermediate_size, bias=False)
+        self.down_proj = Linear(a.intermediate_size, a.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -299,7 +313,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(a.vocab_size, a.dim)
         self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
         self.norm = RMSNorm(a.dim, a.norm_eps)
-        self.lm_head = nn.Linear(a.dim, a.vocab_size, bias=False)
+        self.lm_head = Linear(a.dim, a.vocab_size, bias=False)
         self.aux_layers: tuple[int, ...] = ()  # layers whose *inputs* forward(return_hidden=True) also returns
         self.max_batch = self.max_seq = -1
 
@@ -448,4 +462,7 @@ def load_model(path, dtype=torch.bfloat16, device="cpu") -> Transformer:
     model.load_state_dict({k: sd[k] for k in expected}, assign=True, strict=True)
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16:  # this machine picks its GEMM (cpu_gemm)
+        if cpu_gemm.choose([tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)]):
+            cpu_gemm.pack_linears(model)
     return model.eval()

@@ -1,0 +1,112 @@
+"""The CPU bf16 linear kernel: right products, row-invariant bits, torch's rounding, compile, the machine's choice."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cpu_gemm
+from model import Linear
+
+pytestmark = pytest.mark.skipif(cpu_gemm.kernel() is None, reason="needs x86-64 with AVX2+FMA and a C compiler")
+
+
+def rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@pytest.mark.parametrize("N,K,bias", [(48, 64, False), (50, 64, True), (49, 136, False), (3, 8, True), (1, 16, False)])
+def test_products_match_fp32_to_one_rounding(N, K, bias):
+    """Every output is the fp32 product of the bf16 inputs, rounded once: within one bf16 step of it (the
+    sum order differs from a plain fp32 matmul's). N not a multiple of 3 exercises the padded last group."""
+    w, b = rand(N, K), rand(N, seed=1) if bias else None
+    for M in (1, 2, 3, 4, 5, 9, 13):
+        x = rand(M, K, seed=M)
+        y = cpu_gemm.kernel_linear(x, cpu_gemm.pack(w), N, b)
+        ref = x.float() @ w.float().T + (b.float() if bias else 0)
+        assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+        assert ((y.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-6).all(), (M, (y.float() - ref).abs().max())
+
+
+def test_rows_are_invariant_by_construction():
+    """A row's bits do not depend on how many rows share the pass or where it sits (register tiles of 4
+    rows and the 1-row remainder path): the property exact mode needs."""
+    w = rand(96, 576)
+    p = cpu_gemm.pack(w)
+    x = rand(23, 576, seed=3)
+    full = cpu_gemm.kernel_linear(x, p, 96)
+    for r in (1, 2, 3, 4, 5, 7, 8, 16):
+        for o in (0, 1, 5):
+            assert torch.equal(cpu_gemm.kernel_linear(x[o:o + r], p, 96), full[o:o + r]), (r, o)
+    x3 = x[:12].view(2, 6, 576)  # leading dims are flattened rows
+    assert torch.equal(cpu_gemm.kernel_linear(x3, p, 96), full[:12].view(2, 6, 96))
+
+
+def test_rounds_to_nearest_even_like_torch():
+    """y = a + b for bf16 a, b (weights 1, 1, 0, ...): the kernel's float -> bf16 matches torch's, ties,
+    overflow to inf and NaN included."""
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(4000, generator=g) * torch.logspace(-3, 3, 4000)).bfloat16()
+    b = (a.float() * torch.rand(4000, generator=g) * 2 ** -7).bfloat16()  # sums between bf16 neighbours
+    a = torch.cat([a, torch.tensor([3.0e38, float("inf"), float("nan"), 1.0]).bfloat16()])
+    b = torch.cat([b, torch.tensor([3.0e38, 1.0, 1.0, 2 ** -8]).bfloat16()])  # overflow, inf, nan, an exact tie
+    x = torch.zeros(len(a), 8, dtype=torch.bfloat16)
+    x[:, 0], x[:, 1] = a, b
+    w = torch.zeros(3, 8, dtype=torch.bfloat16)
+    w[0, :2] = 1
+    y = cpu_gemm.kernel_linear(x, cpu_gemm.pack(w), 3)[:, 0]
+    ref = (a.float() + b.float()).bfloat16()
+    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y[~ref.isnan()], ref[~ref.isnan()])
+
+
+def test_linear_module_and_compile(monkeypatch):
+    """model.Linear goes through the kernel once packed and the kernel is on, falls back to F.linear
+    otherwise (fp32, kernel off); torch.compile traces the custom op and gives the same bits."""
+    monkeypatch.setattr(cpu_gemm, "_ON", [True])
+    lin = Linear(64, 30, bias=True).bfloat16()
+    assert cpu_gemm.pack_linears(lin) == 1
+    x = rand(5, 64).requires_grad_()
+    lin(x).sum().backward()  # training (weights need grad): torch's GEMM, which has a backward
+    assert torch.allclose(lin.weight.grad.float(), (x.detach().float().T @ torch.ones(5, 30)).T, rtol=2 ** -6, atol=1e-2)
+    lin.requires_grad_(False)
+    lin.packed = None
+    x = x.detach()
+    plain = F.linear(x, lin.weight, lin.bias)
+    assert torch.equal(lin(x), plain)  # not packed yet: torch
+    assert cpu_gemm.pack_linears(lin) == 1 and lin.packed is not None
+    y = lin(x)
+    assert torch.equal(y, cpu_gemm.kernel_linear(x, lin.packed, 30, lin.bias))
+    assert (y.float() - plain.float()).abs().max() < 0.1
+    compiled = torch.compile(lin, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), y)
+    monkeypatch.setattr(cpu_gemm, "_ON", [False])
+    assert torch.equal(lin(x), plain)
+    f32 = Linear(64, 30)
+    monkeypatch.setattr(cpu_gemm, "_ON", [True])
+    assert cpu_gemm.pack_linears(f32) == 0 and f32.packed is None  # fp32 weights: not the kernel's domain
+
+
+def test_choose_is_cached_per_machine_and_overridable(monkeypatch, tmp_path):
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
+    for mode, want in (("kernel", True), ("torch", False)):
+        monkeypatch.setenv(cpu_gemm.ENV, mode)
+        assert cpu_gemm.choose([(48, 64)]) is want and cpu_gemm.enabled() is want
+    monkeypatch.setenv(cpu_gemm.ENV, "fast")
+    with pytest.raises(ValueError, match="auto, kernel or torch"):
+        cpu_gemm.choose([(48, 64)])
+    monkeypatch.setenv(cpu_gemm.ENV, "auto")
+    calls = []
+    monkeypatch.setattr(cpu_gemm, "_faster", lambda *a: calls.append(a) or True)
+    assert cpu_gemm.choose([(48, 64), (48, 64), (96, 64)]) and cpu_gemm.choose([(48, 64), (48, 64), (96, 64)])
+    assert len(calls) == 1 and calls[0][0] == {(48, 64): 2, (96, 64): 1}  # repeats weigh; asked once
+    saved = json.loads((tmp_path / "cpu_gemm.json").read_text())
+    assert list(saved.values()) == [True] and cpu_gemm.machine_id() in next(iter(saved))
+    monkeypatch.setattr(cpu_gemm, "_faster", lambda *a: False)
+    assert not cpu_gemm.choose([(24, 64)]) and not cpu_gemm.enabled()
+
+
+def test_the_timing_check_runs():
+    """The real check on tiny shapes returns a bool without touching the process's choice."""
+    before = cpu_gemm.enabled()
+    assert cpu_gemm._faster({(48, 64): 2}, (1, 4), 1) in (True, False)
+    assert cpu_gemm.enabled() == before
