@@ -123,6 +123,9 @@ def parse_args(argv=None):
     g.add_argument("--tree-topk", type=int, default=None)
     g.add_argument("--tree-depth", type=int, default=None)
     g.add_argument("--tree-nodes", type=int, default=None)
+    g.add_argument("--budget", default="fixed", choices=["fixed", "auto"],
+                   help="fixed (default): every method verifies its whole tree, as in the papers; auto: each step "
+                        "verifies as many nodes as pays on this machine, or none (generate.py's default, budget.py)")
     g.add_argument("--spec-k", type=int, default=None, help="n-gram chain length (default 10)")
     g.add_argument("--ngram-min", type=int, default=1)
     g.add_argument("--ngram-max", type=int, default=3)

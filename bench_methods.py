@@ -128,7 +128,8 @@ def _timed(obj, attr: str, acc: dict, key: str, sync):
 
 def build_method(m: Method, model: Transformer, heads: dict, freq_path: Path | None, args, sampling, sync):
     """Attach an Engine to m (EAGLE methods share the loaded head; each has its own vocabulary state)."""
-    kw = dict(compile=m.compiled, backend=args.compile_backend, exact=False if m.fast else args.exact)
+    kw = dict(compile=m.compiled, backend=args.compile_backend, exact=False if m.fast else args.exact,
+              budget=getattr(args, "budget", "fixed") == "auto")
     c = dr.DraftConfig(m.kind if m.kind in ("ar", "ngram") else m.head, tree_topk=args.tree_topk,
                        tree_depth=args.tree_depth, tree_nodes=args.tree_nodes, spec_k=args.spec_k,
                        ngram_min=args.ngram_min, ngram_max=args.ngram_max, k_pre=args.k_pre, k_ver=args.k_ver,

@@ -42,6 +42,15 @@ class Tree:
     q: Tensor | None = None  # [N, V] draft distribution that proposed each node's children (sampled chains)
     max_depth: int = 0  # static bound on depth: the accepted path has at most max_depth + 1 nodes
 
+    def prefix(self, b: int) -> "Tree":
+        """The first b nodes. Drafters list nodes best first, parents before children, so this is the tree
+        they would have drafted with a budget of b nodes (budget.py verifies such prefixes)."""
+        if b >= self.tokens.shape[0]:
+            return self
+        q = None if self.q is None else self.q[:b]
+        return Tree(self.tokens[:b], self.parents[:b], self.depth[:b], self.anc[:b, :b], self.valid[:b], q,
+                    self.max_depth)
+
 
 @dataclass
 class Prefill:
@@ -69,6 +78,16 @@ class Accepted:
         """[D+1] the token after each path node: the next path token, and the bonus after the last accepted."""
         nxt = torch.cat([self.tree.tokens[self.path[1:]], self.bonus.view(1)])
         return torch.where(torch.arange(nxt.shape[0], device=nxt.device) == self.L - 1, self.bonus, nxt)
+
+
+def chained(steps: list[Accepted]) -> Accepted:
+    """Autoregressive steps (one-node trees, each accepted) as one fully accepted chain, so that a drafter
+    catches up on a run of them in one update when speculation resumes (budget.py's fallback)."""
+    toks = torch.cat([a.tree.tokens for a in steps])  # [K] each step's root
+    a0, K = steps[0], toks.shape[0]
+    aux = None if a0.aux is None else torch.cat([a.aux for a in steps], 1)
+    return Accepted(chain_tree(toks), torch.arange(K, device=toks.device), torch.full_like(a0.L, K), steps[-1].bonus,
+                    torch.cat([a.logits for a in steps]), torch.cat([a.hidden for a in steps], 1), aux, a0.n)
 
 
 # registered pytrees: they pass whole through torch.compile'd and CUDA-graphed steps (Graphed flattens them)
@@ -285,6 +304,8 @@ class EagleDrafter(VocabDrafter):
         # way, so a selected child's parent is always selected too
         key = torch.nan_to_num(score, nan=-1e30, neginf=-1e30) - 1e-4 * level
         sel = torch.sort(torch.topk(key, N - 1).indices).values  # [N-1], candidate order = parents first
+        # then best first (stable: ties keep parents first), so every prefix is the tree of a smaller budget
+        sel = sel[torch.sort(key[sel], descending=True, stable=True).indices]
         pos_of = torch.full((C,), -1, dtype=torch.long, device=dev).index_copy(0, sel, torch.arange(N - 1, device=dev))
         cp = parent[sel]
         parents = torch.cat([torch.tensor([-1], device=dev), torch.where(cp < 0, 0, pos_of[cp.clamp(min=0)] + 1)])
@@ -379,19 +400,17 @@ class NgramDrafter:
         return []
 
     def draft(self, root: Tensor, n: Tensor) -> Tree:
-        self.root = int(root)
-        prop = self.propose(self.hist + [self.root])
+        r = int(root)
+        prop = self.propose(self.hist + [r])
         if not self.static:
-            return chain_tree(torch.tensor([self.root] + prop, device=root.device))
+            return chain_tree(torch.tensor([r] + prop, device=root.device))
         pad = self.k - len(prop)
         valid = torch.tensor([True] * (1 + len(prop)) + [False] * pad, device=root.device)
-        return chain_tree(torch.tensor([self.root] + prop + [0] * pad, device=root.device), valid)
+        return chain_tree(torch.tensor([r] + prop + [0] * pad, device=root.device), valid)
 
     def update(self, a: Accepted):
-        # history = every token before the next root: this step's root, then the accepted tokens
-        L = int(a.L)
-        self.hist.append(self.root)
-        self.hist.extend(a.tree.tokens[a.path[1:L]].tolist())
+        # history = every token before the next root: this step's root (path[0]), then the accepted tokens
+        self.hist.extend(a.tree.tokens[a.path[:int(a.L)]].tolist())
 
     def stats(self) -> dict:
         return {}

@@ -287,7 +287,7 @@ def mean_accepted_length(target: Transformer, head_dir, prompts: list[list[int]]
     tokens emitted per target forward, bonus included (Spec-Bench / vLLM convention)."""
     saved = target.aux_layers  # build_engine points them at the head's; the trainer's own are put back
     try:
-        eng = build_engine(target, None, DraftConfig(str(head_dir), "full", topk, depth, nodes))
+        eng = build_engine(target, None, DraftConfig(str(head_dir), "full", topk, depth, nodes), budget=False)
         emitted = forwards = 0
         for p in prompts:
             out, st = eng.generate(list(p), max_new_tokens)

@@ -4,6 +4,7 @@
     python generate.py --checkpoint meta-llama/Llama-3.1-8B-Instruct --prompt "Hi" --device cuda --compile
 """
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -16,6 +17,7 @@ from torch import Tensor
 
 import draft as dr
 from download import CheckpointError, resolve_checkpoint
+from budget import Budget
 from exact import MAX_ROWS, Invariance, PassRows, machine_id
 from model import RECENT, ModelError, Transformer, causal_recent, load_model, tree_mask, tree_recent
 from sampling import Sampling, accept_greedy, accept_sample, logits_to_probs, sample
@@ -98,18 +100,20 @@ class Clock:
 PHASES = ("draft", "lm_head", "verify", "sync", "update")
 
 
-def accepted_tokens(host: list[int]) -> tuple[int, list[int]]:
-    """host = [L, path tokens (root first, padded to D+1)..., bonus] -> (L, the tokens this step emits)."""
-    L = host[0]
-    return L, host[2:1 + L] + [host[-1]]  # the accepted draft tokens after the root, then the bonus
+def accepted_tokens(host: list[int]) -> tuple[int, list[int], list[int]]:
+    """host = [L, bonus, path tokens (root first, padded to D+1)..., path node indices...] -> (L, the tokens
+    this step emits: the accepted draft tokens after the root, then the bonus, the accepted node indices)."""
+    L, P = host[0], (len(host) - 2) // 2
+    return L, host[3:2 + L] + [host[1]], host[2 + P:2 + P + L]
 
 
 class Engine:
     """Holds the target (and optionally a drafter with its draft vocabulary); one generation at a time."""
 
     def __init__(self, model: Transformer, sampling: Sampling = Sampling(), compile: bool = False, drafter=None,
-                 max_seq: int = 4096, backend: str = "inductor", exact: bool | None = None):
+                 max_seq: int = 4096, backend: str = "inductor", exact: bool | None = None, budget: bool = False):
         self.model = model
+        self.budget = budget  # fit the verified tree size to this machine and request each step (budget.py)
         self.sampling = sampling
         self.drafter = drafter
         self.device = model.lm_head.weight.device
@@ -269,8 +273,9 @@ class Engine:
             path, L, bonus = accept_greedy(tree, logits)
         else:
             path, L, bonus = accept_sample(tree, logits_to_probs(logits, self.sampling))
-        self.model.compact_kv(n + path, n)  # the accepted path's KV moves to slots n .. n + L - 1
-        host = torch.cat([L.view(1), tree.tokens[path], bonus.view(1)])  # what the host needs, read in one sync
+        if tree.tokens.shape[0] > 1:  # (a one-node tree, an autoregressive step, has its KV in place)
+            self.model.compact_kv(n + path, n)  # the accepted path's KV moves to slots n .. n + L - 1
+        host = torch.cat([L.view(1), bonus.view(1), tree.tokens[path], path])  # what the host needs, in one sync
         return host, dr.Accepted(tree, path, L, bonus, logits, hid, aux, n)
 
     def _spec_advance(self, a: dr.Accepted) -> dr.Tree:
@@ -297,26 +302,44 @@ class Engine:
         st.prefill_s, st.target_forwards = time.perf_counter() - t0, 1
         if on_tokens:
             on_tokens(out)
-        t_start = time.perf_counter()
+        t_start = t_step = time.perf_counter()
+        budget = self.last_budget = Budget(d.nodes) if self.budget else None
+        b = budget.pick() if budget else d.nodes  # nodes to verify; 1 = an autoregressive step (no draft)
         with clock("draft"):
-            tree = d.draft(tok, n)
-        planned = d.nodes
+            tree = d.draft(tok, n) if b > 1 else dr.chain_tree(tok)
+        planned, pending = None, []  # pending: autoregressive steps the drafter has not seen yet
         while len(out) < max_new_tokens and out[-1] not in eos:
-            if tree.tokens.shape[0] != planned:  # unpadded n-gram chains vary in length
-                planned = tree.tokens.shape[0]
+            sub = tree.prefix(b)
+            if sub.tokens.shape[0] != planned:  # a new budget, or an unpadded n-gram chain of another length
+                planned = sub.tokens.shape[0]
                 self.R_ver = self.pass_rows(planned, S)
             with clock("verify"):
-                host, acc = self.verify_step(tree, n)  # target pass over the tree, acceptance, KV compaction
+                host, acc = self.verify_step(sub, n)  # target pass over the tree, acceptance, KV compaction
             with clock("sync"):
-                L, emitted = accepted_tokens(host.tolist())  # the one host sync of the step
-            if self.fused_steps:
+                L, emitted, nodes = accepted_tokens(host.tolist())  # the one host sync of the step
+            acc = dataclasses.replace(acc, tree=tree)  # the drafter learns from every drafted token (NanoSpec)
+            if budget:  # a step's time: the drafter's last update, this draft, the verification and the sync
+                t_step, t = time.perf_counter(), t_step
+                budget.observe(b, nodes, t_step - t)
+                b = budget.pick()
+            ar = tree.tokens.shape[0] == 1  # this step was autoregressive
+            if ar and b == 1 and len(pending) < 128:  # and so is the next: the drafter catches up later, at once
+                pending.append(acc)
+                tree = dr.chain_tree(acc.bonus.view(1))
+            elif ar and pending:
+                pending, acc = [], dr.chained(pending + [acc])
+                with clock("update"):
+                    d.update(acc)
+                with clock("draft"):
+                    tree = d.draft(acc.bonus.view(1), acc.n + acc.L) if b > 1 else dr.chain_tree(acc.bonus.view(1))
+            elif self.fused_steps and b > 1:
                 with clock("draft"):
                     tree = self.advance_step(acc)  # update + next draft, one compiled step or CUDA graph
             else:
                 with clock("update"):
                     d.update(acc)  # the drafter's state and its vocabulary's window follow the accepted path
                 with clock("draft"):
-                    tree = d.draft(acc.bonus.view(1), acc.n + acc.L)
+                    tree = d.draft(acc.bonus.view(1), acc.n + acc.L) if b > 1 else dr.chain_tree(acc.bonus.view(1))
             n = n + L
             st.target_forwards += 1
             st.accept_hist[L] = st.accept_hist.get(L, 0) + 1
@@ -326,7 +349,7 @@ class Engine:
                 on_tokens(emitted)
         sync(dev)
         st.decode_s, st.new_tokens = time.perf_counter() - t_start, len(out)
-        st.extra.update(d.stats())
+        st.extra.update(d.stats(), **(budget.stats() if budget else {}))
         lm = st.extra.pop("lm_head_s", 0.0)  # drafting time spent in the LM head (eager only)
         st.phase_s["lm_head"], st.phase_s["draft"] = lm, st.phase_s["draft"] - lm
         return out, st
@@ -423,6 +446,9 @@ def parse_args(argv=None):
     g.add_argument("--tree-depth", type=int, default=None, help="EAGLE-2 tree depth (5)")
     g.add_argument("--tree-nodes", type=int, default=None, help="EAGLE-2 nodes verified per step, root included "
                    "(60 CUDA, 16 CPU)")
+    g.add_argument("--budget", default="auto", choices=["auto", "fixed"],
+                   help="auto: verify as many of the drafted nodes as pays on this machine for this request, "
+                        "decoding autoregressively when none does (measured as it generates); fixed: the whole tree")
     g.add_argument("--spec-k", type=int, default=None, help="chain length for draft models (5) and n-grams (10)")
     g.add_argument("--ngram-min", type=int, default=1)
     g.add_argument("--ngram-max", type=int, default=3)
@@ -465,11 +491,13 @@ def load_target(checkpoint: str | None, device: str = "cpu", dtype: str = "bfloa
 
 def build_engine(model: Transformer, tok: Tokenizer | None, draft: dr.DraftConfig = dr.DraftConfig(),
                  sampling: Sampling = Sampling(), *, compile: bool = False, max_seq: int = 4096,
-                 backend: str = "inductor", exact: bool | None = None, head=None) -> Engine:
-    """The engine with its drafter and draft vocabulary (CLI, bench, GPU check and trainer build it here)."""
+                 backend: str = "inductor", exact: bool | None = None, head=None, budget: bool = True) -> Engine:
+    """The engine with its drafter and draft vocabulary (CLI, bench, GPU check and trainer build it here);
+    budget=False verifies the whole drafted tree every step instead of fitting its size (budget.py)."""
     sampling.validate(model.args.vocab_size)
     drafter = dr.make_drafter(draft, model, sampling, tok, head)
-    return Engine(model, sampling, compile=compile, drafter=drafter, max_seq=max_seq, backend=backend, exact=exact)
+    return Engine(model, sampling, compile=compile, drafter=drafter, max_seq=max_seq, backend=backend, exact=exact,
+                  budget=budget)
 
 
 def draft_config(args) -> dr.DraftConfig:
@@ -488,6 +516,8 @@ def stats_line(st: Stats, model: Transformer) -> str:
          f"prefill {st.prefill_s * 1000:.0f} ms")
     if "mean_accepted_length" in d:
         s += f", {st.target_forwards} target forwards, mean accepted length {d['mean_accepted_length']:.2f}"
+    if "speculated_share" in d:
+        s += f", speculated on {d['speculated_share']:.0%} of steps (verified nodes: {d['budget_hist']})"
     if "exact" in d:
         s += ", exact" if d["exact"] else ", not exact"
     if model.lm_head.weight.is_cuda:
@@ -502,7 +532,7 @@ def run(args) -> int:
     model, tok, _ = load_target(args.checkpoint, args.device, args.dtype)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     engine = build_engine(model, tok, draft_config(args), sampling, compile=args.compile, max_seq=args.max_seq,
-                          exact=args.exact)
+                          exact=args.exact, budget=args.budget == "auto")
     torch.manual_seed(args.seed)
     engine.warmup()
     if args.chat:

@@ -67,7 +67,8 @@ def engines(path, device, dtype, compile, head_path):
     out = []
     for name, draft, vocab in methods:
         c = dr.DraftConfig(str(draft), vocab, *dr.TREE_GPU, w_max=min(3072, m.args.vocab_size // 2), static=compile)
-        out.append((name, build_engine(m, tok, c, compile=compile, max_seq=1024, head=head if draft == head_path else None)))
+        out.append((name, build_engine(m, tok, c, compile=compile, max_seq=1024, head=head if draft == head_path else None,
+                                        budget=False)))
     return out, tok
 
 

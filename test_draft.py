@@ -124,7 +124,7 @@ def test_draft_verify_accept_compact_trace_without_graph_breaks(draft_env, versi
     c(vocab.update)(tree.tokens, tree.valid, ver, torch.arange(4) < L)
     # the engine's two steps whole: the tree and the verification's outcome pass through as dataclasses
     host, acc = c(eng._spec_verify)(tree, n)
-    assert isinstance(acc, dr.Accepted) and host.shape == (1 + 4 + 1,)
+    assert isinstance(acc, dr.Accepted) and host.shape == (2 + 2 * 4,)
     assert isinstance(c(eng._spec_advance)(acc), dr.Tree)
 
 

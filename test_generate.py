@@ -7,10 +7,12 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 
+import cpu_gemm
 import draft as dr
+from budget import Budget
 from conftest import write_eagle_head, write_tiny_hf
 from eagle import load_eagle
-from exact import Invariance, PassRows
+from exact import LADDER, Invariance, PassRows
 import generate as g
 from generate import Engine, main
 from sampling import Sampling, accept_greedy, accept_sample, best_path, logits_to_probs, sample_from
@@ -153,13 +155,20 @@ def _chi2_sf(x, dof):
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64)))
 
 
-@pytest.mark.parametrize("kind,samp", [("eagle3", Sampling(1.0)), ("model", Sampling(1.0)),
-                                       ("eagle2", Sampling(0.8, top_k=6, top_p=0.9))])
-def test_speculative_sampling_is_exact(tmp_path, kind, samp):
+@pytest.mark.parametrize("kind,samp,prefix", [("eagle3", Sampling(1.0), None), ("model", Sampling(1.0), None),
+                                              ("eagle2", Sampling(0.8, top_k=6, top_p=0.9), None),
+                                              ("eagle3", Sampling(1.0), 3)])
+def test_speculative_sampling_is_exact(tmp_path, monkeypatch, kind, samp, prefix):
     """The joint law of generated tokens 2 and 3 (both come from the first speculative step) must equal the
     target's. Exact probabilities come from teacher forcing; chi-square goodness of fit over 1500 seeded runs
     with cells of expected count < 5 pooled. Threshold p < 1e-4: for a correct sampler the false-failure
-    rate over random seeds is 1e-4 per case (the seeds are fixed, so the test is deterministic)."""
+    rate over random seeds is 1e-4 per case (the seeds are fixed, so the test is deterministic).
+    prefix: the budget verifies only the first 3 of the 6 drafted nodes (budget.py)."""
+    if prefix:
+        class Prefix(Budget):
+            def pick(self):
+                return prefix
+        monkeypatch.setattr(g, "Budget", Prefix)
     V = 12
     path, _ = write_tiny_hf(tmp_path / "t", vocab_size=V, seed=3)
     cfg = json.loads((path / "config.json").read_text())
@@ -170,7 +179,8 @@ def test_speculative_sampling_is_exact(tmp_path, kind, samp):
              "eagle2": write_eagle_head(root / "e2", cfg, version=1, seed=1)}
     dpath, _ = write_tiny_hf(root / "dm", vocab_size=V, num_hidden_layers=1, seed=9)
     tiny = (path, heads, dpath, root)
-    eng = Engine(m, samp, drafter=make_drafter(kind, tiny, m, topk=3, depth=2, nodes=6, w_max=8, sampling=samp))
+    eng = Engine(m, samp, drafter=make_drafter(kind, tiny, m, topk=3, depth=2, nodes=6, w_max=8, sampling=samp),
+                 budget=prefix is not None)
     prompt = [1, 4, 7]
     # exact P(t2, t3) = sum_t1 P(t1) P(t2|t1) P(t3|t1,t2)
     m.setup_caches(V * V, 8)
@@ -205,7 +215,7 @@ def test_sampler_catches_a_biased_acceptance(tmp_path, monkeypatch):
         return accept_greedy(tree, torch.nn.functional.one_hot(tree.tokens[tree.parents.clamp(min=0)] * 0 + tree.tokens[1], probs.shape[-1]).float())
     monkeypatch.setattr(g, "accept_sample", lambda tree, probs: accept_sample_biased(tree, probs))
     with pytest.raises(AssertionError):
-        test_speculative_sampling_is_exact(tmp_path, "eagle3", Sampling(1.0))
+        test_speculative_sampling_is_exact(tmp_path, monkeypatch, "eagle3", Sampling(1.0), None)
 
 
 def accept_sample_biased(tree, probs):
@@ -332,7 +342,7 @@ def test_graph_capture_plumbing_on_cpu(tiny, monkeypatch):
         assert eng.verify_step.graphs and eng.advance_step.graphs  # replays really happened
 
 
-def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trust_all=False, cache=None):
+def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trust_all=False, cache=None, kernel=False):
     """For one EAGLE-3 tree on the tiny target: per node, do its verify logits equal, bit for bit, the logits
     autoregressive decoding computes for the same token sequence (as Engine._decode_one runs it)?"""
     path, heads, _, _ = tiny
@@ -352,6 +362,9 @@ def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trus
     S, e.R_ver = e.plan(T, 8, nodes)
     e.R_dec = e.pass_rows(1, S)
     assert e.exact
+    assert (cpu_gemm.enabled() and m.lm_head.packed is not None) == kernel
+    if kernel:  # row-invariant GEMMs by construction: no padding rows past the ladder's next size
+        assert e.R_dec.gemm == 1 and e.R_ver.gemm == next(r for r in LADDER if r >= nodes), (e.R_dec, e.R_ver)
     if plain_sdpa:
         e.exact, e.R_ver, e.R_dec = False, PassRows(nodes, nodes), PassRows(1, 1)
     m.setup_caches(1, S)
@@ -375,17 +388,22 @@ def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trus
     return same
 
 
-@pytest.mark.parametrize("dtype,plain_sdpa,nodes", [(torch.bfloat16, False, 14), (torch.float32, False, 14),
-                                                    (torch.float32, True, 14), (torch.float32, False, 17),
-                                                    (torch.bfloat16, False, 50), (torch.float32, False, 50)])
-def test_tree_verify_is_bitwise_autoregressive(tiny, dtype, plain_sdpa, nodes):
+@pytest.mark.parametrize("dtype,plain_sdpa,nodes,gemm", [
+    (torch.bfloat16, False, 14, "torch"), (torch.bfloat16, False, 14, "kernel"), (torch.float32, False, 14, "torch"),
+    (torch.float32, True, 14, "torch"), (torch.float32, False, 17, "torch"), (torch.bfloat16, False, 50, "torch"),
+    (torch.bfloat16, False, 50, "kernel"), (torch.float32, False, 50, "torch")])
+def test_tree_verify_is_bitwise_autoregressive(tiny, dtype, plain_sdpa, nodes, gemm, monkeypatch):
     """CPU: every tree node's verify logits equal, bit for bit, the logits autoregressive decoding
     computes for the same token sequence (exact attention + the pass sizes exact.py finds on this machine).
     This is what makes greedy speculative output identical to autoregressive output even at near-ties.
     The plain-SDPA variant is the control (fp32, where attention's rounding differences reach the logits
     directly): a tree node off the spine sees its ancestors at scattered KV slots and rounds differently,
-    so the assertion must fail there for at least one node (it shows the test can fail)."""
-    same = verify_matches_decode(tiny, dtype, nodes, plain_sdpa)
+    so the assertion must fail there for at least one node (it shows the test can fail). gemm: torch's bf16
+    GEMM, or cpu_gemm's kernel (row-invariant by construction, so no pass needs padding)."""
+    monkeypatch.setenv("NANOSPEC_CPU_GEMM", gemm)
+    if gemm == "kernel" and cpu_gemm.kernel() is None:
+        pytest.skip("cpu_gemm's kernel needs x86-64 with AVX2+FMA and a C compiler")
+    same = verify_matches_decode(tiny, dtype, nodes, plain_sdpa, kernel=gemm == "kernel")
     if plain_sdpa:
         assert not all(same)
     else:
@@ -411,3 +429,67 @@ def test_cli_freq_file_errors_are_one_line(tiny, tmp_path, capsys, bad):
                "--max-new-tokens", "2", "--raw", "--prompt", "ab", "--dtype", "float32"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("error:") and "\n" not in err and str(f) in err, err
+
+
+# ---------------------------------------------------------------- the speculative budget (budget.py)
+
+class Cycle(Budget):
+    """Every size in turn, autoregressive steps included: each prefix of the drafted tree gets verified."""
+
+    def pick(self):
+        k = self.sizes[self.steps % len(self.sizes)]
+        self.chosen[k] = self.chosen.get(k, 0) + 1
+        return k
+
+
+@pytest.mark.parametrize("kind,vocab", [("eagle3", "nanospec"), ("eagle2", "full"), ("eagle3_pruned", "full"),
+                                        ("model", "nanospec"), ("ngram", "full")])
+def test_greedy_lossless_with_every_budget(tiny, monkeypatch, kind, vocab):
+    monkeypatch.setattr(g, "Budget", Cycle)
+    m = target(tiny[0])
+    w_max = 48 if kind == "eagle3_pruned" else 64
+    eng = Engine(m, drafter=make_drafter(kind, tiny, m, vocab, w_max=w_max), budget=True)
+    for p in PROMPTS:
+        out, st = eng.generate(p, 40)
+        assert out == autoregressive(m, p, 40), (kind, p)
+        hist = st.extra["budget_hist"]
+        if len(out) == 40:
+            assert len(hist) >= 3 and "1" in hist and 0 < st.extra["speculated_share"] < 1, hist
+
+
+def test_real_budget_generates_and_reports(tiny):
+    m = target(tiny[0])
+    eng = Engine(m, drafter=make_drafter("eagle3", tiny, m, "nanospec"), budget=True)
+    out, st = eng.generate(PROMPTS[2], 30)
+    assert out == autoregressive(m, PROMPTS[2], 30)
+    d = st.as_dict()
+    assert sum(d["budget_hist"].values()) == st.target_forwards - 1 + 1 and "speculated_share" in d
+    line = g.stats_line(st, m)
+    assert "speculated on" in line and "verified nodes" in line
+
+
+def test_prefix_is_the_smaller_budgets_tree(tiny):
+    """EAGLE-2 nodes come best first with parents before children: every prefix is ancestor-closed and is
+    what the drafter keeps with that node budget."""
+    m = target(tiny[0])
+    d = make_drafter("eagle3", tiny, m, topk=4, depth=3, nodes=12)
+    eng = Engine(m, drafter=d)
+    p = torch.tensor(PROMPTS[2])
+    S, _ = eng.plan(len(p), 8, d.nodes)
+    m.setup_caches(1, S)
+    d.setup(S)
+    with torch.no_grad():
+        logits, hid, aux = m(p[None], torch.arange(len(p)), return_hidden=True)
+        tok = logits[0, -1].argmax().view(1)
+        d.prefill(dr.Prefill(p, tok, logits[0], hid, aux))
+        tree = d.draft(tok, torch.tensor(len(p)))
+        small = make_drafter("eagle3", tiny, m, topk=4, depth=3, nodes=5)
+        small.setup(S)
+        small.prefill(dr.Prefill(p, tok, logits[0], hid, aux))
+        tree5 = small.draft(tok, torch.tensor(len(p)))
+    assert (tree.parents[1:] < torch.arange(1, 12)).all()  # parents first
+    for b in range(1, 13):
+        sub = tree.prefix(b)
+        assert sub.tokens.shape[0] == b and (sub.parents < b).all()
+        assert torch.equal(sub.anc, tree.anc[:b, :b])
+    assert torch.equal(tree.prefix(5).tokens, tree5.tokens) and torch.equal(tree.prefix(5).parents, tree5.parents)

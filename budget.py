@@ -1,0 +1,100 @@
+"""The speculative budget: how many of the drafted tree's nodes to verify this step, or none at all.
+
+Why: a step of b verified nodes pays when E[tokens it emits] / its time beats autoregressive decoding's one
+token per decode step, and both sides depend on the machine (what a b-row target pass costs next to one row:
+about 2x at 16 rows on an AVX2 CPU with cpu_gemm, 1.0x on a GPU) and on the request (how often the drafter is
+right: prompt lookup on a summary, or nothing on novel text at temperature 1). So the engine measures both
+while it generates and picks the best of a small fixed set of sizes (static shapes: one compiled step per
+size), instead of trusting a CPU/CUDA default.
+
+The model. Drafted trees list their nodes best first with parents before children (draft.py), so the first
+b nodes are the tree the drafter would have built with budget b. A node is accepted when it and its
+ancestors match the target, whatever else the tree holds, so E[tokens | b] = 1 + sum_{i<b} p_i, with p_i the
+running acceptance rate of node rank i (the bonus token is the 1). Each size's step time (its draft, its
+verification, the sync and the drafter's update) is a running average, measured. Size 1 is autoregressive
+decoding: no draft, a one-row pass, and the drafter's update (it keeps the drafter in step with the text).
+The whole tree and autoregressive decoding are tried twice first (a size's first step also pays one-time
+set-up: kernels for a new shape); sizes between are interpolated until chosen and timed. Afterwards every
+`probe`-th step re-measures what the current choice does not: the whole tree (the acceptance of deep nodes,
+the speed of speculation), and while speculating also, in turn, an autoregressive step.
+That is the fallback's way back: when the text becomes predictable again, the probes see it. While
+autoregressive decoding keeps winning, the probes thin out (the gap doubles up to max_gap steps), so hopeless
+text costs at most about one probe per max_gap tokens.
+"""
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class Budget:
+    def __init__(self, nodes: int, decay: float = 0.8, probe: int = 8, max_gap: int = 64):
+        self.nodes = nodes
+        self.sizes = [s for s in SIZES if s < nodes] + [nodes]
+        self.decay, self.probe, self.max_gap = decay, probe, max_gap
+        self.hits = [0.0] * nodes  # decayed counts per node rank (rank 0 = the root, always "accepted")
+        self.trials = [0.0] * nodes
+        self.time = {}  # size -> running mean step seconds
+        self.timed = {}  # size -> steps timed
+        self.steps = self.last_probe = self.probes = 0
+        self.gap = probe  # steps between probes; doubles while autoregressive decoding keeps winning
+        self.chosen = {}  # size -> steps (the request's budget histogram)
+
+    def p(self, i: int) -> float:
+        # prior 1/2 until seen, worth a twentieth of a step: summed over many rarely accepted deep nodes, a
+        # stronger prior adds up to phantom tokens that make big trees look better than they are
+        return (self.hits[i] + 0.025) / (self.trials[i] + 0.05)
+
+    def tokens(self, b: int) -> float:
+        """Expected tokens emitted by a step verifying the first b nodes."""
+        return 1.0 + sum(self.p(i) for i in range(1, b))
+
+    def seconds(self, b: int) -> float:
+        """Step time of size b: its running mean once timed twice, else interpolated (linearly in b) between
+        the nearest sizes that are (a verification's cost grows about linearly with its rows on a CPU and
+        stays flat on a GPU, so both ends bound the middle)."""
+        known = [s for s in self.sizes if self.timed.get(s, 0) >= 2]
+        if b in known:
+            return self.time[b]
+        lo = max((s for s in known if s < b), default=None)
+        hi = min((s for s in known if s > b), default=None)
+        if lo is None or hi is None:
+            return self.time[lo if hi is None else hi]
+        return self.time[lo] + (self.time[hi] - self.time[lo]) * (b - lo) / (hi - lo)
+
+    def rate(self, b: int) -> float:
+        return self.tokens(b) / self.seconds(b)
+
+    def pick(self) -> int:
+        ends = [s for s in (self.nodes, 1) if self.timed.get(s, 0) < 2]
+        if ends:
+            b = ends[0]  # the whole tree, then autoregressive decoding, twice each (the first time of a size
+            # also pays one-time set-up, kernels for a new shape, so it is not kept); sizes between are
+            # interpolated until chosen
+        else:
+            b = best = max(self.sizes, key=self.rate)
+            if best > 1:
+                self.gap = self.probe
+            if self.steps - self.last_probe >= self.gap:  # re-measure what the current choice does not
+                self.last_probe, self.probes = self.steps, self.probes + 1
+                # autoregressive: the whole tree (deep nodes' acceptance, speculation's time); speculating:
+                # alternately the whole tree and an autoregressive step (its time drifts with the context)
+                b = 1 if best > 1 and self.probes % 2 == 0 else self.nodes
+                if best == 1:  # speculation keeps losing: probe less often (a probe costs more than it emits)
+                    self.gap = min(2 * self.gap, self.max_gap)
+        self.chosen[b] = self.chosen.get(b, 0) + 1
+        return b
+
+    def observe(self, b: int, accepted: list[int], seconds: float):
+        """A step verified the first b nodes, accepted these node indices (root first) and took seconds."""
+        self.steps += 1
+        d = self.decay
+        on = set(accepted)
+        for i in range(1, b):
+            self.hits[i] = d * self.hits[i] + (i in on)
+            self.trials[i] = d * self.trials[i] + 1.0
+        n = self.timed.get(b, 0)
+        self.timed[b] = n + 1
+        self.time[b] = seconds if n < 2 else d * self.time[b] + (1 - d) * seconds  # the first two: the latest
+
+    def stats(self) -> dict:
+        spec = sum(v for s, v in self.chosen.items() if s > 1)
+        return dict(budget_hist={str(k): v for k, v in sorted(self.chosen.items())},
+                    speculated_share=round(spec / max(sum(self.chosen.values()), 1), 4))

@@ -1,0 +1,81 @@
+"""The speculative budget's chooser: expected tokens, the best rate from stubbed costs and acceptance, timing
+the ends first, the fallback to autoregressive decoding and back. (The engine's losslessness under every
+budget is in test_generate.py.)"""
+import pytest
+
+from budget import Budget
+
+
+def trained(nodes, p, cost):
+    """A Budget whose node rank i is accepted at rate p[i] (stubbed counts) and whose size b took cost[b] s."""
+    b = Budget(nodes, probe=10 ** 9)
+    b.time, b.timed = dict(cost), dict.fromkeys(cost, 2)
+    b.hits, b.trials = [1000.0 * x for x in p], [1000.0] * nodes
+    return b
+
+
+def test_tokens_add_up_node_acceptance():
+    b = Budget(4)
+    for _ in range(200):
+        b.observe(4, [0, 1, 3], 1.0)  # nodes 1 and 3 always accepted, 2 never
+    assert b.tokens(1) == 1.0
+    # the prior (1/2 of one pseudo-trial) still weighs against about 10 decayed trials
+    assert b.tokens(4) == pytest.approx(3.0, abs=0.1) and b.tokens(3) == pytest.approx(2.0, abs=0.1)
+
+
+def test_picks_the_size_with_the_best_rate():
+    """Stubbed costs and acceptance: a cheap machine takes the whole tree, an expensive one a prefix."""
+    p = [1.0, 0.9, 0.6, 0.3, 0.3, 0.1, 0.1, 0.1]
+    flat = {1: 1.0, 2: 1.0, 4: 1.05, 8: 1.1}  # a GPU-like machine: rows are nearly free
+    steep = {1: 1.0, 2: 1.1, 4: 1.8, 8: 4.0}  # rows cost: deep, unlikely nodes do not pay
+    bf, bs = trained(8, p, flat), trained(8, p, steep)
+    assert bf.pick() == 8
+    assert bs.pick() == 2  # 1.9 tokens / 1.1 s beats 2.8 / 1.8 and 3.4 / 4.0
+    assert max(bs.sizes, key=bs.rate) == 2 and bs.rate(2) > bs.rate(1) > bs.rate(8)
+
+
+def test_falls_back_to_autoregressive_and_probes_back():
+    """Acceptance collapses (novel text): the budget turns to 1 (decode autoregressively), keeps probing the
+    whole tree every probe-th step, and turns speculation back on once the probes are accepted again."""
+    b = Budget(8, probe=4, max_gap=8)
+    cost = {1: 1.0, 2: 1.3, 4: 1.6, 8: 2.0}
+    chosen, t = [], 0
+    for phase, acc in (("good", list(range(8))), ("bad", [0]), ("good", list(range(8)))):
+        for _ in range(40):
+            k = b.pick()
+            chosen.append((phase, k))
+            b.observe(k, [i for i in acc if i < k], cost[k])
+            t += 1
+    good1 = [k for ph, k in chosen[:40]][10:]
+    bad = [k for ph, k in chosen[40:80]][15:]
+    good2 = [k for ph, k in chosen[80:]][15:]
+    assert sum(k > 1 for k in good1) >= len(good1) * 0.8  # speculating (with a few autoregressive probes)
+    assert bad.count(1) >= len(bad) * 0.7 and 8 in bad  # mostly autoregressive, with probes of the whole tree
+    assert sum(k > 1 for k in good2) >= len(good2) * 0.8  # back on
+    st = b.stats()
+    assert 0 < st["speculated_share"] < 1 and sum(st["budget_hist"].values()) == 120
+
+
+def test_ends_are_timed_first_and_the_middle_interpolated():
+    b = Budget(16)
+    assert b.sizes == [1, 2, 4, 8, 16]
+    seen = []
+    for _ in range(4):
+        k = b.pick()
+        seen.append(k)
+        b.observe(k, [0], {16: 2.5, 1: 1.0}[k])
+    assert seen == [16, 16, 1, 1]
+    assert b.seconds(4) == pytest.approx(1.0 + 1.5 * 3 / 15) and b.seconds(16) == 2.5
+    b.observe(4, [0], 9.0)  # timed once: still interpolated
+    assert b.seconds(4) == pytest.approx(1.3)
+    b.observe(4, [0], 1.2)
+    assert b.seconds(4) == 1.2 and b.seconds(8) == pytest.approx(1.2 + 1.3 * 4 / 12)
+
+
+def test_first_time_of_a_size_is_not_kept():
+    """A size's first step also pays one-time set-up: it must not decide (it would never be re-measured)."""
+    b = Budget(2, probe=10 ** 9)
+    for k, t in ((2, 1.0), (2, 1.0), (1, 9.0), (1, 0.4)):  # the first autoregressive step was slow
+        assert b.pick() == k
+        b.observe(k, [0], t)
+    assert b.time[1] == 0.4 and b.pick() == 1
