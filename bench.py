@@ -75,7 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=256, help="per turn (default 256)")
     p.add_argument("--methods", default=None, help="comma-separated names: ar, ngram, eagle3 (full vocabulary), "
                    "eagle3+freq-8k (any K), eagle3+nanospec, eagle3+nanospec-ctx|-ext|-noasync, eagle3+nanospec-w1k "
-                   "(any window), the same with eagle2; and presets main (ar, ngram, full, --freq-ks, nanospec), "
+                   "(any window), the same with eagle2, any of these + '+ngram' (a prompt-lookup chain merged into the "
+                   "tree, e.g. eagle3+nanospec+ngram); and presets main (ar, ngram, full, --freq-ks, nanospec), "
                    "ablations, sweep (--sweep-ks, --sweep-w), all. Default: all for the built-in prompts, main for "
                    "--questions. ar always runs (reference and baseline)")
     p.add_argument("--eagle3", default=None, help="EAGLE-3 head folder (default: the shipped head of the default "
@@ -106,6 +107,9 @@ def parse_args(argv=None):
                    "drafter updates (accurate Table 4, slower runs)")
     p.add_argument("--warmup", type=int, default=1, help="uncounted warm-up generations per method (default 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (default 0, greedy); above 0 outputs differ run to run, so the "
+                        "guard that compares every method's tokens with autoregressive decoding is off")
     p.add_argument("--out", default=str(REPO / "results"), help="report folder (default results/)")
     p.add_argument("--tag", default=None, help="report file stem suffix (default: builtin or the questions file's name)")
     p.add_argument("--cache", default=None, help="cache folder (default: OUT/cache)")
@@ -123,9 +127,10 @@ def parse_args(argv=None):
     g.add_argument("--tree-topk", type=int, default=None)
     g.add_argument("--tree-depth", type=int, default=None)
     g.add_argument("--tree-nodes", type=int, default=None)
-    g.add_argument("--budget", default="fixed", choices=["fixed", "auto"],
+    g.add_argument("--budget", default="fixed", choices=["fixed", "auto", "both"],
                    help="fixed (default): every method verifies its whole tree, as in the papers; auto: each step "
-                        "verifies as many nodes as pays on this machine, or none (generate.py's default, budget.py)")
+                        "verifies as many nodes as pays on this machine, or none (generate.py's default, budget.py); "
+                        "both: every speculative method also runs with the fitted budget, as NAME@auto")
     g.add_argument("--spec-k", type=int, default=None, help="n-gram chain length (default 10)")
     g.add_argument("--ngram-min", type=int, default=1)
     g.add_argument("--ngram-max", type=int, default=3)
@@ -219,6 +224,13 @@ def run(args, log) -> int:
     elif args.compile == "both":  # side by side: every method eager and compiled, interleaved like the rest
         methods = sorted(methods + [replace(m, name=f"{m.name}@compile", compiled=True, groups=set(m.groups), timers={})
                                     for m in methods], key=Method.order)
+    spec_methods = [m for m in methods if m.kind != "ar"]
+    if args.budget == "auto":
+        for m in spec_methods:
+            m.budget = True
+    elif args.budget == "both":  # every speculative method also with the fitted budget, as NAME@auto
+        methods = sorted(methods + [replace(m, name=f"{m.name}@auto", budget=True, groups=set(m.groups), timers={})
+                                    for m in spec_methods], key=Method.order)
 
     freq_path, freq_info, ranked = None, None, None
     if any(m.vocab == "freq" for m in methods):
@@ -268,7 +280,8 @@ def run(args, log) -> int:
     if not questions:
         raise UsageError("no question fits the model's context")
 
-    sampling = Sampling()
+    sampling = Sampling(args.temperature)
+    sampling.validate(model.args.vocab_size)
     torch.manual_seed(args.seed)
     for m in methods:
         build_method(m, model, heads, freq_path, args, sampling, sync)
@@ -292,7 +305,7 @@ def run(args, log) -> int:
         for m in methods:
             m.engine.generate(wids, min(args.max_new_tokens, 16))
 
-    records, mismatches, refs = run_benchmark(questions, methods, tok, args.max_new_tokens, log,
+    records, mismatches, refs = run_benchmark(questions, methods, tok, args.max_new_tokens, log, guard=sampling.greedy,
                                               progress=not args.no_progress, model=model)
     S = summarize(records, methods, tasks)
     fig1 = figure1(S, methods, ranked, refs, sweep_ks, V_draft, [q.task for q in questions]) if heads else None
@@ -313,6 +326,7 @@ def run(args, log) -> int:
         "model": f"{model_name} ({path})", "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else
                                                                f" ({machine_id()}, {os.cpu_count()} cores)"),
         "torch threads": torch.get_num_threads(), "dtype": args.dtype, "compile": args.compile, "torch": torch.__version__,
+        "budget": args.budget, "temperature": args.temperature,
         "workload": f"{args.questions or 'built-in prompts'}: {len(questions)} questions, {n_gen} generations per "
                     f"method, tasks {', '.join(tasks)}" + (f", limit {args.limit} per task" if args.limit else ""),
         "max new tokens": args.max_new_tokens, "decoding": "greedy, chat template",
@@ -336,11 +350,11 @@ def run(args, log) -> int:
         for q, outs in zip(questions, refs):
             f.write(json.dumps(dict(question_id=q.qid, category=q.category,
                                     turns=[tok.decode(o) for o in outs]), ensure_ascii=False) + "\n")
-    print_summary(S, methods, tasks, mismatches, warnings, out_dir / f"bench_{tag}.md")
+    print_summary(S, methods, tasks, mismatches, warnings, out_dir / f"bench_{tag}.md", guarded=sampling.greedy)
     return 1 if mismatches else 0
 
 
-def print_summary(S, methods, tasks, mismatches, warnings, md_path):
+def print_summary(S, methods, tasks, mismatches, warnings, md_path, guarded=True):
     cols = tasks + ["overall"]
     print()
     print(md_table(["method"] + [TASK_TITLES.get(t, t) if t != "overall" else "Overall" for t in cols] + ["tok/s"],
@@ -354,8 +368,10 @@ def print_summary(S, methods, tasks, mismatches, warnings, md_path):
         for x in mismatches:
             print(f"!!!   question {x['qid']} turn {x['turn']} method {x['method']} (first difference at token "
                   f"{x['index']})", file=sys.stderr)
-    else:
+    elif guarded:
         print("all outputs identical to autoregressive decoding")
+    else:
+        print("sampled outputs (--temperature > 0): not compared with autoregressive decoding")
     print(f"report: {md_path}")
 
 

@@ -50,6 +50,16 @@ def aggregate(recs: list[dict]) -> dict:
         out["step_ms"]["total"] = out["decode_s"] / steps * 1000
         out["draft_ms"] = out["step_ms"]["draft_backbone"] + out["step_ms"]["lm_head"] + out["step_ms"]["gather_update"]
         out["decode_rate"] = acc / max(out["decode_s"], 1e-9)  # tokens from speculative steps per decode second
+    curves = [r["budget_curve"] for r in recs if r.get("budget_curve")]
+    if curves:  # the fitted budget's measurements: per verified-tree size, step time and tokens per step
+        sizes = sorted({int(b) for c in curves for b in c})
+        out["budget_curve"] = {b: dict(step_ms=statistics.fmean(c[str(b)][0] for c in curves if str(b) in c),
+                                       tokens=statistics.fmean(c[str(b)][1] for c in curves if str(b) in c))
+                               for b in sizes}
+        for p in out["budget_curve"].values():
+            p["tokens_per_s"] = p["tokens"] / p["step_ms"] * 1000
+        share = [(r["speculated_share"], r["target_forwards"]) for r in recs if "speculated_share" in r]
+        out["speculated_share"] = sum(s * n for s, n in share) / max(sum(n for _, n in share), 1)
     cov = [(r["vocab_coverage"], r["new_tokens"]) for r in recs if "vocab_coverage" in r]
     if cov:
         w = sum(n for _, n in cov) or 1
@@ -269,6 +279,20 @@ def write_reports(out_dir: Path, tag: str, ctx: dict, S: dict, methods, tasks, r
         if (out_dir / f"bench_{tag}_fig4_draft_time.png").is_file():
             L.append(f"\n![fig4](bench_{tag}_fig4_draft_time.png)\n")
 
+    fitted = [n for n in spec if S[n]["overall"].get("budget_curve")]
+    if fitted:
+        L.append("\n## The fitted budget: tokens/s against the verified tree size\n\n"
+                 "From budget.py's own measurements at each request's end (mean over requests): per size, the step "
+                 "time (ms; interpolated where the size was not timed twice) and the expected tokens per step "
+                 "(1 + the acceptance rates of node ranks below the size). Size 1 is autoregressive decoding.\n\n")
+        for n in fitted:
+            c = S[n]["overall"]["budget_curve"]
+            L.append(f"\n{n} (speculated on {S[n]['overall']['speculated_share']:.0%} of steps):\n\n")
+            L.append(md_table(["size"] + [str(b) for b in sorted(c)],
+                              [[k] + [_f(c[b][k]) for b in sorted(c)] for k in ("step_ms", "tokens", "tokens_per_s")]))
+        if (out_dir / f"bench_{tag}_tree_size.png").is_file():
+            L.append(f"\n![tree size](bench_{tag}_tree_size.png)\n")
+
     targets = ctx.get("targets") or []
     if targets:
         L.append("\n## Targets of issue 6\n\n")
@@ -319,6 +343,27 @@ def make_plots(out_dir: Path, tag: str, fig1, S, methods, tasks, log):
             fig.tight_layout()
             fig.savefig(out_dir / f"bench_{tag}_{fname}.png", dpi=120)
             plt.close(fig)
+    fitted = [m.name for m in methods if S[m.name]["overall"].get("budget_curve")]
+    if fitted:  # tokens/s and tokens per step against the verified tree size, per task (the budget's view)
+        fig, axes = plt.subplots(len(fitted), 2, figsize=(10, 3.2 * len(fitted)), squeeze=False)
+        for row, n in zip(axes, fitted):
+            for t in tasks + ["overall"]:
+                c = (S[n].get(t) or {}).get("budget_curve")
+                if c:
+                    sz = sorted(c)
+                    style = "k-o" if t == "overall" else "-."
+                    row[0].plot(sz, [c[b]["tokens_per_s"] for b in sz], style, label=TASK_TITLES.get(t, t), ms=4)
+                    row[1].plot(sz, [c[b]["tokens"] for b in sz], style, label=TASK_TITLES.get(t, t), ms=4)
+            for ax, yl in zip(row, ("expected tokens/s", "expected tokens per step")):
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel("verified tree size (nodes, 1 = autoregressive)")
+                ax.set_ylabel(yl)
+                ax.set_title(n, fontsize=9)
+                ax.grid(alpha=0.3)
+            row[0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"bench_{tag}_tree_size.png", dpi=120)
+        plt.close(fig)
     eag = [m.name for m in methods if m.kind == "eagle" and m.groups & {"main", "custom"}
            and S[m.name]["overall"].get("draft_ms")]
     if eag:

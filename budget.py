@@ -53,6 +53,8 @@ class Budget:
         known = [s for s in self.sizes if self.timed.get(s, 0) >= 2]
         if b in known:
             return self.time[b]
+        if not known:  # early in a request (or a caller that picks sizes off the set): what there is
+            return self.time.get(b, sum(self.time.values()) / len(self.time))
         lo = max((s for s in known if s < b), default=None)
         hi = min((s for s in known if s > b), default=None)
         if lo is None or hi is None:
@@ -95,6 +97,11 @@ class Budget:
         self.time[b] = seconds if n < 2 else d * self.time[b] + (1 - d) * seconds  # the first two: the latest
 
     def stats(self) -> dict:
+        """The request's budget histogram and speculated share, and its cost curve: per size, the step time
+        (ms; interpolated where not timed twice) and the expected tokens per step, at the request's end."""
         spec = sum(v for s, v in self.chosen.items() if s > 1)
-        return dict(budget_hist={str(k): v for k, v in sorted(self.chosen.items())},
-                    speculated_share=round(spec / max(sum(self.chosen.values()), 1), 4))
+        d = dict(budget_hist={str(k): v for k, v in sorted(self.chosen.items())},
+                 speculated_share=round(spec / max(sum(self.chosen.values()), 1), 4))
+        if self.time:
+            d["budget_curve"] = {str(b): [round(self.seconds(b) * 1000, 2), round(self.tokens(b), 3)] for b in self.sizes}
+        return d

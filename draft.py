@@ -416,6 +416,85 @@ class NgramDrafter:
         return {}
 
 
+class HybridDrafter:
+    """An EAGLE tree and a prompt-lookup chain in one verification tree (`--draft HEAD --ngram`).
+
+    The chain is merged into the tree where they agree: its tokens follow the tree's nodes from the root as
+    long as the tree holds them, and the rest hangs below the last one. Node order (what budget.py's
+    prefixes cut): the root, the tree nodes the chain agrees with, the chain's own continuation, then the
+    other tree nodes best first; parents still come before children. It is one tree verified once, so the
+    output is the target's as for any tree. Both drafters learn from every step (NanoSpec's window sees the
+    chain's tokens too). Reads host values (the chain search): graphable = False."""
+
+    graphable = False
+
+    def __init__(self, eagle: EagleDrafter, ngram: NgramDrafter):
+        self.eagle, self.ngram = eagle, ngram
+        self.vocab = eagle.vocab
+        self.nodes = eagle.nodes + ngram.k
+        self.depth = max(eagle.depth, ngram.k)
+
+    def setup(self, max_seq: int):
+        self.eagle.setup(max_seq + self.ngram.k)  # the chain's nodes may pass the tree's slots
+        self.ngram.setup(max_seq)
+
+    def prefill(self, p: Prefill):
+        self.eagle.prefill(p)
+        self.ngram.prefill(p)
+        self.accepted = dict(ngram=0, eagle=0, both=0)  # accepted draft tokens by who proposed them
+        self.source = []
+
+    @torch.no_grad()
+    def draft(self, root: Tensor, n: Tensor) -> Tree:
+        t = self.eagle.draft(root, n)
+        chain = self.ngram.propose(self.ngram.hist + [int(root)])
+        toks, par = t.tokens.tolist(), t.parents.tolist()
+        path, cur = [], 0  # the tree nodes the chain agrees with
+        for j, x in enumerate(chain):
+            nxt = next((c for c in range(1, len(toks)) if par[c] == cur and toks[c] == x), None)
+            if nxt is None:
+                break
+            path.append(nxt)
+            cur = nxt
+        rest = chain[len(path):]
+        if not chain:
+            self.source = ["eagle"] * len(toks)
+            return t
+        on = set(path)
+        order = [0] + path + [c for c in range(1, len(toks)) if c not in on]  # old index of each kept tree node
+        new_of = {old: i for i, old in enumerate(order)}
+        k0 = 1 + len(path)  # the chain's continuation goes right after the agreeing path
+        pos = lambda old: new_of[old] + (len(rest) if new_of[old] >= k0 else 0)
+        tokens = [toks[0]] + [toks[c] for c in path] + rest + [toks[c] for c in order[k0:]]
+        parents = ([-1] + [pos(par[c]) for c in path] + [k0 - 1 + i for i in range(len(rest))]
+                   + [pos(par[c]) for c in order[k0:]])
+        self.source = ["eagle"] + ["both"] * len(path) + ["ngram"] * len(rest) + ["eagle"] * (len(order) - k0)
+        dev = t.tokens.device
+        P = torch.tensor(parents, device=dev)
+        depth = [0] * len(parents)
+        for i in range(1, len(parents)):
+            depth[i] = depth[parents[i]] + 1
+        D = max(t.max_depth, len(chain))
+        return Tree(torch.tensor(tokens, device=dev), P, torch.tensor(depth, device=dev), ancestor_mask(P, D),
+                    torch.ones(len(tokens), dtype=torch.bool, device=dev), None, D)
+
+    @torch.no_grad()
+    def update(self, a: Accepted):
+        for i in a.path[1:int(a.L)].tolist():
+            if i < len(self.source):
+                self.accepted[self.source[i]] += 1
+        self.source = []  # (autoregressive steps verify no drafted node)
+        self.eagle.update(a)
+        self.ngram.update(a)
+
+    def stats(self) -> dict:
+        d = self.eagle.stats()
+        total = sum(self.accepted.values())
+        if total:
+            d["accepted_from"] = {k: round(v / total, 4) for k, v in self.accepted.items()}
+        return d
+
+
 def detect_draft_kind(path: Path) -> str:
     """'eagle' (fc.weight present) or 'model' (a checkpoint model.py loads)."""
     path = Path(path)
@@ -459,6 +538,7 @@ class DraftConfig:
     k_ver: int = 3  # NanoSpec: target top-K per accepted position
     ablation: str | None = None  # NanoSpec ablation: ctx | ext | noasync
     static: bool = False  # n-gram chains padded to spec_k + 1 nodes: one compiled verify shape
+    ngram: bool | None = False  # EAGLE heads: merge a prompt-lookup chain into the tree; None: on for EAGLE heads
 
     def tree(self, device) -> tuple[int, int, int]:
         """(top-k, depth, nodes) with this device's defaults filled in."""
@@ -471,12 +551,13 @@ def append_width(nodes: int, depth: int, k_ver: int) -> int:
     return nodes + (depth + 1) * k_ver
 
 
-def eagle_vocab(c: DraftConfig, head: EagleHead, target: Transformer):
-    """The draft vocabulary of an EAGLE head; sized for one step's append (tree nodes + target top-K)."""
+def eagle_vocab(c: DraftConfig, head: EagleHead, target: Transformer, chain: int = 0):
+    """The draft vocabulary of an EAGLE head; sized for one step's append (tree nodes, a merged prompt-lookup
+    chain of `chain` tokens, the target's top-K per path node)."""
     topk, depth, nodes = c.tree(head.fc.weight.device)
     check_tree_budget(topk, depth, nodes)
     return make_vocab(c.vocab, head.lm_weight(), w_max=c.w_max, k_pre=c.k_pre, k_ver=c.k_ver, ablation=c.ablation,
-                      eos_ids=target.args.eos_ids, max_append=append_width(nodes, depth, c.k_ver),
+                      eos_ids=target.args.eos_ids, max_append=append_width(nodes + chain, max(depth, chain), c.k_ver),
                       token_to_row=EagleDrafter.token_to_row_map(head))
 
 
@@ -488,6 +569,8 @@ def make_drafter(c: DraftConfig, target: Transformer, sampling: Sampling | None 
     if c.draft == "none":
         if c.vocab != "full":
             raise ValueError("--vocab needs a drafter with an LM head (--draft PATH)")
+        if c.ngram:
+            raise ValueError("--ngram merges prompt lookup into an EAGLE head's tree: give --draft HEAD (or --draft ngram)")
         return None
     if c.draft == "ngram":
         if c.vocab != "full":
@@ -502,7 +585,12 @@ def make_drafter(c: DraftConfig, target: Transformer, sampling: Sampling | None 
         if head.c.version == 3:
             target.aux_layers = head.c.aux_layers
         topk, depth, nodes = c.tree(dev)
-        return EagleDrafter(head, eagle_vocab(c, head, target), topk, depth, nodes)
+        if c.ngram is False:
+            return EagleDrafter(head, eagle_vocab(c, head, target), topk, depth, nodes)
+        ngram = NgramDrafter(c.spec_k or 10, c.ngram_min, c.ngram_max)
+        return HybridDrafter(EagleDrafter(head, eagle_vocab(c, head, target, ngram.k), topk, depth, nodes), ngram)
+    if c.ngram:
+        raise ValueError("--ngram merges prompt lookup into an EAGLE head's tree; this --draft is a draft model")
     dm = load_model(path, dtype=dtype, device=dev)
     if dm.args.vocab_size != target.args.vocab_size:
         raise ModelError(f"draft model vocabulary ({dm.args.vocab_size}) differs from the target's ({target.args.vocab_size})")

@@ -446,6 +446,9 @@ def parse_args(argv=None):
     g.add_argument("--tree-depth", type=int, default=None, help="EAGLE-2 tree depth (5)")
     g.add_argument("--tree-nodes", type=int, default=None, help="EAGLE-2 nodes verified per step, root included "
                    "(60 CUDA, 16 CPU)")
+    g.add_argument("--ngram", action=argparse.BooleanOptionalAction, default=None,
+                   help="with an EAGLE head: merge a prompt-lookup chain (longest suffix match in prompt + output) "
+                        "into the tree, verified together (default on with EAGLE heads)")
     g.add_argument("--budget", default="auto", choices=["auto", "fixed"],
                    help="auto: verify as many of the drafted nodes as pays on this machine for this request, "
                         "decoding autoregressively when none does (measured as it generates); fixed: the whole tree")
@@ -507,7 +510,7 @@ def draft_config(args) -> dr.DraftConfig:
     vocab = args.vocab or ("nanospec" if args.draft is None and shipped else "full")
     return dr.DraftConfig(draft, vocab, args.tree_topk, args.tree_depth, args.tree_nodes, args.spec_k,
                           args.ngram_min, args.ngram_max, args.w_max, args.k_pre, args.k_ver, args.vocab_ablation,
-                          static=args.compile)
+                          static=args.compile, ngram=args.ngram)
 
 
 def stats_line(st: Stats, model: Transformer) -> str:
@@ -516,6 +519,8 @@ def stats_line(st: Stats, model: Transformer) -> str:
          f"prefill {st.prefill_s * 1000:.0f} ms")
     if "mean_accepted_length" in d:
         s += f", {st.target_forwards} target forwards, mean accepted length {d['mean_accepted_length']:.2f}"
+    if "accepted_from" in d:
+        s += ", accepted draft tokens from " + ", ".join(f"{k} {v:.0%}" for k, v in d["accepted_from"].items())
     if "speculated_share" in d:
         s += f", speculated on {d['speculated_share']:.0%} of steps (verified nodes: {d['budget_hist']})"
     if "exact" in d:

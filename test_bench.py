@@ -117,6 +117,32 @@ def test_bench_compile_both_side_by_side(tiny_bench, tmp_path, capsys):
     assert "torch.compile vs eager" in md and "| eagle3+nanospec | " in md
 
 
+def test_bench_budget_both_side_by_side(tiny_bench, tmp_path, capsys):
+    """--budget both: every speculative method also runs with the fitted budget (NAME@auto), its outputs
+    checked against AR like every other method's, its budget histogram in the JSON."""
+    rc = bench.main(argv(tiny_bench, tmp_path, "--methods", "ngram,eagle3+nanospec", "--categories", "qa",
+                         "--limit", "1", "--budget", "both"))
+    assert rc == 0, capsys.readouterr().err
+    js = json.loads((tmp_path / "bench_questions.json").read_text())
+    assert set(js["methods"]) == {"ar", "ar-fast", "ngram", "eagle3+nanospec", "ngram@auto", "eagle3+nanospec@auto"}
+    assert js["mismatches"] == [] and js["settings"]["budget"] == "both"
+    curve = js["summary"]["eagle3+nanospec@auto"]["overall"]["budget_curve"]
+    assert curve and all(p["step_ms"] > 0 and p["tokens"] >= 1 for p in curve.values())
+    png = tmp_path / "bench_questions_tree_size.png"  # tokens/s against tree size, rendered
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "## The fitted budget" in (tmp_path / "bench_questions.md").read_text()
+
+
+def test_bench_sampling_runs_without_the_guard(tiny_bench, tmp_path, capsys):
+    rc = bench.main(argv(tiny_bench, tmp_path, "--methods", "ngram", "--categories", "qa", "--limit", "1",
+                         "--budget", "auto", "--temperature", "0.7"))
+    out = capsys.readouterr().out
+    assert rc == 0 and "not compared with autoregressive decoding" in out
+    js = json.loads((tmp_path / "bench_questions.json").read_text())
+    assert js["settings"]["temperature"] == 0.7 and js["mismatches"] == []
+    assert bench.main(argv(tiny_bench, tmp_path, "--temperature", "-1")) == 2
+
+
 def test_bench_partial_freq_file(tiny_bench, tmp_path, capsys):
     # a --freq file ranks only the ids its corpus saw: Figure 1's sweep stops there, the main sizes must fit
     freq = tmp_path / "freq.pt"

@@ -46,6 +46,13 @@ def make_drafter(kind, tiny, m, vocab_spec="full", topk=4, depth=3, nodes=10, ab
     path, heads, dpath, root = tiny
     if kind == "ngram":
         return dr.NgramDrafter(k=4, static=static)
+    if kind == "hybrid":  # the EAGLE-3 tree with a prompt-lookup chain merged in
+        head = load_eagle(heads["eagle3"], m, torch.float32, "cpu")
+        m.aux_layers = head.c.aux_layers
+        ng = dr.NgramDrafter(k=4)
+        vocab = make_vocab(vocab_spec, head.lm_weight(), w_max=w_max, ablation=ablation,
+                           max_append=dr.append_width(nodes + ng.k, max(depth, ng.k), 3))
+        return dr.HybridDrafter(dr.EagleDrafter(head, vocab, topk, depth, nodes), ng)
     if kind == "model":
         dm = load_model(dpath, dtype=torch.float32)
         return dr.ModelDrafter(dm, make_vocab(vocab_spec, dm.lm_head.weight, w_max=w_max, ablation=ablation,
@@ -65,7 +72,7 @@ def autoregressive(m, prompt, n):
     return Engine(m).generate(prompt, n)[0]
 
 
-@pytest.mark.parametrize("kind", ["eagle2", "eagle3", "eagle3_pruned", "model", "self", "ngram"])
+@pytest.mark.parametrize("kind", ["eagle2", "eagle3", "eagle3_pruned", "model", "self", "ngram", "hybrid"])
 @pytest.mark.parametrize("max_new", [1, 13, 40])
 def test_greedy_lossless_every_drafter(tiny, kind, max_new):
     m = target(tiny[0])
@@ -231,6 +238,29 @@ def test_cli_errors(tmp_path, capsys):
     assert err.startswith("error:") and "\n" not in err
     assert main(["--checkpoint", str(tmp_path / "missing"), "--max-new-tokens", "0"]) == 2
     assert "max-new-tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("draft", ["none", "model"])
+def test_cli_ngram_needs_an_eagle_head(tiny, capsys, draft):
+    """--ngram merges prompt lookup into an EAGLE tree: with no drafter or a draft model it is a one-line error."""
+    d = "none" if draft == "none" else str(tiny[2])
+    rc = main(["--checkpoint", str(tiny[0]), "--draft", d, "--ngram", "--max-new-tokens", "2", "--raw", "--prompt", "ab",
+               "--dtype", "float32"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("error:") and "\n" not in err and "--ngram" in err, err
+
+
+def test_cli_default_eagle_drafting_is_hybrid_and_fitted(tiny, capsys):
+    """With an EAGLE head the CLI merges a prompt-lookup chain (--ngram is on by default) and fits the budget;
+    --no-ngram --budget fixed is the plain EAGLE tree verified whole."""
+    base = ["--checkpoint", str(tiny[0]), "--draft", str(tiny[1]["eagle3"]), "--max-new-tokens", "12", "--raw",
+            "--prompt", "abcabcabc", "--dtype", "float32", "--json"]
+    assert main(base) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert "accepted_from" in d and "budget_hist" in d
+    assert main(base + ["--no-ngram", "--budget", "fixed"]) == 0
+    d2 = json.loads(capsys.readouterr().out)
+    assert "accepted_from" not in d2 and "budget_hist" not in d2 and d2["text"] == d["text"]
 
 
 def test_cli_says_whether_it_is_exact(tiny, capsys, monkeypatch):
@@ -443,7 +473,7 @@ class Cycle(Budget):
 
 
 @pytest.mark.parametrize("kind,vocab", [("eagle3", "nanospec"), ("eagle2", "full"), ("eagle3_pruned", "full"),
-                                        ("model", "nanospec"), ("ngram", "full")])
+                                        ("model", "nanospec"), ("ngram", "full"), ("hybrid", "nanospec")])
 def test_greedy_lossless_with_every_budget(tiny, monkeypatch, kind, vocab):
     monkeypatch.setattr(g, "Budget", Cycle)
     m = target(tiny[0])
@@ -468,28 +498,70 @@ def test_real_budget_generates_and_reports(tiny):
     assert "speculated on" in line and "verified nodes" in line
 
 
+def prefilled(m, drafters, prompt):
+    """The target's prefill of prompt, handed to each drafter (set up for it) -> (first token [1], n)."""
+    p = torch.tensor(prompt)
+    S, _ = Engine(m, drafter=drafters[0]).plan(len(p), 8, max(d.nodes for d in drafters))
+    m.setup_caches(1, S)
+    with torch.no_grad():
+        logits, hid, aux = m(p[None], torch.arange(len(p)), return_hidden=True)
+        tok = logits[0, -1].argmax().view(1)
+        for d in drafters:
+            d.setup(S)
+            d.prefill(dr.Prefill(p, tok, logits[0], hid, aux))
+    return tok, torch.tensor(len(p))
+
+
 def test_prefix_is_the_smaller_budgets_tree(tiny):
     """EAGLE-2 nodes come best first with parents before children: every prefix is ancestor-closed and is
     what the drafter keeps with that node budget."""
     m = target(tiny[0])
     d = make_drafter("eagle3", tiny, m, topk=4, depth=3, nodes=12)
-    eng = Engine(m, drafter=d)
-    p = torch.tensor(PROMPTS[2])
-    S, _ = eng.plan(len(p), 8, d.nodes)
-    m.setup_caches(1, S)
-    d.setup(S)
+    small = make_drafter("eagle3", tiny, m, topk=4, depth=3, nodes=5)
+    tok, n = prefilled(m, [d, small], PROMPTS[2])
     with torch.no_grad():
-        logits, hid, aux = m(p[None], torch.arange(len(p)), return_hidden=True)
-        tok = logits[0, -1].argmax().view(1)
-        d.prefill(dr.Prefill(p, tok, logits[0], hid, aux))
-        tree = d.draft(tok, torch.tensor(len(p)))
-        small = make_drafter("eagle3", tiny, m, topk=4, depth=3, nodes=5)
-        small.setup(S)
-        small.prefill(dr.Prefill(p, tok, logits[0], hid, aux))
-        tree5 = small.draft(tok, torch.tensor(len(p)))
+        tree, tree5 = d.draft(tok, n), small.draft(tok, n)
     assert (tree.parents[1:] < torch.arange(1, 12)).all()  # parents first
     for b in range(1, 13):
         sub = tree.prefix(b)
         assert sub.tokens.shape[0] == b and (sub.parents < b).all()
         assert torch.equal(sub.anc, tree.anc[:b, :b])
     assert torch.equal(tree.prefix(5).tokens, tree5.tokens) and torch.equal(tree.prefix(5).parents, tree5.parents)
+
+
+def test_hybrid_tree_merges_the_chain(tiny):
+    """The prompt-lookup chain follows the EAGLE tree where they agree and hangs its rest below: every tree
+    node is kept once, the chain is one root-to-leaf path, parents come first, masks are the closure."""
+    m = target(tiny[0])
+    d = make_drafter("hybrid", tiny, m, "nanospec")
+    tok, n = prefilled(m, [d], PROMPTS[2])
+    with torch.no_grad():
+        t = d.eagle.draft(tok, n)
+        first = int(torch.nonzero(t.parents == 0)[0])  # a first-level tree node
+        absent = [v for v in range(256) if v not in set(t.tokens.tolist())][:2]  # tokens the tree lacks
+        for chain in ([int(t.tokens[first]), *absent], [], absent):
+            d.ngram.propose = lambda hist, c=chain: c
+            h = d.draft(tok, n)
+            N = h.tokens.shape[0]
+            assert sorted(h.tokens.tolist()) == sorted(t.tokens.tolist() + chain[1 if chain and chain[0] ==
+                                                                                 int(t.tokens[first]) else 0:])
+            assert (h.parents[1:] < torch.arange(1, N)).all() and int(h.parents[0]) == -1
+            assert torch.equal(h.anc, dr.ancestor_mask(h.parents, h.max_depth))
+            if chain:  # the chain is the path from the root through nodes 1..len(chain)
+                assert h.tokens[1:1 + len(chain)].tolist() == chain
+                assert h.parents[1:1 + len(chain)].tolist() == list(range(len(chain)))
+                assert d.source[1:1 + len(chain)] == (["both"] + ["ngram"] * 2 if chain[0] == int(t.tokens[first])
+                                                      else ["ngram"] * 2)
+            else:
+                assert torch.equal(h.tokens, t.tokens)
+
+
+def test_hybrid_reports_where_accepted_tokens_came_from(tiny):
+    m = target(tiny[0])
+    eng = Engine(m, drafter=make_drafter("hybrid", tiny, m, "nanospec"))
+    out, st = eng.generate(PROMPTS[1] * 3, 40)  # repetitive: prompt lookup finds continuations
+    assert out == autoregressive(m, PROMPTS[1] * 3, 40)
+    share = st.extra["accepted_from"]
+    assert set(share) == {"ngram", "eagle", "both"} and abs(sum(share.values()) - 1) < 1e-3
+    assert "accepted draft tokens from" in g.stats_line(st, m)
+
