@@ -120,11 +120,12 @@ def test_bench_compile_both_side_by_side(tiny_bench, tmp_path, capsys):
 def test_bench_budget_both_side_by_side(tiny_bench, tmp_path, capsys):
     """--budget both: every speculative method also runs with the fitted budget (NAME@auto), its outputs
     checked against AR like every other method's, its budget histogram in the JSON."""
-    rc = bench.main(argv(tiny_bench, tmp_path, "--methods", "ngram,eagle3+nanospec", "--categories", "qa",
-                         "--limit", "1", "--budget", "both"))
+    rc = bench.main(argv(tiny_bench, tmp_path, "--methods", "ngram,eagle3+nanospec,eagle3+nanospec+ngram",
+                         "--categories", "qa", "--limit", "1", "--budget", "both"))
     assert rc == 0, capsys.readouterr().err
     js = json.loads((tmp_path / "bench_questions.json").read_text())
-    assert set(js["methods"]) == {"ar", "ar-fast", "ngram", "eagle3+nanospec", "ngram@auto", "eagle3+nanospec@auto"}
+    assert set(js["methods"]) == {"ar", "ar-fast", "ngram", "eagle3+nanospec", "ngram@auto", "eagle3+nanospec@auto",
+                                  "eagle3+nanospec+ngram", "eagle3+nanospec+ngram@auto"}
     assert js["mismatches"] == [] and js["settings"]["budget"] == "both"
     curve = js["summary"]["eagle3+nanospec@auto"]["overall"]["budget_curve"]
     assert curve and all(p["step_ms"] > 0 and p["tokens"] >= 1 for p in curve.values())
