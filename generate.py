@@ -303,7 +303,7 @@ class Engine:
         if on_tokens:
             on_tokens(out)
         t_start = t_step = time.perf_counter()
-        budget = self.last_budget = Budget(d.nodes) if self.budget else None
+        budget = self.last_budget = Budget(d.nodes) if self.budget else None  # (kept for diagnostics)
         b = budget.pick() if budget else d.nodes  # nodes to verify; 1 = an autoregressive step (no draft)
         with clock("draft"):
             tree = d.draft(tok, n) if b > 1 else dr.chain_tree(tok)
@@ -322,20 +322,15 @@ class Engine:
                 t_step, t = time.perf_counter(), t_step
                 budget.observe(b, nodes, t_step - t)
                 b = budget.pick()
-            ar = tree.tokens.shape[0] == 1  # this step was autoregressive
-            if ar and b == 1 and len(pending) < 128:  # and so is the next: the drafter catches up later, at once
-                pending.append(acc)
+            if tree.tokens.shape[0] == 1 and b == 1 and len(pending) < 128:  # autoregressive, and so is the next
+                pending.append(acc)  # the drafter catches up on a run of these later, in one update
                 tree = dr.chain_tree(acc.bonus.view(1))
-            elif ar and pending:
-                pending, acc = [], dr.chained(pending + [acc])
-                with clock("update"):
-                    d.update(acc)
-                with clock("draft"):
-                    tree = d.draft(acc.bonus.view(1), acc.n + acc.L) if b > 1 else dr.chain_tree(acc.bonus.view(1))
-            elif self.fused_steps and b > 1:
+            elif self.fused_steps and b > 1 and not pending:
                 with clock("draft"):
                     tree = self.advance_step(acc)  # update + next draft, one compiled step or CUDA graph
             else:
+                if pending:
+                    pending, acc = [], dr.chained(pending + [acc])
                 with clock("update"):
                     d.update(acc)  # the drafter's state and its vocabulary's window follow the accepted path
                 with clock("draft"):
