@@ -184,7 +184,8 @@ def enabled() -> bool:
 
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None, packed: Tensor | None = None) -> Tensor:
     """F.linear(x, w, b), through the kernel where this machine chose it and w was packed (pack_linears)."""
-    if not (_ON[0] and packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu") or (
+    if not (_ON[0] and packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and (b is None or b.dtype == torch.bfloat16)) or (
             w.requires_grad and torch.is_grad_enabled()):  # the kernel has no backward: training uses torch's
         return F.linear(x, w, b)
     if torch.compiler.is_compiling():
