@@ -457,7 +457,7 @@ class HybridDrafter:
             path.append(nxt)
             cur = nxt
         rest = chain[len(path):]
-        if not chain:
+        if not chain and not self.ngram.static:
             self.source = ["eagle"] * len(toks)
             return t
         on = set(path)
@@ -469,14 +469,17 @@ class HybridDrafter:
         parents = ([-1] + [pos(par[c]) for c in path] + [k0 - 1 + i for i in range(len(rest))]
                    + [pos(par[c]) for c in order[k0:]])
         self.source = ["eagle"] + ["both"] * len(path) + ["ngram"] * len(rest) + ["eagle"] * (len(order) - k0)
+        pad = self.nodes - len(tokens) if self.ngram.static else 0  # --compile: one tree size, invalid padding
+        tokens, parents = tokens + [0] * pad, parents + [0] * pad
         dev = t.tokens.device
         P = torch.tensor(parents, device=dev)
         depth = [0] * len(parents)
         for i in range(1, len(parents)):
             depth[i] = depth[parents[i]] + 1
         D = max(t.max_depth, len(chain))
-        return Tree(torch.tensor(tokens, device=dev), P, torch.tensor(depth, device=dev), ancestor_mask(P, D),
-                    torch.ones(len(tokens), dtype=torch.bool, device=dev), None, D)
+        valid = torch.arange(len(tokens), device=dev) < len(tokens) - pad
+        return Tree(torch.tensor(tokens, device=dev), P, torch.tensor(depth, device=dev), ancestor_mask(P, D), valid,
+                    None, D)
 
     @torch.no_grad()
     def update(self, a: Accepted):
@@ -587,7 +590,7 @@ def make_drafter(c: DraftConfig, target: Transformer, sampling: Sampling | None 
         topk, depth, nodes = c.tree(dev)
         if c.ngram is False:
             return EagleDrafter(head, eagle_vocab(c, head, target), topk, depth, nodes)
-        ngram = NgramDrafter(c.spec_k or 10, c.ngram_min, c.ngram_max)
+        ngram = NgramDrafter(c.spec_k or 10, c.ngram_min, c.ngram_max, static=c.static)
         return HybridDrafter(EagleDrafter(head, eagle_vocab(c, head, target, ngram.k), topk, depth, nodes), ngram)
     if c.ngram:
         raise ValueError("--ngram merges prompt lookup into an EAGLE head's tree; this --draft is a draft model")

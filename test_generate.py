@@ -565,3 +565,27 @@ def test_hybrid_reports_where_accepted_tokens_came_from(tiny):
     assert set(share) == {"ngram", "eagle", "both"} and abs(sum(share.values()) - 1) < 1e-3
     assert "accepted draft tokens from" in g.stats_line(st, m)
 
+
+@pytest.mark.parametrize("kind", ["eagle3", "hybrid"])
+def test_budget_sizes_compile_once_each(tiny, monkeypatch, kind):
+    """--compile with the fitted budget: each size of its set is one traced verify shape (the hybrid's trees
+    are padded to one size under --compile), so a second request that moves through the same sizes traces
+    nothing new, and its tokens are still autoregressive decoding's."""
+    from torch._dynamo.testing import CompileCounter
+    monkeypatch.setattr(g, "Budget", Cycle)
+    torch._dynamo.reset()
+    m = target(tiny[0])
+    d = make_drafter(kind, tiny, m, "nanospec")
+    if kind == "hybrid":
+        d.ngram.static = True
+    cnt = CompileCounter()
+    eng = Engine(m, compile=True, backend=cnt, drafter=d, budget=True)
+    p = PROMPTS[1] * 2
+    ref = autoregressive(m, p, 40)
+    assert eng.generate(p, 40)[0] == ref
+    traced = cnt.frame_count
+    assert traced >= 2
+    out, st = eng.generate(p, 40)
+    assert out == ref and cnt.frame_count == traced, (traced, cnt.frame_count)
+    assert len(st.extra["budget_hist"]) >= 3
+
