@@ -135,8 +135,9 @@ def profile(model, name: str, dtype: str, ctx: int, rows_list: list[int]):
     weight_bytes = sum(w.numel() * w.element_size() for w in {m.weight.data_ptr(): m.weight for m in linears}.values())
     bw = read_bandwidth_gbs()
     floor = weight_bytes / bw / 1e6
-    kv = model.layers[0].self_attn.kv_cache
-    print(f"\n{name}, {dtype}, {torch.get_num_threads()} threads, {machine_id()}; context {ctx} tokens, KV cache "
+    kv, fused = model.layers[0].self_attn.kv_cache, model.cpu_pass
+    print(f"\n{name}, {dtype}, {torch.get_num_threads()} threads, {machine_id()}; "
+          f"{'fused CPU pass (cpu_forward.py)' if fused is not None else 'PyTorch layers'}; context {ctx} tokens, KV cache "
           f"{S} slots ({str(kv.k.dtype)[6:]}); weights {weight_bytes / 1e6:.0f} MB; read bandwidth {bw:.1f} GB/s, "
           f"so reading the weights once takes {floor:.1f} ms")
     print("| rows | whole pass ms | GEMMs alone ms | attention alone ms | the rest ms | whole / weight floor |\n"
@@ -146,6 +147,12 @@ def profile(model, name: str, dtype: str, ctx: int, rows_list: list[int]):
         tok = torch.randint(0, a.vocab_size, (1, T), generator=g).to(dev)
         pos = ctx + torch.arange(T, device=dev)
         whole = median_ms(lambda: model(tok, pos))
+        if fused is not None:  # the fused pass's products (q/k/v and gate/up fused) and the LM head
+            xs = [(p, N, torch.randn(T, K, generator=g).bfloat16()) for p, N, K in fused.gemms]
+            head = torch.randn(1, T, a.dim, generator=g).bfloat16()
+            gemms = median_ms(lambda: [cpu_gemm.kernel_linear(x, p, N) for p, N, x in xs] + [model.lm_head(head)])
+            print(f"| {T} | {whole:.1f} | {gemms:.1f} | (in the fused pass) | {whole - gemms:.1f} | {whole / floor:.1f}x |")
+            continue
         xs = {m: torch.randn(1, T, m.in_features, generator=g).to(dev, m.weight.dtype) for m in linears}
         gemms = median_ms(lambda: [m(x) for m, x in xs.items()])
         q = torch.randn(1, a.n_heads, T, a.head_dim, generator=g).to(dev, kv.k.dtype)

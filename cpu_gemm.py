@@ -50,7 +50,7 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's 
 /* MT rows of x times the 3 weight rows of packed group g (P[g][k / 8][j][8], see pack()): a group's
    K x 3 weights are one contiguous stream, read once per MT rows from L1. */
 static inline __attribute__((always_inline)) void tile(const float* x, long K, const uint16_t* P, const uint16_t* b,
-        uint16_t* y, long N, long m0, long g, const int MT) {
+        uint16_t* y, float* yf, long N, long m0, long g, const int MT) {
     __m256 acc[4][3];
     for (int i = 0; i < MT; i++) for (int j = 0; j < 3; j++) acc[i][j] = _mm256_setzero_ps();
     const uint16_t* w0 = P + g * 3 * K;
@@ -67,31 +67,40 @@ static inline __attribute__((always_inline)) void tile(const float* x, long K, c
         if (n >= N) break;  /* the zero rows padding the last group */
         float s = hsum(acc[i][j]);
         if (b) { uint32_t u = (uint32_t)b[n] << 16; float bf; __builtin_memcpy(&bf, &u, 4); s += bf; }
-        y[(m0 + i) * N + n] = to_bf16(s);
+        uint16_t r = to_bf16(s);
+        if (yf) { uint32_t u = (uint32_t)r << 16; __builtin_memcpy(yf + (m0 + i) * N + n, &u, 4); }  /* fp32 holding the bf16 value */
+        else y[(m0 + i) * N + n] = r;
     }
 }
-static void t4(const float* x, long K, const uint16_t* P, const uint16_t* b, uint16_t* y, long N, long m, long g) {
-    tile(x, K, P, b, y, N, m, g, 4);
+static void t4(const float* x, long K, const uint16_t* P, const uint16_t* b, uint16_t* y, float* yf, long N, long m, long g) {
+    tile(x, K, P, b, y, yf, N, m, g, 4);
 }
-static void t1(const float* x, long K, const uint16_t* P, const uint16_t* b, uint16_t* y, long N, long m, long g) {
-    tile(x, K, P, b, y, N, m, g, 1);
+static void t1(const float* x, long K, const uint16_t* P, const uint16_t* b, uint16_t* y, float* yf, long N, long m, long g) {
+    tile(x, K, P, b, y, yf, N, m, g, 1);
+}
+
+/* y[M, N] (bf16; or yf, fp32 holding bf16 values) = xf[M, K] @ W[N, K]^T (+ b[N]); xf fp32, b bf16; P: W packed
+   by pack(). Work-shared over the threads of the enclosing parallel region (serial outside one). */
+static void gemm_rows(const float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N, uint16_t* y, float* yf) {
+    const long G = (N + 2) / 3, GB = 16;  /* groups per task: enough tasks for the threads, few enough to be cheap */
+    const long tasks = (G + GB - 1) / GB;
+    #pragma omp for schedule(static)
+    for (long t = 0; t < tasks; t++) {
+        long g1 = (t + 1) * GB < G ? (t + 1) * GB : G;
+        for (long g = t * GB; g < g1; g++) {
+            long m = 0;
+            for (; m + 4 <= M; m += 4) t4(xf, K, P, b, y, yf, N, m, g);
+            for (; m < M; m++) t1(xf, K, P, b, y, yf, N, m, g);
+        }
+    }
 }
 
 /* y[M, N] = x[M, K] @ W[N, K]^T (+ b[N]); x, b, y bf16; P: W packed by pack(); xf: fp32 scratch [M, K] */
 void linear_bf16(const uint16_t* x, float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N,
                  uint16_t* y, int threads) {
     for (long i = 0; i < M * K; i++) { uint32_t u = (uint32_t)x[i] << 16; __builtin_memcpy(xf + i, &u, 4); }
-    const long G = (N + 2) / 3, GB = 16;  /* groups per task: enough tasks for the threads, few enough to be cheap */
-    const long tasks = (G + GB - 1) / GB;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long t = 0; t < tasks; t++) {
-        long g1 = (t + 1) * GB < G ? (t + 1) * GB : G;
-        for (long g = t * GB; g < g1; g++) {
-            long m = 0;
-            for (; m + 4 <= M; m += 4) t4(xf, K, P, b, y, N, m, g);
-            for (; m < M; m++) t1(xf, K, P, b, y, N, m, g);
-        }
-    }
+    #pragma omp parallel num_threads(threads)
+    gemm_rows(xf, M, K, P, b, N, y, 0);
 }
 """
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
@@ -113,30 +122,36 @@ _LIB = []  # [] not tried yet, [None] unavailable, [fn] built and loaded
 def kernel():
     """The loaded C function, or None (not x86 with AVX2+FMA, or no C compiler). Built once, cached on disk."""
     if not _LIB:
-        _LIB.append(_build() if cpu_supported() else None)
+        lib = load(SOURCE, "cpu_gemm")
+        fn = lib.linear_bf16 if lib is not None else None
+        if fn is not None:
+            p, i = ctypes.c_void_p, ctypes.c_long
+            fn.argtypes, fn.restype = [p, p, i, i, p, p, i, p, ctypes.c_int], None
+        _LIB.append(fn)
     return _LIB[0]
 
 
-def _build():
+def load(source: str, stem: str):
+    """Build C source with FLAGS into cache_dir()/<stem>-<hash>.so (once per source and compiler) and load
+    it; None where it cannot (not x86 with AVX2+FMA, no C compiler)."""
+    if not cpu_supported():
+        return None
     cc = os.environ.get("CC", "cc")
-    tag = hashlib.sha256((SOURCE + " ".join(FLAGS) + cc).encode()).hexdigest()[:16]
-    so = cache_dir() / f"cpu_gemm-{tag}.so"
+    tag = hashlib.sha256((source + " ".join(FLAGS) + cc).encode()).hexdigest()[:16]
+    so = cache_dir() / f"{stem}-{tag}.so"
     try:
         if not so.is_file():
             so.parent.mkdir(parents=True, exist_ok=True)
             src, tmp = so.with_suffix(f".{os.getpid()}.c"), so.with_suffix(f".{os.getpid()}.tmp")
-            src.write_text(SOURCE)
+            src.write_text(source)
             subprocess.run([cc, *FLAGS, str(src), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
             tmp.replace(so)  # atomic: a concurrent process sees the whole library or none
             src.unlink()
         # torch is loaded first, so the library's libgomp.so.1 resolves to torch's own: one OpenMP thread
         # pool in the process (two pools would spin against each other on a 2-core machine)
-        fn = ctypes.CDLL(str(so)).linear_bf16
+        return ctypes.CDLL(str(so))
     except (OSError, subprocess.SubprocessError):
         return None
-    p, i = ctypes.c_void_p, ctypes.c_long
-    fn.argtypes, fn.restype = [p, p, i, i, p, p, i, p, ctypes.c_int], None
-    return fn
 
 
 def pack(w: Tensor) -> Tensor:

@@ -86,6 +86,8 @@ class Invariance:
             pass  # a read-only home only costs a re-check next time
 
     def pass_rows(self, n: int, S: int) -> PassRows | None:
+        if self.model.cpu_pass is not None:  # the fused CPU pass is row-invariant by construction (cpu_forward.py)
+            return PassRows(n, n)
         if (n, S) not in self.memo:
             R = next((r for r in LADDER if r >= n and self.gemm_agrees(r)), None)
             A = None if R is None else next((r for r in LADDER if r >= R and self.attn_agrees(r, S)), None)

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import cpu_forward
 import cpu_gemm
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -83,12 +84,16 @@ def kv_dtype(dtype, device) -> torch.dtype:
 
 
 class KVCache(nn.Module):
-    def __init__(self, max_batch, max_seq, n_kv_heads, head_dim, dtype, device=None):
+    def __init__(self, max_batch, max_seq, n_kv_heads, head_dim, dtype, device=None, kv: Tensor | None = None):
+        # kv: this layer's [2, Hkv, S, hd] slice of the model's one cache tensor (the fused CPU pass), used
+        # as k = kv[0], v = kv[1] with batch 1; else the cache is allocated here
         super().__init__()
         dtype = kv_dtype(dtype, device if device is not None else "cpu")
         shape = (max_batch, n_kv_heads, max_seq, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        k = torch.zeros(shape, dtype=dtype, device=device) if kv is None else kv[0][None]
+        v = torch.zeros(shape, dtype=dtype, device=device) if kv is None else kv[1][None]
+        self.register_buffer("k", k, persistent=False)
+        self.register_buffer("v", v, persistent=False)
 
     def update(self, cache_pos: Tensor, k: Tensor, v: Tensor):
         # cache_pos [T]; k, v [B, Hkv, T, hd]. index_copy_ keeps the shape static (no slicing by Python ints).
@@ -316,6 +321,8 @@ class Transformer(nn.Module):
         self.lm_head = Linear(a.dim, a.vocab_size, bias=False)
         self.aux_layers: tuple[int, ...] = ()  # layers whose *inputs* forward(return_hidden=True) also returns
         self.max_batch = self.max_seq = -1
+        self.cpu_pass: cpu_forward.Stack | None = None  # the fused CPU pass (bf16 on CPU, cpu_forward.py)
+        self.kv: Tensor | None = None  # [L, 2, Hkv, S, hd]: every layer's KV cache in one tensor, for cpu_pass
 
     def eagle3_aux_layers(self) -> tuple[int, int, int]:
         L = self.args.n_layers
@@ -328,9 +335,14 @@ class Transformer(nn.Module):
         if (max_batch, max_seq) == (self.max_batch, self.max_seq):
             return
         self.max_batch, self.max_seq = max_batch, max_seq
-        p = self.lm_head.weight
-        for layer in self.layers:
-            layer.self_attn.kv_cache = KVCache(max_batch, max_seq, self.args.n_kv_heads, self.args.head_dim, p.dtype, p.device)
+        p, a = self.lm_head.weight, self.args
+        # the fused CPU pass keeps the cache in bf16 (the values are bf16 already: k and v come out of bf16
+        # RoPE / GEMMs), in one tensor it writes through one pointer
+        self.kv = torch.zeros(a.n_layers, 2, a.n_kv_heads, max_seq, a.head_dim, dtype=p.dtype, device=p.device) \
+            if self.cpu_pass is not None and max_batch == 1 else None
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.kv_cache = KVCache(max_batch, max_seq, a.n_kv_heads, a.head_dim, p.dtype, p.device,
+                                               None if self.kv is None else self.kv[i])
         cos, sin = rope_cache(max_seq, self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
         self.register_buffer("rope_cos", cos.to(p.device, p.dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(p.device, p.dtype), persistent=False)
@@ -357,9 +369,20 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, hd] or [B, T, hd]
         if input_pos.dim() == 2:
             cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        x = self.embed_tokens(tokens)  # [B, T, D]
+        if self.kv is not None and tokens.shape[0] == 1 and input_pos.dim() == 1 and mask.dim() == 2:
+            # the whole layer stack in one C call, row-invariant by construction: exact mode's recent-key
+            # gathers and padded rows are not needed (cpu_forward.py)
+            if self.cpu_pass.aux_layers != self.aux_layers:
+                self.cpu_pass.set_aux(self.aux_layers)
+            x, aux = self.cpu_pass(x[0], cos, sin, mask, cache_pos, self.kv, len(self.aux_layers))
+            h = self.norm(x[None])
+            logits = self.lm_head(h) if compute_logits else None
+            if not return_hidden:
+                return logits
+            return logits, h, (aux[None] if self.aux_layers else None)
         exact = None if recent is None else exact_plan(input_pos, recent, self.seq_range,
                                                         self.args.n_heads // self.args.n_kv_heads, attn_rows)
-        x = self.embed_tokens(tokens)  # [B, T, D]
         aux = {}
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
@@ -377,6 +400,9 @@ class Transformer(nn.Module):
         Fixed n keeps the shape static: rows beyond the accepted length are copied too, harmlessly,
         since they lie past the new prefix and are overwritten before they are ever attended."""
         dst = dst_start + torch.arange(src.shape[0], device=src.device)
+        if self.kv is not None:  # one tensor: one gather and one scatter for every layer
+            self.kv.index_copy_(3, dst, self.kv.index_select(3, src))
+            return
         for layer in self.layers:
             c = layer.self_attn.kv_cache
             # index_select copies first, so overlapping src/dst ranges are safe.
@@ -465,4 +491,6 @@ def load_model(path, dtype=torch.bfloat16, device="cpu") -> Transformer:
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16:  # this machine picks its GEMM (cpu_gemm)
         if cpu_gemm.choose([tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)]):
             cpu_gemm.pack_linears(model)
+            if cpu_forward.usable(model):
+                model.cpu_pass = cpu_forward.Stack(model)
     return model.eval()

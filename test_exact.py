@@ -53,11 +53,14 @@ def test_invariance_rejects_a_faulty_kernel_and_caches(tmp_path, smol_shaped):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_chosen_pass_sizes_hold_on_fresh_data(tmp_path, smol_shaped, dtype):
+def test_chosen_pass_sizes_hold_on_fresh_data(tmp_path, smol_shaped, dtype, monkeypatch):
     """Real head size (64), 3 query heads per KV head as in SmolLM2: for every pass of n <= 40 rows, the size
     the check picks gives each row of exact_attention and of every GEMM the bits of a REF-row pass, on data
-    the check never saw; exact_attention itself matches SDPA numerically."""
+    the check never saw; exact_attention itself matches SDPA numerically. (The PyTorch layers: the fused CPU
+    pass needs no check, test_cpu_forward.py.)"""
+    monkeypatch.setenv("NANOSPEC_CPU_FORWARD", "off")
     m = load_model(smol_shaped, dtype=dtype)
+    assert m.cpu_pass is None
     inv = exact.Invariance(m, tmp_path / "inv.json")
     torch.manual_seed(1)
     S, a = 640, m.args

@@ -372,7 +372,8 @@ def test_graph_capture_plumbing_on_cpu(tiny, monkeypatch):
         assert eng.verify_step.graphs and eng.advance_step.graphs  # replays really happened
 
 
-def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trust_all=False, cache=None, kernel=False):
+def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trust_all=False, cache=None, kernel=False,
+                          fused=False):
     """For one EAGLE-3 tree on the tiny target: per node, do its verify logits equal, bit for bit, the logits
     autoregressive decoding computes for the same token sequence (as Engine._decode_one runs it)?"""
     path, heads, _, _ = tiny
@@ -393,7 +394,10 @@ def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trus
     e.R_dec = e.pass_rows(1, S)
     assert e.exact
     assert (cpu_gemm.enabled() and m.lm_head.packed is not None) == kernel
-    if kernel:  # row-invariant GEMMs by construction: no padding rows past the ladder's next size
+    assert (m.cpu_pass is not None) == fused
+    if fused:  # the fused CPU pass: row-invariant by construction, no padding at all
+        assert e.R_dec == PassRows(1, 1) and e.R_ver == PassRows(nodes, nodes), (e.R_dec, e.R_ver)
+    elif kernel:  # row-invariant GEMMs by construction: no padding rows past the ladder's next size
         assert e.R_dec.gemm == 1 and e.R_ver.gemm == next(r for r in LADDER if r >= nodes), (e.R_dec, e.R_ver)
     if plain_sdpa:
         e.exact, e.R_ver, e.R_dec = False, PassRows(nodes, nodes), PassRows(1, 1)
@@ -421,7 +425,8 @@ def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trus
 @pytest.mark.parametrize("dtype,plain_sdpa,nodes,gemm", [
     (torch.bfloat16, False, 14, "torch"), (torch.bfloat16, False, 14, "kernel"), (torch.float32, False, 14, "torch"),
     (torch.float32, True, 14, "torch"), (torch.float32, False, 17, "torch"), (torch.bfloat16, False, 50, "torch"),
-    (torch.bfloat16, False, 50, "kernel"), (torch.float32, False, 50, "torch")])
+    (torch.bfloat16, False, 50, "kernel"), (torch.float32, False, 50, "torch"), (torch.bfloat16, False, 14, "fused"),
+    (torch.bfloat16, False, 50, "fused")])
 def test_tree_verify_is_bitwise_autoregressive(tiny, dtype, plain_sdpa, nodes, gemm, monkeypatch):
     """CPU: every tree node's verify logits equal, bit for bit, the logits autoregressive decoding
     computes for the same token sequence (exact attention + the pass sizes exact.py finds on this machine).
@@ -429,11 +434,13 @@ def test_tree_verify_is_bitwise_autoregressive(tiny, dtype, plain_sdpa, nodes, g
     The plain-SDPA variant is the control (fp32, where attention's rounding differences reach the logits
     directly): a tree node off the spine sees its ancestors at scattered KV slots and rounds differently,
     so the assertion must fail there for at least one node (it shows the test can fail). gemm: torch's bf16
-    GEMM, or cpu_gemm's kernel (row-invariant by construction, so no pass needs padding)."""
-    monkeypatch.setenv("NANOSPEC_CPU_GEMM", gemm)
-    if gemm == "kernel" and cpu_gemm.kernel() is None:
+    GEMM, cpu_gemm's kernel in the PyTorch layers (row-invariant by construction, so no pass needs padding),
+    or the fused CPU pass (cpu_forward.py: no exact attention, no padding)."""
+    monkeypatch.setenv("NANOSPEC_CPU_GEMM", "torch" if gemm == "torch" else "kernel")
+    monkeypatch.setenv("NANOSPEC_CPU_FORWARD", "on" if gemm == "fused" else "off")
+    if gemm != "torch" and cpu_gemm.kernel() is None:
         pytest.skip("cpu_gemm's kernel needs x86-64 with AVX2+FMA and a C compiler")
-    same = verify_matches_decode(tiny, dtype, nodes, plain_sdpa, kernel=gemm == "kernel")
+    same = verify_matches_decode(tiny, dtype, nodes, plain_sdpa, kernel=gemm != "torch", fused=gemm == "fused")
     if plain_sdpa:
         assert not all(same)
     else:

@@ -1,0 +1,317 @@
+"""The CPU target pass in one C call: every decoder layer of a bf16 model (norms, fused GEMMs, RoPE, the KV
+write, attention, the MLP, the residuals) for all rows of a pass.
+
+Why: on CPU a pass through PyTorch's eager ops costs far more than its arithmetic. A one-row decode step of
+the default 30-layer model issues about 1,500 small ops (measured: 13 of 36 ms outside the GEMMs and the
+attention), and SDPA's CPU flash kernel spends most of its time on a masked, static-length cache. Here the
+whole layer stack runs in one OpenMP parallel region of one C function (cpu_gemm's GEMM tiles inside), with
+q/k/v and gate/up fused into one packed weight each (gpt-fast's wqkv; loaded from the HF checkpoint as it is).
+
+Exact by construction: every step works on each row alone, in an order that does not depend on the pass.
+The GEMMs are cpu_gemm's (row-invariant). Attention reads, for each query row, exactly the keys its mask
+allows, in increasing slot order, one dot product per key (one FMA chain over the head dimension, a fixed
+horizontal sum), then a two-pass softmax in that order. Tree nodes come after their ancestors (draft.Tree),
+so a node sees the prefix and then its ancestors in the same order and with the same values as the
+autoregressive token at its position sees them. A token's bits therefore never depend on how many rows
+share its pass or where its keys sit, and exact mode needs neither padding nor model.exact_attention.
+
+Rounding follows the PyTorch bf16 path (model.py): every op's result is rounded to bf16 where that path
+rounds (norm, RoPE, residual adds, SiLU, the product with up); attention runs in fp32 over the bf16 cache.
+So the two paths agree to bf16 rounding, not bit for bit (sums run in other orders).
+
+Used by model.Transformer.forward for batch-1 passes of bf16 CPU models where cpu_gemm's kernel is on
+(`attach`); other passes (batches, explicit [B, 1, T, S] masks) take the PyTorch path.
+"""
+import ctypes
+import os
+
+import torch
+from torch import Tensor
+
+import cpu_gemm
+
+SOURCE = cpu_gemm.SOURCE + r"""
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+static inline float rbf(float f) { uint16_t h = to_bf16(f); uint32_t u = (uint32_t)h << 16; float r; memcpy(&r, &u, 4); return r; }
+static inline float fbf(uint16_t h) { uint32_t u = (uint32_t)h << 16; float r; memcpy(&r, &u, 4); return r; }
+
+/* y[t] = bf16(w * bf16(x[t] * rsqrt(mean(x[t]^2) + eps))), as model.RMSNorm */
+static void rmsnorm(const float* x, const uint16_t* w, float* y, long T, long D, float eps) {
+    #pragma omp for schedule(static)
+    for (long t = 0; t < T; t++) {
+        const float* r = x + t * D;
+        float ss = 0.f;
+        for (long d = 0; d < D; d++) ss += r[d] * r[d];
+        float inv = 1.f / sqrtf(ss / (float)D + eps);
+        for (long d = 0; d < D; d++) y[t * D + d] = rbf(fbf(w[d]) * rbf(r[d] * inv));
+    }
+}
+
+/* x [n_heads, hd] in place: bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), as model.apply_rope */
+static void rope(float* x, long n_heads, long hd, const uint16_t* cs, const uint16_t* sn) {
+    long h2 = hd / 2;
+    float tmp[512];
+    for (long h = 0; h < n_heads; h++) {
+        float* r = x + h * hd;
+        for (long d = 0; d < hd; d++) {
+            float rot = d < h2 ? -r[d + h2] : r[d - h2];
+            tmp[d] = rbf(rbf(r[d] * fbf(cs[d])) + rbf(rot * fbf(sn[d])));
+        }
+        memcpy(r, tmp, hd * sizeof(float));
+    }
+}
+
+/* 8 x exp(x), fp32: Cephes-style range reduction and degree-6 polynomial (about 1 ulp; x below -87.3 gives 0).
+   Vector code instead of libm's scalar expf: attention and SiLU take one per score / element. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* the scores of MK keys for one query: each key's dot product is its own FMA chain over hd in order, then
+   hsum, whatever MK is (MK keys at once only hide the FMA latency) */
+static inline __attribute__((always_inline)) void dots(const float* q, const uint16_t* K, const int* ks, long hd,
+        float scale, float* s, const int MK) {
+    __m256 acc[8];
+    const uint16_t* kr[8];
+    for (int i = 0; i < MK; i++) { acc[i] = _mm256_setzero_ps(); kr[i] = K + (long)ks[i] * hd; }
+    for (long c = 0; c < hd; c += 8) {
+        __m256 qv = _mm256_loadu_ps(q + c);
+        for (int i = 0; i < MK; i++) acc[i] = _mm256_fmadd_ps(qv, load_bf16(kr[i] + c), acc[i]);
+    }
+    for (int i = 0; i < MK; i++) s[i] = hsum(acc[i]) * scale;
+}
+
+/* one (row, head): softmax(q K^T * scale) V over the keys ks[0..n) (cache slots, increasing), fp32; s: [n + 8] scratch */
+static void attend(const float* q, const uint16_t* K, const uint16_t* V, const int* ks, long n, long hd,
+                   float scale, float* s, float* out) {
+    long j = 0;
+    for (; j + 8 <= n; j += 8) dots(q, K, ks + j, hd, scale, s + j, 8);
+    for (; j < n; j++) dots(q, K, ks + j, hd, scale, s + j, 1);
+    float m = -INFINITY;
+    for (j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+    for (j = n; j < ((n + 7) & ~7L); j++) s[j] = -INFINITY;  /* pad the last vector: exp gives 0 there */
+    __m256 mv = _mm256_set1_ps(m), sum8 = _mm256_setzero_ps();
+    for (j = 0; j < n; j += 8) {  /* the sum: 8 lanes in key order, then the fixed hsum */
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        _mm256_storeu_ps(s + j, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = hsum(sum8);
+    __m256 o[32];
+    for (long c = 0; c < hd / 8; c++) o[c] = _mm256_setzero_ps();
+    for (j = 0; j < n; j++) {
+        const uint16_t* vr = V + (long)ks[j] * hd;
+        __m256 p = _mm256_set1_ps(s[j]);
+        for (long c = 0; c < hd / 8; c++) o[c] = _mm256_fmadd_ps(p, load_bf16(vr + 8 * c), o[c]);
+    }
+    __m256 inv = _mm256_set1_ps(n ? 1.f / sum : 0.f);
+    for (long c = 0; c < hd / 8; c++) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(o[c], inv));
+}
+
+/* 8 x bf16 rounding, kept as fp32 (to_bf16 then widen; NaN stays NaN) */
+static inline __m256 rbf8(__m256 f) {
+    __m256i u = _mm256_castps_si256(f);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd),
+                                 _mm256_set1_epi32((int)0xffff0000u));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), f, _mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+}
+
+/* h[t, i] = bf16(bf16(silu(g)) * u) for gu [T, gate | up], as F.silu(gate) * up in bf16; I % 8 == 0 */
+static void silu_mul(const float* gu, float* h, long T, long I) {
+    #pragma omp for schedule(static)
+    for (long t = 0; t < T; t++)
+        for (long i = 0; i < I; i += 8) {
+            __m256 gt = _mm256_loadu_ps(gu + t * 2 * I + i), up = _mm256_loadu_ps(gu + t * 2 * I + I + i);
+            __m256 sl = _mm256_div_ps(gt, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gt))));
+            _mm256_storeu_ps(h + t * I + i, rbf8(_mm256_mul_ps(rbf8(sl), up)));
+        }
+}
+
+enum { W_IN, W_QKV, B_QKV, W_O, W_POST, W_GU, W_DOWN, NW };
+
+/* x [T, D] bf16, in place: the rows after all L layers. tab [L, NW] pointers (packed weights, norms, bias
+   or 0). cs, sn [T, hd] bf16 RoPE rows; mask [T, S] (bool bytes) over the cache's S slots; cpos [T] the
+   slots this pass writes; kv [L, 2, Hkv, S, hd] bf16. aux [T, n_aux, D]: slot j gets the input of layer
+   aux_of[j] (repeats allowed). */
+void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, long I, float eps, long T,
+                long S, uint16_t* x, const uint16_t* cs, const uint16_t* sn, const uint8_t* mask,
+                const int64_t* cpos, uint16_t* kv, const int64_t* aux_of, long n_aux, uint16_t* aux, int threads) {
+    const long Q = H * hd, KV = Hkv * hd, NQKV = Q + 2 * KV, g = H / Hkv;
+    const float scale = 1.f / sqrtf((float)hd);
+    long wide = NQKV > 2 * I ? NQKV : 2 * I;
+    float* xr = malloc(sizeof(float) * T * D);
+    float* h = malloc(sizeof(float) * T * (D > Q ? (D > I ? D : I) : (Q > I ? Q : I)));
+    float* y = malloc(sizeof(float) * T * wide);
+    float* o = malloc(sizeof(float) * T * D);
+    int* keys = malloc(sizeof(int) * T * S);
+    long* nk = malloc(sizeof(long) * T);
+    float* sc = malloc(sizeof(float) * threads * (S + 8));
+    for (long t = 0; t < T; t++) {  /* each row's keys, in slot order, once for all layers and heads */
+        nk[t] = 0;
+        for (long j = 0; j < S; j++) if (mask[t * S + j]) keys[t * S + nk[t]++] = (int)j;
+    }
+    for (long i = 0; i < T * D; i++) xr[i] = fbf(x[i]);
+    #pragma omp parallel num_threads(threads)
+    for (long l = 0; l < L; l++) {
+        const int64_t* w = tab + l * NW;
+        uint16_t* Kc = kv + (l * 2) * Hkv * S * hd;
+        uint16_t* Vc = Kc + Hkv * S * hd;
+        for (long j = 0; j < n_aux; j++)
+            if (aux_of[j] == l) {
+                #pragma omp for schedule(static)
+                for (long t = 0; t < T; t++)
+                    for (long d = 0; d < D; d++) aux[(t * n_aux + j) * D + d] = to_bf16(xr[t * D + d]);
+            }
+        rmsnorm(xr, (const uint16_t*)w[W_IN], h, T, D, eps);
+        gemm_rows(h, T, D, (const uint16_t*)w[W_QKV], (const uint16_t*)w[B_QKV], NQKV, 0, y);  /* [T, q | k | v] */
+        #pragma omp for schedule(static)
+        for (long t = 0; t < T; t++) {
+            float* r = y + t * NQKV;
+            rope(r, H + Hkv, hd, cs + t * hd, sn + t * hd);  /* q heads, then k heads: contiguous */
+            for (long j = 0; j < Hkv; j++)
+                for (long d = 0; d < hd; d++) {
+                    Kc[(j * S + cpos[t]) * hd + d] = to_bf16(r[Q + j * hd + d]);
+                    Vc[(j * S + cpos[t]) * hd + d] = to_bf16(r[Q + KV + j * hd + d]);
+                }
+        }
+        #pragma omp for schedule(static)
+        for (long th = 0; th < T * H; th++) {
+            long t = th / H, hh = th % H, j = hh / g;
+            float* out = h + t * Q + hh * hd;
+            attend(y + t * NQKV + hh * hd, Kc + j * S * hd, Vc + j * S * hd, keys + t * S, nk[t], hd, scale,
+                   sc + omp_get_thread_num() * (S + 8), out);
+            for (long d = 0; d < hd; d++) out[d] = rbf(out[d]);
+        }
+        gemm_rows(h, T, Q, (const uint16_t*)w[W_O], 0, D, 0, o);
+        #pragma omp for schedule(static)
+        for (long i = 0; i < T * D; i++) xr[i] = rbf(xr[i] + o[i]);
+        rmsnorm(xr, (const uint16_t*)w[W_POST], h, T, D, eps);
+        gemm_rows(h, T, D, (const uint16_t*)w[W_GU], 0, 2 * I, 0, y);  /* [T, gate | up] */
+        silu_mul(y, h, T, I);
+        gemm_rows(h, T, I, (const uint16_t*)w[W_DOWN], 0, D, 0, o);
+        #pragma omp for schedule(static)
+        for (long i = 0; i < T * D; i++) xr[i] = rbf(xr[i] + o[i]);
+    }
+    for (long i = 0; i < T * D; i++) x[i] = to_bf16(xr[i]);
+    free(xr); free(h); free(y); free(o); free(keys); free(nk); free(sc);
+}
+"""
+
+_LIB = []  # [] not tried yet, [None] unavailable, [fn] built and loaded
+
+
+def kernel():
+    """The loaded C function, or None where cpu_gemm's kernel cannot be built here."""
+    if not _LIB:
+        lib = cpu_gemm.load(SOURCE, "cpu_forward") if cpu_gemm.kernel() is not None else None
+        fn = lib.stack_bf16 if lib is not None else None
+        if fn is not None:
+            p, i = ctypes.c_void_p, ctypes.c_long
+            fn.argtypes = [p, i, i, i, i, i, i, ctypes.c_float, i, i, p, p, p, p, p, p, p, i, p, ctypes.c_int]
+            fn.restype = None
+        _LIB.append(fn)
+    return _LIB[0]
+
+
+ENV = "NANOSPEC_CPU_FORWARD"  # on (default) | off: off keeps the PyTorch layers (with cpu_gemm's GEMMs)
+
+
+def usable(model) -> bool:
+    """The fused pass's domain: a bf16 CPU model whose linears cpu_gemm packed, without Qwen3's q/k norms,
+    with head_dim a multiple of 8 up to 256; NANOSPEC_CPU_FORWARD=off turns it off."""
+    a, w = model.args, model.lm_head.weight
+    mode = os.environ.get(ENV, "on")
+    if mode not in ("on", "off"):
+        raise ValueError(f"{ENV} must be on or off, got {mode!r}")
+    return (mode == "on" and w.device.type == "cpu" and w.dtype == torch.bfloat16 and not a.qk_norm
+            and a.head_dim % 8 == 0 and a.head_dim <= 256 and a.dim % 8 == 0 and a.intermediate_size % 8 == 0
+            and a.n_heads % a.n_kv_heads == 0 and model.layers[0].mlp.down_proj.packed is not None
+            and kernel() is not None)
+
+
+class Stack:
+    """The packed, fused weights of a model's decoder layers and the pointer table the C pass reads.
+    Holds the tensors it points at, so they live as long as the table."""
+
+    def __init__(self, model):
+        a = model.args
+        self.args, self.L = a, a.n_layers
+        self.keep, rows = [], []
+        self.gemms = []  # (packed weight, N, K) per product, in pass order (bench_ar.py --profile times them)
+        for layer in model.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            qkv = torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]).detach()
+            bias = torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]).detach() if a.qkv_bias else None
+            gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+            ts = [layer.input_layernorm.weight.detach(), cpu_gemm.pack(qkv), bias, pack_of(at.o_proj),
+                  layer.post_attention_layernorm.weight.detach(), cpu_gemm.pack(gu), pack_of(mlp.down_proj)]
+            self.keep += [t for t in ts if t is not None]
+            self.gemms += [(ts[1], qkv.shape[0], a.dim), (ts[3], a.dim, a.n_heads * a.head_dim),
+                           (ts[5], gu.shape[0], a.dim), (ts[6], a.dim, a.intermediate_size)]
+            rows.append([0 if t is None else t.data_ptr() for t in ts])
+            for lin in (at.q_proj, at.k_proj, at.v_proj, mlp.gate_proj, mlp.up_proj):
+                lin.packed = None  # their products now come from the fused copies (the torch path uses F.linear)
+        self.table = torch.tensor(rows, dtype=torch.int64)
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_of = torch.full((1,), -1, dtype=torch.int64)  # [n_aux] the layer whose input each aux slot gets
+
+    def set_aux(self, layers: tuple[int, ...]):
+        self.aux_layers = tuple(layers)
+        self.aux_of = torch.tensor(list(layers) or [-1], dtype=torch.int64)
+
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor,
+                 n_aux: int) -> tuple[Tensor, Tensor]:
+        """x [T, D] bf16 (the embeddings); cos, sin [T, hd] bf16; mask [T, S] bool; cache_pos [T] int64;
+        kv [L, 2, Hkv, S, hd] bf16, written at cache_pos -> (x after the layers [T, D], aux [T, n_aux*D])."""
+        a = self.args
+        args = (x, cos, sin, mask, cache_pos, kv, self.table, self.aux_of, n_aux, a.n_heads, a.intermediate_size,
+                a.norm_eps)
+        return torch.ops.nanospec.cpu_stack(*args) if torch.compiler.is_compiling() else run(*args)
+
+
+def pack_of(lin) -> Tensor:
+    return lin.packed if lin.packed is not None else cpu_gemm.pack(lin.weight.detach())
+
+
+def run(x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor, table: Tensor,
+        aux_of: Tensor, n_aux: int, n_heads: int, inter: int, eps: float) -> tuple[Tensor, Tensor]:
+    T, D = x.shape
+    L, _, Hkv, S, hd = kv.shape
+    assert kv.is_contiguous() and mask.shape == (T, S) and hd % 8 == 0 and hd <= 256
+    x = x.contiguous().clone()  # the kernel works in place
+    aux = x.new_empty(T, max(n_aux, 1) * D)
+    # contiguous copies bound to names: they must outlive the call
+    m = mask.contiguous().view(torch.uint8) if mask.dtype == torch.bool else (mask != 0).view(torch.uint8)
+    cos, sin, pos = cos.contiguous(), sin.contiguous(), cache_pos.to(torch.int64).contiguous()
+    kernel()(table.data_ptr(), L, D, n_heads, Hkv, hd, inter, eps, T, S, x.data_ptr(), cos.data_ptr(),
+             sin.data_ptr(), m.data_ptr(), pos.data_ptr(), kv.data_ptr(), aux_of.data_ptr(), n_aux, aux.data_ptr(),
+             torch.get_num_threads())
+    return x, aux
+
+
+@torch.library.custom_op("nanospec::cpu_stack", mutates_args=("kv",))
+def cpu_stack_op(x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor, table: Tensor,
+                 aux_of: Tensor, n_aux: int, n_heads: int, inter: int, eps: float) -> tuple[Tensor, Tensor]:
+    return run(x, cos, sin, mask, cache_pos, kv, table, aux_of, n_aux, n_heads, inter, eps)
+
+
+@cpu_stack_op.register_fake
+def _(x, cos, sin, mask, cache_pos, kv, table, aux_of, n_aux, n_heads, inter, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape[0], max(n_aux, 1) * x.shape[1])
