@@ -1,20 +1,29 @@
 """Autoregressive speed: this engine's configurations against HF transformers `generate()` on the same checkpoint.
 
     python bench_ar.py [--checkpoint PATH] [--max-new-tokens 128] [--rounds 3] [--compile]
+                       [--llama-cpp PATH/llama-completion --gguf MODEL.gguf]
     python bench_ar.py --profile [--context 300]      # where one target pass spends its time
 
-Rows: the engine with plain arithmetic (the fastest eager configuration), the engine in exact mode (`--exact`:
-what makes speculative output bit-identical; its cost is the ratio of the two), both again with torch's GEMM
-where this machine chose cpu_gemm's kernel, `--compile` when asked, and transformers. Methods alternate prompt by prompt (machines here are shared and noisy); the table reports the
-median tokens/s of each, its ratio to transformers and to the fastest engine configuration. All run greedy in
-the same dtype with the same prompt tokens, and the generated tokens are compared with transformers'.
+Rows: the engine as the CLI runs it (the fused CPU pass where this machine has it, cpu_forward.py: exact by
+construction), the PyTorch layers with plain arithmetic and in exact mode (`--exact`: what makes speculative
+output bit-identical there), both again with torch's GEMM where this machine chose cpu_gemm's kernel,
+`--compile` when asked, transformers, and llama.cpp when given a binary and a GGUF of the same weights
+(`llama-completion`, greedy, this process's thread count; its tokens/s is generated tokens over its own
+prompt-eval + eval time, as ours is over prefill + decode). Methods alternate prompt by prompt (machines here
+are shared and noisy); the table reports the median tokens/s of each, its ratio to transformers and to the
+fastest engine configuration. All run greedy in the same dtype with the same prompt, and the generated tokens
+are compared with transformers'.
 """
 import argparse
+import os
+import re
 import statistics
+import subprocess
 import time
 
 import torch
 
+import cpu_forward
 import cpu_gemm
 from download import resolve_checkpoint
 from exact import machine_id
@@ -42,7 +51,15 @@ def main():
                    "against the floor of reading the weights once")
     p.add_argument("--context", type=int, default=300, help="--profile: tokens already in the KV cache")
     p.add_argument("--rows", default="1,16,60", help="--profile: pass sizes (decode = 1, tree verifies)")
+    p.add_argument("--llama-cpp", default=None, help="a llama.cpp llama-completion binary: time it as a peer")
+    p.add_argument("--gguf", default=None, help="with --llama-cpp: a GGUF of the same weights (e.g. convert_hf_to_gguf.py "
+                   "--outtype bf16 of the checkpoint folder)")
     args = p.parse_args()
+    if bool(args.llama_cpp) != bool(args.gguf):
+        p.error("--llama-cpp and --gguf go together")
+    for f in filter(None, (args.llama_cpp, args.gguf)):
+        if not os.path.isfile(f):
+            p.error(f"not a file: {f}")
     path = resolve_checkpoint(args.checkpoint)
     dtype = getattr(torch, args.dtype)
     tok = Tokenizer(path)
@@ -51,11 +68,20 @@ def main():
         return profile(model, path.name, args.dtype, args.context, [int(r) for r in args.rows.split(",")])
     import transformers as tf  # a peer, not a dependency of the engine
 
-    ours = Engine(model, exact=False)
-    methods = {"engine": ours, "engine --exact": Engine(model, exact=True)}
+    ours = Engine(model, exact=None)  # as the CLI: exact where that is free (the fused pass)
+    methods = {}
+    if model.cpu_pass is not None:  # the fused pass, and the PyTorch layers it replaces in a model of their own
+        methods["engine (fused CPU pass)"] = ours
+        os.environ[cpu_forward.ENV] = "off"
+        layers = load_model(path, dtype=dtype)
+        del os.environ[cpu_forward.ENV]
+    else:
+        layers = model
+    methods |= {"engine, PyTorch layers": Engine(layers, exact=False), "engine --exact, PyTorch layers": Engine(layers, exact=True)}
     kernel = cpu_gemm.enabled()  # this machine chose cpu_gemm's kernel: torch's GEMM gets rows of its own
     if kernel:
-        methods |= {"engine, torch GEMM": Engine(model, exact=False), "engine --exact, torch GEMM": Engine(model, exact=True)}
+        methods |= {"engine, PyTorch layers, torch GEMM": Engine(layers, exact=False),
+                    "engine --exact, PyTorch layers, torch GEMM": Engine(layers, exact=True)}
     if args.compile:
         methods["engine --compile"] = Engine(load_model(path, dtype=dtype), compile=True, exact=False)
     hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
@@ -82,7 +108,12 @@ def main():
         run_ours(e, prompts[0])
         run_ours(e, prompts[0])
     run_hf(prompts[0])
-    speeds = {k: [] for k in ["transformers", *methods]}
+    peers = {}
+    if args.llama_cpp:
+        peers["llama.cpp " + os.path.basename(args.gguf)] = lambda ids: run_llama_cpp(args.llama_cpp, args.gguf, tok.decode(ids), n)
+        for fn in peers.values():
+            fn(prompts[0])
+    speeds = {k: [] for k in ["transformers", *methods, *peers]}
     same = dict.fromkeys(methods, True)  # greedy tokens equal to transformers' (prefix compared)
     for r in range(args.rounds):
         for ids in prompts:
@@ -92,6 +123,8 @@ def main():
                 out, dt = run_ours(e, ids)
                 speeds[name].append(len(out) / dt)
                 same[name] &= out[:len(ref)] == ref[:len(out)]
+            for name, fn in peers.items():
+                speeds[name].append(fn(ids))
     med = {k: statistics.median(v) for k, v in speeds.items()}
     base = med["transformers"]
     fastest = max((k for k in med if k.startswith("engine")), key=med.get)
@@ -103,6 +136,21 @@ def main():
         print(f"| {k} | {v:.2f} | {v / base:.2f}x | {v / med[fastest]:.3f}x | {same.get(k, '-')} |")
     print("tokens = transformers': every greedy answer equals transformers' (prefix compared); bf16 GEMMs that sum "
           "in another order (cpu_gemm's kernel) flip near-ties, so False there is expected, not a fault")
+
+
+def run_llama_cpp(binary: str, gguf: str, text: str, n: int) -> float:
+    """Greedy llama-completion on the chat-formatted prompt text -> its generated tokens per second over its own
+    prompt-eval + eval time (model loading left out, as our engines are loaded once)."""
+    cmd = [binary, "-m", gguf, "-p", text, "-n", str(n), "-t", str(torch.get_num_threads()), "--temp", "0",
+           "-c", "2048", "-no-cnv", "--no-warmup", "-s", "0"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    log = r.stdout + r.stderr
+    times = {k: (float(ms), int(cnt)) for k, ms, cnt in
+             re.findall(r"(prompt eval|\beval) time =\s*([\d.]+) ms /\s*(\d+) (?:tokens|runs)", log)}
+    if r.returncode != 0 or "eval" not in times or "prompt eval" not in times:
+        raise SystemExit(f"llama.cpp failed (rc {r.returncode}): {log.strip().splitlines()[-1] if log.strip() else ''}")
+    gen = times["eval"][1] + 1  # the first generated token comes out of the prompt eval
+    return gen / ((times["eval"][0] + times["prompt eval"][0]) / 1000)
 
 
 def median_ms(fn, iters: int = 15) -> float:

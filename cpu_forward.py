@@ -83,45 +83,83 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* the scores of MK keys for one query: each key's dot product is its own FMA chain over hd in order, then
-   hsum, whatever MK is (MK keys at once only hide the FMA latency) */
-static inline __attribute__((always_inline)) void dots(const float* q, const uint16_t* K, const int* ks, long hd,
-        float scale, float* s, const int MK) {
-    __m256 acc[8];
-    const uint16_t* kr[8];
-    for (int i = 0; i < MK; i++) { acc[i] = _mm256_setzero_ps(); kr[i] = K + (long)ks[i] * hd; }
+/* The scores of MK keys for G queries (heads sharing one KV head): each (query, key) dot product is its own
+   FMA chain over hd in order, then hsum, whatever G and MK are. Several keys and heads at once only hide the
+   FMA latency and widen each bf16 key chunk once for all G heads. */
+static inline __attribute__((always_inline)) void dots(const float* const* q, const uint16_t* K, const int* ks,
+        long hd, float scale, float* const* s, long j0, const int G, const int MK) {
+    __m256 acc[4][4];
+    const uint16_t* kr[4];
+    for (int i = 0; i < MK; i++) kr[i] = K + (long)ks[j0 + i] * hd;
+    for (int h = 0; h < G; h++) for (int i = 0; i < MK; i++) acc[h][i] = _mm256_setzero_ps();
     for (long c = 0; c < hd; c += 8) {
-        __m256 qv = _mm256_loadu_ps(q + c);
-        for (int i = 0; i < MK; i++) acc[i] = _mm256_fmadd_ps(qv, load_bf16(kr[i] + c), acc[i]);
+        __m256 kv[4];
+        for (int i = 0; i < MK; i++) kv[i] = load_bf16(kr[i] + c);
+        for (int h = 0; h < G; h++) {
+            __m256 qv = _mm256_loadu_ps(q[h] + c);
+            for (int i = 0; i < MK; i++) acc[h][i] = _mm256_fmadd_ps(qv, kv[i], acc[h][i]);
+        }
     }
-    for (int i = 0; i < MK; i++) s[i] = hsum(acc[i]) * scale;
+    for (int h = 0; h < G; h++) for (int i = 0; i < MK; i++) s[h][j0 + i] = hsum(acc[h][i]) * scale;
 }
 
-/* one (row, head): softmax(q K^T * scale) V over the keys ks[0..n) (cache slots, increasing), fp32; s: [n + 8] scratch */
-static void attend(const float* q, const uint16_t* K, const uint16_t* V, const int* ks, long n, long hd,
-                   float scale, float* s, float* out) {
+/* o[h][c0 .. c0 + CB) = sum over keys j (in order) of p[h][j] * V[ks[j]][c] for G heads: one FMA per key into
+   each accumulator, in key order, whatever G and CB are */
+static inline __attribute__((always_inline)) void pv(const float* const* p, const uint16_t* V, const int* ks, long n,
+        long hd, long c0, float* const* out, const int G, const int CB) {
+    __m256 o[4][4];
+    for (int h = 0; h < G; h++) for (int c = 0; c < CB; c++) o[h][c] = _mm256_setzero_ps();
+    for (long j = 0; j < n; j++) {
+        const uint16_t* vr = V + (long)ks[j] * hd + c0;
+        __m256 v[4];
+        for (int c = 0; c < CB; c++) v[c] = load_bf16(vr + 8 * c);
+        for (int h = 0; h < G; h++) {
+            __m256 pj = _mm256_set1_ps(p[h][j]);
+            for (int c = 0; c < CB; c++) o[h][c] = _mm256_fmadd_ps(pj, v[c], o[h][c]);
+        }
+    }
+    for (int h = 0; h < G; h++) for (int c = 0; c < CB; c++) _mm256_storeu_ps(out[h] + c0 + 8 * c, o[h][c]);
+}
+
+/* G (<= 4) heads sharing one KV head, one row: softmax(q K^T * scale) V over the keys ks[0..n) (cache slots,
+   increasing), fp32; s: G scratch rows of n + 8 */
+static inline __attribute__((always_inline)) void attend_g(const float* const* q, const uint16_t* K, const uint16_t* V,
+        const int* ks, long n, long hd, float scale, float* const* s, float* const* out, const int G) {
     long j = 0;
-    for (; j + 8 <= n; j += 8) dots(q, K, ks + j, hd, scale, s + j, 8);
-    for (; j < n; j++) dots(q, K, ks + j, hd, scale, s + j, 1);
-    float m = -INFINITY;
-    for (j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
-    for (j = n; j < ((n + 7) & ~7L); j++) s[j] = -INFINITY;  /* pad the last vector: exp gives 0 there */
-    __m256 mv = _mm256_set1_ps(m), sum8 = _mm256_setzero_ps();
-    for (j = 0; j < n; j += 8) {  /* the sum: 8 lanes in key order, then the fixed hsum */
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-        _mm256_storeu_ps(s + j, e);
-        sum8 = _mm256_add_ps(sum8, e);
+    for (; j + 4 <= n; j += 4) dots(q, K, ks, hd, scale, s, j, G, 4);
+    for (; j < n; j++) dots(q, K, ks, hd, scale, s, j, G, 1);
+    float inv[4];
+    for (int h = 0; h < G; h++) {
+        float m = -INFINITY, *sh = s[h];
+        for (j = 0; j < n; j++) m = sh[j] > m ? sh[j] : m;
+        for (j = n; j < ((n + 7) & ~7L); j++) sh[j] = -INFINITY;  /* pad the last vector: exp gives 0 there */
+        __m256 mv = _mm256_set1_ps(m), sum8 = _mm256_setzero_ps();
+        for (j = 0; j < n; j += 8) {  /* the sum: 8 lanes in key order, then the fixed hsum */
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + j), mv));
+            _mm256_storeu_ps(sh + j, e);
+            sum8 = _mm256_add_ps(sum8, e);
+        }
+        inv[h] = n ? 1.f / hsum(sum8) : 0.f;
     }
-    float sum = hsum(sum8);
-    __m256 o[32];
-    for (long c = 0; c < hd / 8; c++) o[c] = _mm256_setzero_ps();
-    for (j = 0; j < n; j++) {
-        const uint16_t* vr = V + (long)ks[j] * hd;
-        __m256 p = _mm256_set1_ps(s[j]);
-        for (long c = 0; c < hd / 8; c++) o[c] = _mm256_fmadd_ps(p, load_bf16(vr + 8 * c), o[c]);
+    const float* const* p = (const float* const*)s;
+    long c0 = 0;
+    if (G <= 3) for (; c0 + 32 <= hd; c0 += 32) pv(p, V, ks, n, hd, c0, out, G, 4);
+    for (; c0 + 16 <= hd; c0 += 16) pv(p, V, ks, n, hd, c0, out, G, 2);
+    for (; c0 < hd; c0 += 8) pv(p, V, ks, n, hd, c0, out, G, 1);
+    for (int h = 0; h < G; h++) {
+        __m256 iv = _mm256_set1_ps(inv[h]);
+        for (long c = 0; c < hd; c += 8) _mm256_storeu_ps(out[h] + c, _mm256_mul_ps(_mm256_loadu_ps(out[h] + c), iv));
     }
-    __m256 inv = _mm256_set1_ps(n ? 1.f / sum : 0.f);
-    for (long c = 0; c < hd / 8; c++) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(o[c], inv));
+}
+
+static void attend(const float* const* q, const uint16_t* K, const uint16_t* V, const int* ks, long n, long hd,
+                   float scale, float* const* s, float* const* out, int G) {
+    switch (G) {
+        case 1: attend_g(q, K, V, ks, n, hd, scale, s, out, 1); break;
+        case 2: attend_g(q, K, V, ks, n, hd, scale, s, out, 2); break;
+        case 3: attend_g(q, K, V, ks, n, hd, scale, s, out, 3); break;
+        default: attend_g(q, K, V, ks, n, hd, scale, s, out, 4); break;
+    }
 }
 
 /* 8 x bf16 rounding, kept as fp32 (to_bf16 then widen; NaN stays NaN) */
@@ -162,7 +200,9 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
     float* o = malloc(sizeof(float) * T * D);
     int* keys = malloc(sizeof(int) * T * S);
     long* nk = malloc(sizeof(long) * T);
-    float* sc = malloc(sizeof(float) * threads * (S + 8));
+    float* sc = malloc(sizeof(float) * threads * 4 * (S + 8));
+    const long hb = T * Hkv >= 2 * threads ? (g < 4 ? g : 4) : 1;  /* heads per attention task */
+    const long nb = (g + hb - 1) / hb;
     for (long t = 0; t < T; t++) {  /* each row's keys, in slot order, once for all layers and heads */
         nk[t] = 0;
         for (long j = 0; j < S; j++) if (mask[t * S + j]) keys[t * S + nk[t]++] = (int)j;
@@ -191,13 +231,21 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
                     Vc[(j * S + cpos[t]) * hd + d] = to_bf16(r[Q + KV + j * hd + d]);
                 }
         }
+        /* tasks: (row, KV head, block of up to hb of the heads sharing it); a head's arithmetic is the same in
+           any block, so the blocks only balance the threads (one head per task when rows are few) */
         #pragma omp for schedule(static)
-        for (long th = 0; th < T * H; th++) {
-            long t = th / H, hh = th % H, j = hh / g;
-            float* out = h + t * Q + hh * hd;
-            attend(y + t * NQKV + hh * hd, Kc + j * S * hd, Vc + j * S * hd, keys + t * S, nk[t], hd, scale,
-                   sc + omp_get_thread_num() * (S + 8), out);
-            for (long d = 0; d < hd; d++) out[d] = rbf(out[d]);
+        for (long tk = 0; tk < T * Hkv * nb; tk++) {
+            long t = tk / (Hkv * nb), j = tk / nb % Hkv, h0 = j * g + tk % nb * hb;
+            int G = (int)(g - tk % nb * hb < hb ? g - tk % nb * hb : hb);
+            const float* qs[4];
+            float *ss[4], *os[4];
+            for (int i = 0; i < G; i++) {
+                qs[i] = y + t * NQKV + (h0 + i) * hd;
+                ss[i] = sc + ((long)omp_get_thread_num() * 4 + i) * (S + 8);
+                os[i] = h + t * Q + (h0 + i) * hd;
+            }
+            attend(qs, Kc + j * S * hd, Vc + j * S * hd, keys + t * S, nk[t], hd, scale, ss, os, G);
+            for (int i = 0; i < G; i++) for (long d = 0; d < hd; d++) os[i][d] = rbf(os[i][d]);
         }
         gemm_rows(h, T, Q, (const uint16_t*)w[W_O], 0, D, 0, o);
         #pragma omp for schedule(static)

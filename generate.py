@@ -198,7 +198,8 @@ class Engine:
         # the prefix, which the next step overwrites before anything attends to them.
         R = self.R_dec.gemm
         p = pos + torch.arange(R, device=pos.device)
-        logits = self.model(tok.expand(1, R), p, recent=causal_recent(p) if self.exact else None,
+        exact_attn = self.exact and self.model.cpu_pass is None  # the fused CPU pass needs no recent-key tables
+        logits = self.model(tok.expand(1, R), p, recent=causal_recent(p) if exact_attn else None,
                             attn_rows=self.R_dec.attn)[:, 0]
         return sample(logits, self.sampling)
 
@@ -215,7 +216,7 @@ class Engine:
             eye = torch.eye(R, dtype=torch.bool, device=anc.device)
             anc = torch.cat([torch.cat([anc, anc.new_zeros(N, P)], 1), eye[N:]], 0)
         mask = tree_mask(m.seq_range, anc, n)
-        recent = tree_recent(anc, depth, n) if self.exact else None
+        recent = tree_recent(anc, depth, n) if self.exact and m.cpu_pass is None else None
         logits, hid, aux = m(tokens[None], n + depth, mask=mask, cache_pos=n + torch.arange(tokens.shape[0], device=n.device),
                              return_hidden=True, recent=recent, attn_rows=max(self.R_ver.attn, R))
         return logits[0, :N], hid[:, :N], (aux[:, :N] if aux is not None else None)
@@ -428,11 +429,12 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="torch.compile decode/verify/draft steps (inductor on CPU; CUDA graphs on CUDA)")
     p.add_argument("--max-seq", type=int, default=4096, help="KV cache slots when CUDA graphs are captured")
-    p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU: bit-exact greedy output, identical for every drafter and for autoregressive decoding "
-                        "(passes padded to sizes this CPU keeps row-invariant, exact attention; README 'Why greedy "
-                        "output is bit-identical'); an error where this CPU's check fails. Default off: the fastest "
-                        "arithmetic, equal to autoregressive output up to floating-point near-ties")
+                        "(README 'Why greedy output is bit-identical'); an error where this CPU's check fails. "
+                        "Default: on where it is free (the fused CPU pass, cpu_forward.py, is row-invariant by "
+                        "construction), else off: the fastest arithmetic, equal to autoregressive output up to "
+                        "floating-point near-ties")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text + stats")
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--draft", default=None, help="EAGLE head or draft-model folder/hub id, 'ngram', or 'none' (default: "
@@ -531,8 +533,9 @@ def run(args) -> int:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     model, tok, _ = load_target(args.checkpoint, args.device, args.dtype)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    exact = args.exact if args.exact is not None else (None if model.cpu_pass is not None else False)
     engine = build_engine(model, tok, draft_config(args), sampling, compile=args.compile, max_seq=args.max_seq,
-                          exact=args.exact, budget=args.budget == "auto")
+                          exact=exact, budget=args.budget == "auto")
     torch.manual_seed(args.seed)
     engine.warmup()
     if args.chat:

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 
+import cpu_forward
 import cpu_gemm
 import draft as dr
 from budget import Budget
@@ -264,13 +265,19 @@ def test_cli_default_eagle_drafting_is_hybrid_and_fitted(tiny, capsys):
 
 
 def test_cli_says_whether_it_is_exact(tiny, capsys, monkeypatch):
-    """--json says exact true/false (the default is the fastest arithmetic, not exact); --exact where this
-    CPU's check fails is a one-line error."""
+    """--json says exact true/false (the default is exact where that is free, the fused CPU pass of bf16
+    models, else the fastest arithmetic); --exact where this CPU's check fails is a one-line error."""
     base = ["--checkpoint", str(tiny[0]), "--max-new-tokens", "4", "--raw", "--prompt", "ab", "--dtype", "float32",
             "--json"]
     for flags, exact in (([], False), (["--exact"], True), (["--no-exact"], False)):
         assert main(base + flags) == 0
         assert json.loads(capsys.readouterr().out)["exact"] is exact, flags
+    if cpu_forward.kernel() is not None:
+        monkeypatch.setenv("NANOSPEC_CPU_GEMM", "kernel")
+        bf16 = base[:-2] + ["bfloat16", "--json"]
+        for flags, exact in (([], True), (["--no-exact"], False)):
+            assert main(bf16 + flags) == 0
+            assert json.loads(capsys.readouterr().out)["exact"] is exact, flags
     monkeypatch.setattr(Invariance, "gemm_agrees", lambda self, r: False)  # a CPU whose kernels fail the check
     assert main(base + ["--exact"]) == 2
     err = capsys.readouterr().err.strip()
