@@ -10,7 +10,10 @@ not yet in the cache):
     graphable                    False when draft/update read host values (prompt lookup): run them eagerly
     setup(max_seq)               before a request whose target cache has max_seq slots
     prefill(p: Prefill)          the target's prefill: prompt, first token, logits, hidden and aux states
-    draft(root, n) -> Tree       static shapes, no host sync (graphable drafters)
+    draft(root, n, budget=None) -> Tree
+                                 static shapes, no host sync (graphable drafters); budget: the engine will
+                                 verify at most this prefix of the tree (budget.py), so a drafter may skip
+                                 work that cannot reach it (the hybrid skips the EAGLE tree for a chain)
     update(a: Accepted)          one verification's outcome: accepted path, bonus, target logits and features
     stats() -> dict              the request's metrics: LM-head time, vocabulary coverage and active size
 """
@@ -261,7 +264,7 @@ class EagleDrafter(VocabDrafter):
         self.observe(a, nxt)
 
     @torch.no_grad()
-    def draft(self, root: Tensor, n: Tensor) -> Tree:
+    def draft(self, root: Tensor, n: Tensor, budget: int | None = None) -> Tree:
         """EAGLE-2: expand the top-k frontier by cumulative log-probability for `depth` levels,
         then keep the best `nodes - 1` candidates. Static shapes throughout, no host syncs."""
         h, k, D, dev = self.head, self.topk, self.depth, root.device
@@ -340,7 +343,7 @@ class ModelDrafter(VocabDrafter):
         self.reset_vocab(p)
 
     @torch.no_grad()
-    def draft(self, root: Tensor, n: Tensor) -> Tree:
+    def draft(self, root: Tensor, n: Tensor, budget: int | None = None) -> Tree:
         m, k = self.model, self.k
         # re-feed the previous token with the root: its KV is missing when the whole last chain was accepted
         toks, pos = torch.cat([self.prev, root.view(1)]), n - 1 + torch.arange(2, device=n.device)
@@ -399,7 +402,7 @@ class NgramDrafter:
                     return hist[s + n:s + n + self.k]
         return []
 
-    def draft(self, root: Tensor, n: Tensor) -> Tree:
+    def draft(self, root: Tensor, n: Tensor, budget: int | None = None) -> Tree:
         r = int(root)
         prop = self.propose(self.hist + [r])
         if not self.static:
@@ -443,11 +446,18 @@ class HybridDrafter:
         self.ngram.prefill(p)
         self.accepted = dict(ngram=0, eagle=0, both=0)  # accepted draft tokens by who proposed them
         self.source = []
+        self.skipped = 0  # steps that verified only the chain, so the EAGLE tree was not drafted
 
     @torch.no_grad()
-    def draft(self, root: Tensor, n: Tensor) -> Tree:
-        t = self.eagle.draft(root, n)
+    def draft(self, root: Tensor, n: Tensor, budget: int | None = None) -> Tree:
         chain = self.ngram.propose(self.ngram.hist + [int(root)])
+        if budget is not None and 1 < budget <= 1 + len(chain) and not self.ngram.static:
+            # the verified prefix is the root and the chain whatever the EAGLE tree holds (node order above):
+            # skip drafting the tree, the step's largest cost after the target's pass
+            self.source = ["eagle"] + ["ngram"] * len(chain)
+            self.skipped += 1
+            return chain_tree(torch.cat([root.view(1), torch.tensor(chain, dtype=root.dtype, device=root.device)]))
+        t = self.eagle.draft(root, n)
         toks, par = t.tokens.tolist(), t.parents.tolist()
         path, cur = [], 0  # the tree nodes the chain agrees with
         for j, x in enumerate(chain):
@@ -492,6 +502,7 @@ class HybridDrafter:
 
     def stats(self) -> dict:
         d = self.eagle.stats()
+        d["chain_only_steps"] = self.skipped
         total = sum(self.accepted.values())
         if total:
             d["accepted_from"] = {k: round(v / total, 4) for k, v in self.accepted.items()}

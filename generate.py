@@ -307,7 +307,7 @@ class Engine:
         budget = self.last_budget = Budget(d.nodes) if self.budget else None  # (kept for diagnostics)
         b = budget.pick() if budget else d.nodes  # nodes to verify; 1 = an autoregressive step (no draft)
         with clock("draft"):
-            tree = d.draft(tok, n) if b > 1 else dr.chain_tree(tok)
+            tree = d.draft(tok, n, b if budget else None) if b > 1 else dr.chain_tree(tok)
         planned, pending = None, []  # pending: autoregressive steps the drafter has not seen yet
         while len(out) < max_new_tokens and out[-1] not in eos:
             sub = tree.prefix(b)
@@ -335,7 +335,8 @@ class Engine:
                 with clock("update"):
                     d.update(acc)  # the drafter's state and its vocabulary's window follow the accepted path
                 with clock("draft"):
-                    tree = d.draft(acc.bonus.view(1), acc.n + acc.L) if b > 1 else dr.chain_tree(acc.bonus.view(1))
+                    tree = (d.draft(acc.bonus.view(1), acc.n + acc.L, b if budget else None) if b > 1
+                            else dr.chain_tree(acc.bonus.view(1)))
             n = n + L
             st.target_forwards += 1
             st.accept_hist[L] = st.accept_hist.get(L, 0) + 1

@@ -570,6 +570,30 @@ def test_hybrid_tree_merges_the_chain(tiny):
                 assert torch.equal(h.tokens, t.tokens)
 
 
+def test_hybrid_skips_the_eagle_tree_when_the_budget_verifies_only_the_chain(tiny):
+    """A budget that reaches no further than the prompt-lookup chain gets the root + chain without the EAGLE
+    tree being drafted, and that tree's prefix is the merged tree's prefix of the same size; a larger budget
+    (or none) drafts the tree."""
+    m = target(tiny[0])
+    d = make_drafter("hybrid", tiny, m, "nanospec")
+    tok, n = prefilled(m, [d], PROMPTS[2])
+    chain = [7, 8, 9]
+    d.ngram.propose = lambda hist: chain
+    with torch.no_grad():
+        full = d.draft(tok, n)
+        calls = []
+        real = d.eagle.draft
+        d.eagle.draft = lambda *a, **k: calls.append(1) or real(*a, **k)
+        for b in (2, 3, 4):
+            t = d.draft(tok, n, b)
+            assert not calls and t.tokens.tolist() == [int(tok)] + chain and t.parents.tolist() == [-1, 0, 1, 2]
+            assert torch.equal(t.prefix(b).tokens, full.prefix(b).tokens), b
+            assert torch.equal(t.prefix(b).anc, full.prefix(b).anc), b
+        assert torch.equal(d.draft(tok, n, 5).tokens, full.tokens) and len(calls) == 1
+        assert torch.equal(d.draft(tok, n).tokens, full.tokens) and len(calls) == 2
+    assert d.stats()["chain_only_steps"] == 3
+
+
 def test_hybrid_reports_where_accepted_tokens_came_from(tiny):
     m = target(tiny[0])
     eng = Engine(m, drafter=make_drafter("hybrid", tiny, m, "nanospec"))
