@@ -15,8 +15,9 @@ verification, the sync and the drafter's update) is a running average, measured.
 decoding: no draft, a one-row pass, and the drafter's update (it keeps the drafter in step with the text).
 The whole tree and autoregressive decoding are tried twice first (a size's first step also pays one-time
 set-up: kernels for a new shape); sizes between are interpolated until chosen and timed. Afterwards every
-`probe`-th step re-measures what the current choice does not: the whole tree (the acceptance of deep nodes,
-the speed of speculation), and while speculating also, in turn, an autoregressive step.
+`probe`-th step re-measures what the current choice does not: while speculating, in turn the next size up
+(the acceptance of deeper nodes) and an autoregressive step; while decoding autoregressively, in turn the most
+promising speculative size (cheap: often the prompt-lookup chain alone, draft.HybridDrafter) and the whole tree.
 That is the fallback's way back: when the text becomes predictable again, the probes see it. While
 autoregressive decoding keeps winning, the probes thin out (the gap doubles up to max_gap steps), so hopeless
 text costs at most about one probe per max_gap tokens.
@@ -76,10 +77,15 @@ class Budget:
                 self.gap = self.probe
             if self.steps - self.last_probe >= self.gap:  # re-measure what the current choice does not
                 self.last_probe, self.probes = self.steps, self.probes + 1
-                # autoregressive: the whole tree (deep nodes' acceptance, speculation's time); speculating:
-                # alternately the whole tree and an autoregressive step (its time drifts with the context)
-                b = 1 if best > 1 and self.probes % 2 == 0 else self.nodes
-                if best == 1:  # speculation keeps losing: probe less often (a probe costs more than it emits)
+                if best > 1:  # speculating: alternately the next size up (deeper nodes' acceptance; a climb
+                    # one size at a time reaches the whole tree where it pays, without paying for it on every
+                    # probe) and an autoregressive step (its time drifts with the context)
+                    up = min([s for s in self.sizes if s > best], default=best)
+                    b = 1 if self.probes % 2 == 0 else up
+                else:  # autoregressive: alternately the most promising speculative size (a cheap probe, often
+                    # the prompt-lookup chain alone) and the whole tree; less often each time (a probe costs
+                    # more than it emits while speculation keeps losing)
+                    b = max(self.sizes[1:], key=self.rate) if self.probes % 2 else self.nodes
                     self.gap = min(2 * self.gap, self.max_gap)
         self.chosen[b] = self.chosen.get(b, 0) + 1
         return b

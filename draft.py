@@ -84,13 +84,16 @@ class Accepted:
 
 
 def chained(steps: list[Accepted]) -> Accepted:
-    """Autoregressive steps (one-node trees, each accepted) as one fully accepted chain, so that a drafter
-    catches up on a run of them in one update when speculation resumes (budget.py's fallback)."""
-    toks = torch.cat([a.tree.tokens for a in steps])  # [K] each step's root
+    """Consecutive steps' accepted paths (an autoregressive step's: its one node) as one fully accepted chain,
+    so that a drafter catches up on a run of them in one update (budget.py's fallback; the hybrid's chain-only
+    steps). Reads each step's accepted length on the host."""
+    idx = [a.path[:int(a.L)] for a in steps]
+    toks = torch.cat([a.tree.tokens[i] for a, i in zip(steps, idx)])  # [K] each step's root and accepted nodes
     a0, K = steps[0], toks.shape[0]
-    aux = None if a0.aux is None else torch.cat([a.aux for a in steps], 1)
+    aux = None if a0.aux is None else torch.cat([a.aux[:, i] for a, i in zip(steps, idx)], 1)
     return Accepted(chain_tree(toks), torch.arange(K, device=toks.device), torch.full_like(a0.L, K), steps[-1].bonus,
-                    torch.cat([a.logits for a in steps]), torch.cat([a.hidden for a in steps], 1), aux, a0.n)
+                    torch.cat([a.logits[i] for a, i in zip(steps, idx)]),
+                    torch.cat([a.hidden[:, i] for a, i in zip(steps, idx)], 1), aux, a0.n)
 
 
 # registered pytrees: they pass whole through torch.compile'd and CUDA-graphed steps (Graphed flattens them)
@@ -425,7 +428,8 @@ class HybridDrafter:
     The chain is merged into the tree where they agree: its tokens follow the tree's nodes from the root as
     long as the tree holds them, and the rest hangs below the last one. Node order (what budget.py's
     prefixes cut): the root, the tree nodes the chain agrees with, the chain's own continuation, then the
-    other tree nodes best first; parents still come before children. It is one tree verified once, so the
+    other tree nodes best first; parents still come before children. A budget below the whole tree gets the
+    chain alone where there is one (draft). It is one tree verified once, so the
     output is the target's as for any tree. Both drafters learn from every step (NanoSpec's window sees the
     chain's tokens too). Reads host values (the chain search): graphable = False."""
 
@@ -447,16 +451,23 @@ class HybridDrafter:
         self.accepted = dict(ngram=0, eagle=0, both=0)  # accepted draft tokens by who proposed them
         self.source = []
         self.skipped = 0  # steps that verified only the chain, so the EAGLE tree was not drafted
+        self.chain_only, self.pending = False, []  # the head's updates wait while it does not draft
 
     @torch.no_grad()
     def draft(self, root: Tensor, n: Tensor, budget: int | None = None) -> Tree:
         chain = self.ngram.propose(self.ngram.hist + [int(root)])
-        if budget is not None and 1 < budget <= 1 + len(chain) and not self.ngram.static:
-            # the verified prefix is the root and the chain whatever the EAGLE tree holds (node order above):
-            # skip drafting the tree, the step's largest cost after the target's pass
+        if budget is not None and 1 < budget < self.nodes and chain and not self.ngram.static:
+            # a budget below the whole tree verifies the chain alone wherever there is one, and the tree is
+            # not drafted: where the budget reaches no further than the chain, the prefix is the same anyway
+            # (node order above), and drafting the tree is the step's largest cost after the target's pass
+            # (a one-layer head's ops next to a fused CPU pass). budget.py's step times and acceptance are
+            # per size, so they measure this mix; its whole-tree steps (and budget None) get the merged tree.
             self.source = ["eagle"] + ["ngram"] * len(chain)
             self.skipped += 1
+            self.chain_only = True
             return chain_tree(torch.cat([root.view(1), torch.tensor(chain, dtype=root.dtype, device=root.device)]))
+        self.chain_only = False
+        self._catch_up()
         t = self.eagle.draft(root, n)
         toks, par = t.tokens.tolist(), t.parents.tolist()
         path, cur = [], 0  # the tree nodes the chain agrees with
@@ -497,8 +508,15 @@ class HybridDrafter:
             if i < len(self.source):
                 self.accepted[self.source[i]] += 1
         self.source = []  # (autoregressive steps verify no drafted node)
-        self.eagle.update(a)
         self.ngram.update(a)
+        self.pending.append(a)
+        if not self.chain_only or len(self.pending) >= 64:  # the head catches up on chain-only steps in one
+            self._catch_up()  # update, when it drafts next (its update is most of a chain-only step's cost)
+
+    def _catch_up(self):
+        if self.pending:
+            steps, self.pending = self.pending, []
+            self.eagle.update(steps[0] if len(steps) == 1 else chained(steps))
 
     def stats(self) -> dict:
         d = self.eagle.stats()

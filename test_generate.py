@@ -571,9 +571,9 @@ def test_hybrid_tree_merges_the_chain(tiny):
 
 
 def test_hybrid_skips_the_eagle_tree_when_the_budget_verifies_only_the_chain(tiny):
-    """A budget that reaches no further than the prompt-lookup chain gets the root + chain without the EAGLE
-    tree being drafted, and that tree's prefix is the merged tree's prefix of the same size; a larger budget
-    (or none) drafts the tree."""
+    """A budget below the whole tree gets the root + chain without the EAGLE tree being drafted (where the
+    budget reaches no further than the chain, that is the merged tree's prefix of the same size); the whole
+    tree's budget (or none), or no chain, drafts the tree."""
     m = target(tiny[0])
     d = make_drafter("hybrid", tiny, m, "nanospec")
     tok, n = prefilled(m, [d], PROMPTS[2])
@@ -589,9 +589,12 @@ def test_hybrid_skips_the_eagle_tree_when_the_budget_verifies_only_the_chain(tin
             assert not calls and t.tokens.tolist() == [int(tok)] + chain and t.parents.tolist() == [-1, 0, 1, 2]
             assert torch.equal(t.prefix(b).tokens, full.prefix(b).tokens), b
             assert torch.equal(t.prefix(b).anc, full.prefix(b).anc), b
-        assert torch.equal(d.draft(tok, n, 5).tokens, full.tokens) and len(calls) == 1
+        assert d.draft(tok, n, 9).tokens.tolist() == [int(tok)] + chain and not calls
+        assert torch.equal(d.draft(tok, n, d.nodes).tokens, full.tokens) and len(calls) == 1
         assert torch.equal(d.draft(tok, n).tokens, full.tokens) and len(calls) == 2
-    assert d.stats()["chain_only_steps"] == 3
+        d.ngram.propose = lambda hist: []
+        assert d.draft(tok, n, 4).tokens.shape[0] == d.eagle.nodes and len(calls) == 3
+    assert d.stats()["chain_only_steps"] == 4
 
 
 def test_hybrid_reports_where_accepted_tokens_came_from(tiny):
