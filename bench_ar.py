@@ -52,12 +52,12 @@ def main():
     p.add_argument("--context", type=int, default=300, help="--profile: tokens already in the KV cache")
     p.add_argument("--rows", default="1,16,60", help="--profile: pass sizes (decode = 1, tree verifies)")
     p.add_argument("--llama-cpp", default=None, help="a llama.cpp llama-completion binary: time it as a peer")
-    p.add_argument("--gguf", default=None, help="with --llama-cpp: a GGUF of the same weights (e.g. convert_hf_to_gguf.py "
-                   "--outtype bf16 of the checkpoint folder)")
+    p.add_argument("--gguf", action="append", default=None, help="with --llama-cpp: a GGUF of the same weights (e.g. "
+                   "convert_hf_to_gguf.py --outtype bf16 of the checkpoint folder); repeat for several")
     args = p.parse_args()
     if bool(args.llama_cpp) != bool(args.gguf):
         p.error("--llama-cpp and --gguf go together")
-    for f in filter(None, (args.llama_cpp, args.gguf)):
+    for f in [args.llama_cpp, *(args.gguf or [])] if args.llama_cpp else []:
         if not os.path.isfile(f):
             p.error(f"not a file: {f}")
     path = resolve_checkpoint(args.checkpoint)
@@ -103,14 +103,16 @@ def main():
         cpu_gemm._ON[0] = kernel
         return out, dt
 
-    prompts = [tok.encode_chat([{"role": "user", "content": t}]) for t in PROMPTS]
+    texts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in PROMPTS]  # special tokens spelled out
+    prompts = [tok.encode(t, add_special_tokens=False) for t in texts]  # = tok.encode_chat
+    text_of = {tuple(ids): t for ids, t in zip(prompts, texts)}
     for e in methods.values():  # warm-up (compilation, oneDNN kernel set-up), not timed
         run_ours(e, prompts[0])
         run_ours(e, prompts[0])
     run_hf(prompts[0])
     peers = {}
-    if args.llama_cpp:
-        peers["llama.cpp " + os.path.basename(args.gguf)] = lambda ids: run_llama_cpp(args.llama_cpp, args.gguf, tok.decode(ids), n)
+    for gguf in args.gguf or []:
+        peers["llama.cpp " + os.path.basename(gguf)] = lambda ids, f=gguf: run_llama_cpp(args.llama_cpp, f, text_of[tuple(ids)], n)
         for fn in peers.values():
             fn(prompts[0])
     speeds = {k: [] for k in ["transformers", *methods, *peers]}
