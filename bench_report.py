@@ -191,9 +191,10 @@ def write_reports(out_dir: Path, tag: str, ctx: dict, S: dict, methods, tasks, r
                   if n in S and f in S and S[n]["overall"] and S[f]["overall"]]
     if exact_cost:
         L.append("\n## Exact mode's cost (same run, interleaved)\n\n")
-        L.append("`ar` decodes in exact mode (every pass padded to sizes this CPU keeps row-invariant, exact "
-                 "attention); `ar-fast` uses plain arithmetic. Exact mode is what makes every speculative "
-                 "output identical to `ar`.\n\n")
+        L.append("`ar` decodes in exact mode (with the PyTorch layers: every pass padded to sizes this CPU keeps "
+                 "row-invariant, exact attention; with the fused CPU pass, cpu_forward.py: the same arithmetic, "
+                 "row-invariant by construction, so the two differ by noise); `ar-fast` uses plain arithmetic. "
+                 "Exact mode is what makes every speculative output identical to `ar`.\n\n")
         L.append(md_table(["exact", "plain", "exact tok/s", "plain tok/s", "exact / plain"],
                           [[n, f, _f(S[n]["overall"]["tokens_per_s"]), _f(S[f]["overall"]["tokens_per_s"]),
                             f"{S[n]['overall']['tokens_per_s'] / S[f]['overall']['tokens_per_s']:.3f}x"]

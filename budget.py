@@ -19,15 +19,19 @@ set-up: kernels for a new shape); sizes between are interpolated until chosen an
 (the acceptance of deeper nodes) and an autoregressive step; while decoding autoregressively, in turn the most
 promising speculative size (cheap: often the prompt-lookup chain alone, draft.HybridDrafter) and the whole tree.
 That is the fallback's way back: when the text becomes predictable again, the probes see it. While
-autoregressive decoding keeps winning, the probes thin out (the gap doubles up to max_gap steps), so hopeless
-text costs at most about one probe per max_gap tokens.
+autoregressive decoding keeps winning, the probes thin out (the gap doubles up to max_gap steps) and take at
+most `probe_share` (5%) of the request's time, so hopeless text (high temperature, novel content) loses at
+most that much to them, by construction rather than by a tuned gap.
 """
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class Budget:
-    def __init__(self, nodes: int, decay: float = 0.8, probe: int = 8, max_gap: int = 64):
+    def __init__(self, nodes: int, decay: float = 0.8, probe: int = 8, max_gap: int = 64, probe_share: float = 0.05):
         self.nodes = nodes
+        self.probe_share = probe_share  # while decoding autoregressively: most of the time probes may take
+        self.probe_s = self.total_s = 0.0  # seconds of those probes, of every step
+        self.probing = False
         self.sizes = [s for s in SIZES if s < nodes] + [nodes]
         self.decay, self.probe, self.max_gap = decay, probe, max_gap
         self.hits = [0.0] * nodes  # decayed counts per node rank (rank 0 = the root, always "accepted")
@@ -75,7 +79,10 @@ class Budget:
             b = best = max(self.sizes, key=self.rate)
             if best > 1:
                 self.gap = self.probe
-            if self.steps - self.last_probe >= self.gap:  # re-measure what the current choice does not
+            due = self.steps - self.last_probe >= self.gap
+            if due and best == 1 and self.probe_s > self.probe_share * self.total_s:
+                due = False  # hopeless text: probes stay under probe_share of the request's time
+            if due:  # re-measure what the current choice does not
                 self.last_probe, self.probes = self.steps, self.probes + 1
                 if best > 1:  # speculating: alternately the next size up (deeper nodes' acceptance; a climb
                     # one size at a time reaches the whole tree where it pays, without paying for it on every
@@ -87,12 +94,16 @@ class Budget:
                     # more than it emits while speculation keeps losing)
                     b = max(self.sizes[1:], key=self.rate) if self.probes % 2 else self.nodes
                     self.gap = min(2 * self.gap, self.max_gap)
+        self.probing = not ends and b != best and best == 1
         self.chosen[b] = self.chosen.get(b, 0) + 1
         return b
 
     def observe(self, b: int, accepted: list[int], seconds: float):
         """A step verified the first b nodes, accepted these node indices (root first) and took seconds."""
         self.steps += 1
+        self.total_s += seconds
+        if self.probing:
+            self.probe_s += seconds
         d = self.decay
         on = set(accepted)
         for i in range(1, b):

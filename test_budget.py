@@ -36,8 +36,9 @@ def test_picks_the_size_with_the_best_rate():
 
 def test_falls_back_to_autoregressive_and_probes_back():
     """Acceptance collapses (novel text): the budget turns to 1 (decode autoregressively), keeps probing the
-    whole tree every probe-th step, and turns speculation back on once the probes are accepted again."""
-    b = Budget(8, probe=4, max_gap=8)
+    whole tree every probe-th step, and turns speculation back on once the probes are accepted again.
+    (probe_share=1: the probes' time is not capped here; test_probes_take_a_bounded_share caps it.)"""
+    b = Budget(8, probe=4, max_gap=8, probe_share=1.0)
     cost = {1: 1.0, 2: 1.3, 4: 1.6, 8: 2.0}
     chosen, t = [], 0
     for phase, acc in (("good", list(range(8))), ("bad", [0]), ("good", list(range(8)))):
@@ -79,3 +80,24 @@ def test_first_time_of_a_size_is_not_kept():
         assert b.pick() == k
         b.observe(k, [0], t)
     assert b.time[1] == 0.4 and b.pick() == 1
+
+
+def test_probes_take_a_bounded_share_of_hopeless_text():
+    """Nothing is ever accepted and the whole tree costs 8 autoregressive steps: over 600 steps the probes take at
+    most probe_share of the time (plus the one probe that crossed it), yet they keep coming (the fallback's
+    way back), and once the text turns predictable speculation comes back on."""
+    b = Budget(16, probe=8, max_gap=64, probe_share=0.05)
+    cost = lambda k: 1.0 if k == 1 else 1.0 + 7.0 * k / 16
+    ks = []
+    for _ in range(600):
+        k = b.pick()
+        ks.append(k)
+        b.observe(k, [0], cost(k))
+    probes = [k for k in ks[10:] if k > 1]
+    assert probes and b.probe_s <= 0.05 * b.total_s + cost(16), (b.probe_s, b.total_s)
+    assert ks[-200:].count(1) >= 190
+    for _ in range(400):
+        k = b.pick()
+        ks.append(k)
+        b.observe(k, list(range(k)), cost(k))
+    assert sum(k > 1 for k in ks[-50:]) >= 40  # (slowly: after a long hopeless run probes come 64 steps apart)
