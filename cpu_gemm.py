@@ -75,6 +75,12 @@ static inline __attribute__((always_inline)) void tile(const float* x, long K, c
 static void t4(const float* x, long K, const uint16_t* P, const uint16_t* b, uint16_t* y, float* yf, long N, long m, long g) {
     tile(x, K, P, b, y, yf, N, m, g, 4);
 }
+static void t3(const float* x, long K, const uint16_t* P, const uint16_t* b, uint16_t* y, float* yf, long N, long m, long g) {
+    tile(x, K, P, b, y, yf, N, m, g, 3);
+}
+static void t2(const float* x, long K, const uint16_t* P, const uint16_t* b, uint16_t* y, float* yf, long N, long m, long g) {
+    tile(x, K, P, b, y, yf, N, m, g, 2);
+}
 static void t1(const float* x, long K, const uint16_t* P, const uint16_t* b, uint16_t* y, float* yf, long N, long m, long g) {
     tile(x, K, P, b, y, yf, N, m, g, 1);
 }
@@ -90,7 +96,10 @@ static void gemm_rows(const float* xf, long M, long K, const uint16_t* P, const 
         for (long g = t * GB; g < g1; g++) {
             long m = 0;
             for (; m + 4 <= M; m += 4) t4(xf, K, P, b, y, yf, N, m, g);
-            for (; m < M; m++) t1(xf, K, P, b, y, yf, N, m, g);
+            /* the last 1-3 rows in one tile (one pass over the group's weights), the same chains as any tile */
+            if (M - m == 3) t3(xf, K, P, b, y, yf, N, m, g);
+            else if (M - m == 2) t2(xf, K, P, b, y, yf, N, m, g);
+            else if (M - m == 1) t1(xf, K, P, b, y, yf, N, m, g);
         }
     }
 }
