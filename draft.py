@@ -429,7 +429,7 @@ class HybridDrafter:
     long as the tree holds them, and the rest hangs below the last one. Node order (what budget.py's
     prefixes cut): the root, the tree nodes the chain agrees with, the chain's own continuation, then the
     other tree nodes best first; parents still come before children. A budget below the whole tree gets the
-    chain alone where there is one (draft). It is one tree verified once, so the
+    chain alone, or the root alone where there is no chain (draft). It is one tree verified once, so the
     output is the target's as for any tree. Both drafters learn from every step (NanoSpec's window sees the
     chain's tokens too). Reads host values (the chain search): graphable = False."""
 
@@ -456,12 +456,13 @@ class HybridDrafter:
     @torch.no_grad()
     def draft(self, root: Tensor, n: Tensor, budget: int | None = None) -> Tree:
         chain = self.ngram.propose(self.ngram.hist + [int(root)])
-        if budget is not None and 1 < budget < self.nodes and chain and not self.ngram.static:
-            # a budget below the whole tree verifies the chain alone wherever there is one, and the tree is
-            # not drafted: where the budget reaches no further than the chain, the prefix is the same anyway
-            # (node order above), and drafting the tree is the step's largest cost after the target's pass
-            # (a one-layer head's ops next to a fused CPU pass). budget.py's step times and acceptance are
-            # per size, so they measure this mix; its whole-tree steps (and budget None) get the merged tree.
+        if budget is not None and 1 < budget < self.nodes and not self.ngram.static:
+            # Below the whole tree's budget the hybrid is prompt lookup: the chain alone where there is one,
+            # else an autoregressive step (the root alone), and the EAGLE tree is not drafted. Where the
+            # budget reaches no further than the chain the prefix is the same anyway (node order above); past
+            # it, drafting the tree costs about a decode step on a CPU (a one-layer head's eager ops next to
+            # the fused pass) for EAGLE prefixes that do not pay there. The whole tree (budget.py's largest
+            # size, and budget None) is the merged tree, so the budget still weighs EAGLE against the rest.
             self.source = ["eagle"] + ["ngram"] * len(chain)
             self.skipped += 1
             self.chain_only = True

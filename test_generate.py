@@ -572,8 +572,8 @@ def test_hybrid_tree_merges_the_chain(tiny):
 
 def test_hybrid_skips_the_eagle_tree_when_the_budget_verifies_only_the_chain(tiny):
     """A budget below the whole tree gets the root + chain without the EAGLE tree being drafted (where the
-    budget reaches no further than the chain, that is the merged tree's prefix of the same size); the whole
-    tree's budget (or none), or no chain, drafts the tree."""
+    budget reaches no further than the chain, that is the merged tree's prefix of the same size), or the root
+    alone where there is no chain; the whole tree's budget (or none) drafts the tree."""
     m = target(tiny[0])
     d = make_drafter("hybrid", tiny, m, "nanospec")
     tok, n = prefilled(m, [d], PROMPTS[2])
@@ -593,8 +593,9 @@ def test_hybrid_skips_the_eagle_tree_when_the_budget_verifies_only_the_chain(tin
         assert torch.equal(d.draft(tok, n, d.nodes).tokens, full.tokens) and len(calls) == 1
         assert torch.equal(d.draft(tok, n).tokens, full.tokens) and len(calls) == 2
         d.ngram.propose = lambda hist: []
-        assert d.draft(tok, n, 4).tokens.shape[0] == d.eagle.nodes and len(calls) == 3
-    assert d.stats()["chain_only_steps"] == 4
+        assert d.draft(tok, n, 4).tokens.tolist() == [int(tok)] and len(calls) == 2
+        assert d.draft(tok, n, d.nodes).tokens.shape[0] == d.eagle.nodes and len(calls) == 3
+    assert d.stats()["chain_only_steps"] == 5
 
 
 def test_hybrid_reports_where_accepted_tokens_came_from(tiny):
