@@ -317,20 +317,18 @@ class Stack:
             for lin in (at.q_proj, at.k_proj, at.v_proj, mlp.gate_proj, mlp.up_proj):
                 lin.packed = None  # their products now come from the fused copies (the torch path uses F.linear)
         self.table = torch.tensor(rows, dtype=torch.int64)
-        self.aux_layers: tuple[int, ...] = ()
-        self.aux_of = torch.full((1,), -1, dtype=torch.int64)  # [n_aux] the layer whose input each aux slot gets
-
-    def set_aux(self, layers: tuple[int, ...]):
-        self.aux_layers = tuple(layers)
-        self.aux_of = torch.tensor(list(layers) or [-1], dtype=torch.int64)
+        self.aux_of = {}  # aux layers -> [n_aux] the layer whose input each aux slot gets (built once per tuple)
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor,
-                 n_aux: int) -> tuple[Tensor, Tensor]:
+                 aux_layers: tuple[int, ...]) -> tuple[Tensor, Tensor]:
         """x [T, D] bf16 (the embeddings); cos, sin [T, hd] bf16; mask [T, S] bool; cache_pos [T] int64;
-        kv [L, 2, Hkv, S, hd] bf16, written at cache_pos -> (x after the layers [T, D], aux [T, n_aux*D])."""
-        a = self.args
-        args = (x, cos, sin, mask, cache_pos, kv, self.table, self.aux_of, n_aux, a.n_heads, a.intermediate_size,
-                a.norm_eps)
+        kv [L, 2, Hkv, S, hd] bf16, written at cache_pos; aux_layers: layers whose inputs to return (repeats
+        allowed) -> (x after the layers [T, D], aux [T, len(aux_layers)*D])."""
+        a, key = self.args, tuple(aux_layers)
+        if key not in self.aux_of:
+            self.aux_of[key] = torch.tensor(list(key) or [-1], dtype=torch.int64)
+        args = (x, cos, sin, mask, cache_pos, kv, self.table, self.aux_of[key], len(key), a.n_heads,
+                a.intermediate_size, a.norm_eps)
         return torch.ops.nanospec.cpu_stack(*args) if torch.compiler.is_compiling() else run(*args)
 
 

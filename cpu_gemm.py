@@ -257,21 +257,33 @@ def machine_id() -> str:
     return f"{cpu} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
 
 
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def merge_json(path: Path, key: str, value):
+    """Set path[key] = value in a JSON file of per-machine answers: read, merge, replace atomically (a
+    concurrent process sees the old file or the new one). A read-only home only costs a re-check next time."""
+    data = read_json(path)
+    data[key] = value
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
 def _cached(key: str, compute) -> bool:
     f = cache_dir() / "cpu_gemm.json"
-    try:
-        data = json.loads(f.read_text())
-    except (OSError, ValueError):
-        data = {}
+    data = read_json(f)
     if key not in data:
         data[key] = bool(compute())
-        try:
-            f.parent.mkdir(parents=True, exist_ok=True)
-            tmp = f.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-            tmp.replace(f)
-        except OSError:
-            pass
+        merge_json(f, key, data[key])
     return data[key]
 
 

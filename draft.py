@@ -470,18 +470,18 @@ class HybridDrafter:
         self.chain_only = False
         self._catch_up()
         t = self.eagle.draft(root, n)
+        if not chain and not self.ngram.static:
+            self.source = ["eagle"] * t.tokens.shape[0]
+            return t
         toks, par = t.tokens.tolist(), t.parents.tolist()
         path, cur = [], 0  # the tree nodes the chain agrees with
-        for j, x in enumerate(chain):
+        for x in chain:
             nxt = next((c for c in range(1, len(toks)) if par[c] == cur and toks[c] == x), None)
             if nxt is None:
                 break
             path.append(nxt)
             cur = nxt
         rest = chain[len(path):]
-        if not chain and not self.ngram.static:
-            self.source = ["eagle"] * len(toks)
-            return t
         on = set(path)
         order = [0] + path + [c for c in range(1, len(toks)) if c not in on]  # old index of each kept tree node
         new_of = {old: i for i, old in enumerate(order)}

@@ -16,8 +16,6 @@ last row, cheap next to the GEMMs) further to the smallest size at which attenti
 on disk per CPU, torch version, thread count and shape, so each is computed once per machine (well under a
 second).
 """
-import json
-import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import cpu_gemm
-from cpu_gemm import cache_dir, machine_id
+from cpu_gemm import cache_dir, machine_id, merge_json, read_json
 from model import Transformer, causal_recent, exact_attention, exact_plan, kv_dtype
 
 LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # pass sizes on offer (static shapes)
@@ -66,24 +64,10 @@ class Invariance:
         self.memo = {}  # (n, S) -> PassRows or None
 
     def _load(self) -> dict:
-        try:
-            return json.loads(self.path.read_text()).get(self.machine, {})
-        except (OSError, ValueError):
-            return {}
+        return read_json(self.path).get(self.machine, {})
 
     def _save(self):
-        try:
-            data = json.loads(self.path.read_text()) if self.path.is_file() else {}
-        except (OSError, ValueError):
-            data = {}
-        data[self.machine] = self.answers
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-            tmp.replace(self.path)
-        except OSError:
-            pass  # a read-only home only costs a re-check next time
+        merge_json(self.path, self.machine, self.answers)
 
     def pass_rows(self, n: int, S: int) -> PassRows | None:
         if self.model.cpu_pass is not None:  # the fused CPU pass is row-invariant by construction (cpu_forward.py)

@@ -183,6 +183,12 @@ class Engine:
             raise UsageError(f"--exact: {why}; use --no-exact")
         return S, R
 
+    @property
+    def exact_attention(self) -> bool:
+        """Exact mode through model.exact_attention's recent-key tables: the PyTorch layers need them, the fused
+        CPU pass (row-invariant by construction, cpu_forward.py) does not."""
+        return self.exact and self.model.cpu_pass is None
+
     def pass_rows(self, n: int, S: int) -> PassRows:
         """Rows to pad a target pass of n tokens to, in this request's mode (plan)."""
         if not self.exact:
@@ -198,8 +204,7 @@ class Engine:
         # the prefix, which the next step overwrites before anything attends to them.
         R = self.R_dec.gemm
         p = pos + torch.arange(R, device=pos.device)
-        exact_attn = self.exact and self.model.cpu_pass is None  # the fused CPU pass needs no recent-key tables
-        logits = self.model(tok.expand(1, R), p, recent=causal_recent(p) if exact_attn else None,
+        logits = self.model(tok.expand(1, R), p, recent=causal_recent(p) if self.exact_attention else None,
                             attn_rows=self.R_dec.attn)[:, 0]
         return sample(logits, self.sampling)
 
@@ -216,7 +221,7 @@ class Engine:
             eye = torch.eye(R, dtype=torch.bool, device=anc.device)
             anc = torch.cat([torch.cat([anc, anc.new_zeros(N, P)], 1), eye[N:]], 0)
         mask = tree_mask(m.seq_range, anc, n)
-        recent = tree_recent(anc, depth, n) if self.exact and m.cpu_pass is None else None
+        recent = tree_recent(anc, depth, n) if self.exact_attention else None
         logits, hid, aux = m(tokens[None], n + depth, mask=mask, cache_pos=n + torch.arange(tokens.shape[0], device=n.device),
                              return_hidden=True, recent=recent, attn_rows=max(self.R_ver.attn, R))
         return logits[0, :N], hid[:, :N], (aux[:, :N] if aux is not None else None)

@@ -373,26 +373,22 @@ class Transformer(nn.Module):
         if self.kv is not None and tokens.shape[0] == 1 and input_pos.dim() == 1 and mask.dim() == 2:
             # the whole layer stack in one C call, row-invariant by construction: exact mode's recent-key
             # gathers and padded rows are not needed (cpu_forward.py)
-            if self.cpu_pass.aux_layers != self.aux_layers:
-                self.cpu_pass.set_aux(self.aux_layers)
-            x, aux = self.cpu_pass(x[0], cos, sin, mask, cache_pos, self.kv, len(self.aux_layers))
-            h = self.norm(x[None])
-            logits = self.lm_head(h) if compute_logits else None
-            if not return_hidden:
-                return logits
-            return logits, h, (aux[None] if self.aux_layers else None)
-        exact = None if recent is None else exact_plan(input_pos, recent, self.seq_range,
-                                                        self.args.n_heads // self.args.n_kv_heads, attn_rows)
-        aux = {}
-        for i, layer in enumerate(self.layers):
-            if i in self.aux_layers:
-                aux[i] = x
-            x = layer(x, cos, sin, mask, cache_pos, exact)
+            x, aux = self.cpu_pass(x[0], cos, sin, mask, cache_pos, self.kv, self.aux_layers)
+            x, aux = x[None], (aux[None] if self.aux_layers else None)
+        else:
+            exact = None if recent is None else exact_plan(input_pos, recent, self.seq_range,
+                                                            self.args.n_heads // self.args.n_kv_heads, attn_rows)
+            states = {}
+            for i, layer in enumerate(self.layers):
+                if i in self.aux_layers:
+                    states[i] = x
+                x = layer(x, cos, sin, mask, cache_pos, exact)
+            aux = torch.cat([states[i] for i in self.aux_layers], dim=-1) if states else None
         h = self.norm(x)
         logits = self.lm_head(h) if compute_logits else None
         if not return_hidden:
             return logits
-        return logits, h, (torch.cat([aux[i] for i in self.aux_layers], dim=-1) if aux else None)
+        return logits, h, aux
 
     @torch.no_grad()
     def compact_kv(self, src: Tensor, dst_start: Tensor):
