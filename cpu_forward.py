@@ -24,6 +24,7 @@ Used by model.Transformer.forward for batch-1 passes of bf16 CPU models where cp
 """
 import ctypes
 import os
+import time
 
 import torch
 from torch import Tensor
@@ -39,15 +40,15 @@ SOURCE = cpu_gemm.SOURCE + r"""
 static inline float rbf(float f) { uint16_t h = to_bf16(f); uint32_t u = (uint32_t)h << 16; float r; memcpy(&r, &u, 4); return r; }
 static inline float fbf(uint16_t h) { uint32_t u = (uint32_t)h << 16; float r; memcpy(&r, &u, 4); return r; }
 
-/* y[t] = bf16(w * bf16(x[t] * rsqrt(mean(x[t]^2) + eps))), as model.RMSNorm */
-static void rmsnorm(const float* x, const uint16_t* w, float* y, long T, long D, float eps) {
+/* y[t] = bf16(w * bf16(x[t] * rsqrt(mean(x[t]^2) + eps))), as model.RMSNorm; y's rows are ys apart */
+static void rmsnorm(const float* x, const uint16_t* w, float* y, long ys, long T, long D, float eps) {
     #pragma omp for schedule(static)
     for (long t = 0; t < T; t++) {
         const float* r = x + t * D;
         float ss = 0.f;
         for (long d = 0; d < D; d++) ss += r[d] * r[d];
         float inv = 1.f / sqrtf(ss / (float)D + eps);
-        for (long d = 0; d < D; d++) y[t * D + d] = rbf(fbf(w[d]) * rbf(r[d] * inv));
+        for (long d = 0; d < D; d++) y[t * ys + d] = rbf(fbf(w[d]) * rbf(r[d] * inv));
     }
 }
 
@@ -182,20 +183,25 @@ static void silu_mul(const float* gu, float* h, long T, long I) {
         }
 }
 
-enum { W_IN, W_QKV, B_QKV, W_O, W_POST, W_GU, W_DOWN, NW };
+enum { W_IN, W_QKV, B_QKV, W_O, W_POST, W_GU, W_DOWN, W_HID, NW };
 
 /* x [T, D] bf16, in place: the rows after all L layers. tab [L, NW] pointers (packed weights, norms, bias
    or 0). cs, sn [T, hd] bf16 RoPE rows; mask [T, S] (bool bytes) over the cache's S slots; cpos [T] the
    slots this pass writes; kv [L, 2, Hkv, S, hd] bf16. aux [T, n_aux, D]: slot j gets the input of layer
-   aux_of[j] (repeats allowed). */
+   aux_of[j] (repeats allowed). An EAGLE-3 layer (tab's W_HID set: its hidden_norm) takes q/k/v from
+   [input_layernorm(emb[t]); hidden_norm(x[t])] (2D wide, emb [T, D] bf16: the token embeddings) and keeps
+   x as the residual, as eagle.EagleHead.forward; W_HID = 0 is a plain decoder layer. */
 void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, long I, float eps, long T,
-                long S, uint16_t* x, const uint16_t* cs, const uint16_t* sn, const uint8_t* mask,
+                long S, uint16_t* x, const uint16_t* emb, const uint16_t* cs, const uint16_t* sn, const uint8_t* mask,
                 const int64_t* cpos, uint16_t* kv, const int64_t* aux_of, long n_aux, uint16_t* aux, int threads) {
     const long Q = H * hd, KV = Hkv * hd, NQKV = Q + 2 * KV, g = H / Hkv;
     const float scale = 1.f / sqrtf((float)hd);
     long wide = NQKV > 2 * I ? NQKV : 2 * I;
     float* xr = malloc(sizeof(float) * T * D);
-    float* h = malloc(sizeof(float) * T * (D > Q ? (D > I ? D : I) : (Q > I ? Q : I)));
+    long hw = 2 * D > Q ? 2 * D : Q;
+    hw = hw > I ? hw : I;
+    float* h = malloc(sizeof(float) * T * hw);
+    float* ef = emb ? malloc(sizeof(float) * T * D) : 0;
     float* y = malloc(sizeof(float) * T * wide);
     float* o = malloc(sizeof(float) * T * D);
     int* keys = malloc(sizeof(int) * T * S);
@@ -208,6 +214,7 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
         for (long j = 0; j < S; j++) if (mask[t * S + j]) keys[t * S + nk[t]++] = (int)j;
     }
     for (long i = 0; i < T * D; i++) xr[i] = fbf(x[i]);
+    if (ef) for (long i = 0; i < T * D; i++) ef[i] = fbf(emb[i]);
     #pragma omp parallel num_threads(threads)
     for (long l = 0; l < L; l++) {
         const int64_t* w = tab + l * NW;
@@ -219,8 +226,13 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
                 for (long t = 0; t < T; t++)
                     for (long d = 0; d < D; d++) aux[(t * n_aux + j) * D + d] = to_bf16(xr[t * D + d]);
             }
-        rmsnorm(xr, (const uint16_t*)w[W_IN], h, T, D, eps);
-        gemm_rows(h, T, D, (const uint16_t*)w[W_QKV], (const uint16_t*)w[B_QKV], NQKV, 0, y);  /* [T, q | k | v] */
+        long kin = D;
+        if (w[W_HID] && ef) {  /* EAGLE-3: [norm(embedding); norm(hidden)], embedding first */
+            rmsnorm(ef, (const uint16_t*)w[W_IN], h, 2 * D, T, D, eps);
+            rmsnorm(xr, (const uint16_t*)w[W_HID], h + D, 2 * D, T, D, eps);
+            kin = 2 * D;
+        } else rmsnorm(xr, (const uint16_t*)w[W_IN], h, D, T, D, eps);
+        gemm_rows(h, T, kin, (const uint16_t*)w[W_QKV], (const uint16_t*)w[B_QKV], NQKV, 0, y);  /* [T, q | k | v] */
         #pragma omp for schedule(static)
         for (long t = 0; t < T; t++) {
             float* r = y + t * NQKV;
@@ -250,7 +262,7 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
         gemm_rows(h, T, Q, (const uint16_t*)w[W_O], 0, D, 0, o);
         #pragma omp for schedule(static)
         for (long i = 0; i < T * D; i++) xr[i] = rbf(xr[i] + o[i]);
-        rmsnorm(xr, (const uint16_t*)w[W_POST], h, T, D, eps);
+        rmsnorm(xr, (const uint16_t*)w[W_POST], h, D, T, D, eps);
         gemm_rows(h, T, D, (const uint16_t*)w[W_GU], 0, 2 * I, 0, y);  /* [T, gate | up] */
         silu_mul(y, h, T, I);
         gemm_rows(h, T, I, (const uint16_t*)w[W_DOWN], 0, D, 0, o);
@@ -258,7 +270,7 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
         for (long i = 0; i < T * D; i++) xr[i] = rbf(xr[i] + o[i]);
     }
     for (long i = 0; i < T * D; i++) x[i] = to_bf16(xr[i]);
-    free(xr); free(h); free(y); free(o); free(keys); free(nk); free(sc);
+    free(xr); free(h); free(y); free(o); free(keys); free(nk); free(sc); free(ef);
 }
 """
 
@@ -272,7 +284,7 @@ def kernel():
         fn = lib.stack_bf16 if lib is not None else None
         if fn is not None:
             p, i = ctypes.c_void_p, ctypes.c_long
-            fn.argtypes = [p, i, i, i, i, i, i, ctypes.c_float, i, i, p, p, p, p, p, p, p, i, p, ctypes.c_int]
+            fn.argtypes = [p, i, i, i, i, i, i, ctypes.c_float, i, i, p, p, p, p, p, p, p, p, i, p, ctypes.c_int]
             fn.restype = None
         _LIB.append(fn)
     return _LIB[0]
@@ -281,37 +293,103 @@ def kernel():
 ENV = "NANOSPEC_CPU_FORWARD"  # on (default) | off: off keeps the PyTorch layers (with cpu_gemm's GEMMs)
 
 
-def usable(model) -> bool:
-    """The fused pass's domain: a bf16 CPU model whose linears cpu_gemm packed, without Qwen3's q/k norms,
-    with head_dim a multiple of 8 up to 256; NANOSPEC_CPU_FORWARD=off turns it off."""
-    a, w = model.args, model.lm_head.weight
+def switched_on() -> bool:
     mode = os.environ.get(ENV, "on")
     if mode not in ("on", "off"):
         raise ValueError(f"{ENV} must be on or off, got {mode!r}")
-    return (mode == "on" and w.device.type == "cpu" and w.dtype == torch.bfloat16 and not a.qk_norm
-            and a.head_dim % 8 == 0 and a.head_dim <= 256 and a.dim % 8 == 0 and a.intermediate_size % 8 == 0
-            and a.n_heads % a.n_kv_heads == 0 and model.layers[0].mlp.down_proj.packed is not None
-            and kernel() is not None)
+    return mode == "on"
+
+
+def fits_args(a) -> bool:
+    """Model dims the C pass handles: no Qwen3 q/k norms, head_dim a multiple of 8 up to 256."""
+    return (not a.qk_norm and a.head_dim % 8 == 0 and a.head_dim <= 256 and a.dim % 8 == 0
+            and a.intermediate_size % 8 == 0 and a.n_heads % a.n_kv_heads == 0)
+
+
+def fits(a, layers) -> bool:
+    """Decoder layers the C pass can run now: fits_args, bf16 on the CPU, with cpu_gemm's packed linears (the
+    process took the kernel), the C pass built here."""
+    w = layers[0].mlp.down_proj
+    return (fits_args(a) and w.weight.device.type == "cpu" and w.weight.dtype == torch.bfloat16
+            and w.packed is not None and kernel() is not None)
+
+
+# What a pass of so many rows is worth, in tokens, when the check below weighs a decode step against a tree
+# verification: about the default drafter's mean accepted length at that budget on CPU (BENCHMARKS.md, Spec-Bench)
+ROWS_WORTH = {1: 1.0, 4: 1.8, 16: 2.5}
+
+
+def attach(model):
+    """Give a bf16 CPU model, whose GEMM cpu_gemm.choose has picked, its fastest pass on this machine, and pack
+    its linears where the process takes cpu_gemm's kernel. The fused pass (its GEMMs are the kernel's) runs
+    where it fits and either NANOSPEC_CPU_GEMM=kernel forces the kernel or, in auto mode, it beats the PyTorch
+    layers with the GEMM their check chose: both timed on the model's own weights (fused_wins), once per
+    machine and model shape. So a CPU whose torch GEMM wins at 16 rows (AMX) still gets the fused pass when
+    its per-op savings weigh more."""
+    gemm, layers_kernel = cpu_gemm.mode(), cpu_gemm.enabled()
+    if not (switched_on() and gemm != "torch" and fits_args(model.args) and kernel() is not None):
+        if layers_kernel:
+            cpu_gemm.pack_linears(model)
+        return
+    cpu_gemm._ON[0] = True  # the fused pass's products are the kernel's: the process takes it (draft head too)
+    cpu_gemm.pack_linears(model)
+    packs = {m: m.packed for m in model.modules() if "packed" in m._buffers}
+    stack = Stack(model.args, model.layers)
+    a = model.args
+    key = (f"{cpu_gemm.machine_id()} fused pass L{a.n_layers} d{a.dim} h{a.n_heads}/{a.n_kv_heads}x{a.head_dim} "
+           f"i{a.intermediate_size} v{a.vocab_size} vs layers with {'kernel' if layers_kernel else 'torch'} "
+           f"GEMM, worth {ROWS_WORTH}")
+    if gemm == "auto" and not cpu_gemm.cached(key, lambda: fused_wins(model, stack, packs, layers_kernel)):
+        cpu_gemm._ON[0] = layers_kernel  # the PyTorch layers, with the GEMM cpu_gemm's check chose
+        for m, p in packs.items():
+            m.packed = p if layers_kernel else None
+        return
+    model.cpu_pass = stack
+
+
+@torch.no_grad()
+def fused_wins(model, stack: "Stack", packs: dict, layers_kernel: bool, reps: int = 3) -> bool:
+    """Time the model's whole pass here at every ROWS_WORTH size (context 256 keys), fused and as PyTorch
+    layers, alternating, medians of reps; True iff the fused pass's best worth per second beats the layers'.
+    Leaves the model without caches or a fused pass."""
+    ctx = min(256, model.args.max_position_embeddings - 16)
+    tok = torch.randint(0, model.args.vocab_size, (1, max(ROWS_WORTH)), generator=torch.Generator().manual_seed(0))
+    ts = {f: {r: [] for r in ROWS_WORTH} for f in (True, False)}
+    for _ in range(reps + 1):  # the first round warms up
+        for fused in (True, False):
+            cpu_gemm._ON[0] = fused or layers_kernel
+            for m, p in packs.items():  # (the fused copies replaced some; the layers need them all)
+                m.packed = p
+            model.cpu_pass, model.max_batch = (stack if fused else None), -1
+            model.setup_caches(1, ctx + max(ROWS_WORTH))
+            for r in ROWS_WORTH:
+                t0 = time.perf_counter()
+                model(tok[:, :r], ctx + torch.arange(r))
+                ts[fused][r].append(time.perf_counter() - t0)
+    model.cpu_pass, model.kv, model.max_batch, model.max_seq = None, None, -1, -1
+    worth = {f: max(w / sorted(ts[f][r][1:])[reps // 2] for r, w in ROWS_WORTH.items()) for f in ts}
+    return worth[True] > worth[False]
 
 
 class Stack:
-    """The packed, fused weights of a model's decoder layers and the pointer table the C pass reads.
-    Holds the tensors it points at, so they live as long as the table."""
+    """The packed, fused weights of decoder layers (a target's, or an EAGLE-3 head's one layer) and the
+    pointer table the C pass reads. Holds the tensors it points at, so they live as long as the table."""
 
-    def __init__(self, model):
-        a = model.args
-        self.args, self.L = a, a.n_layers
+    def __init__(self, a, layers):
+        self.args, self.L = a, len(layers)
         self.keep, rows = [], []
         self.gemms = []  # (packed weight, N, K) per product, in pass order (bench_ar.py --profile times them)
-        for layer in model.layers:
+        for layer in layers:
             at, mlp = layer.self_attn, layer.mlp
+            hid = getattr(layer, "hidden_norm", None)  # EAGLE-3: q/k/v read [norm(embedding); norm(hidden)]
             qkv = torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]).detach()
             bias = torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]).detach() if a.qkv_bias else None
             gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
             ts = [layer.input_layernorm.weight.detach(), cpu_gemm.pack(qkv), bias, pack_of(at.o_proj),
-                  layer.post_attention_layernorm.weight.detach(), cpu_gemm.pack(gu), pack_of(mlp.down_proj)]
+                  layer.post_attention_layernorm.weight.detach(), cpu_gemm.pack(gu), pack_of(mlp.down_proj),
+                  None if hid is None else hid.weight.detach()]
             self.keep += [t for t in ts if t is not None]
-            self.gemms += [(ts[1], qkv.shape[0], a.dim), (ts[3], a.dim, a.n_heads * a.head_dim),
+            self.gemms += [(ts[1], qkv.shape[0], qkv.shape[1]), (ts[3], a.dim, a.n_heads * a.head_dim),
                            (ts[5], gu.shape[0], a.dim), (ts[6], a.dim, a.intermediate_size)]
             rows.append([0 if t is None else t.data_ptr() for t in ts])
             for lin in (at.q_proj, at.k_proj, at.v_proj, mlp.gate_proj, mlp.up_proj):
@@ -320,14 +398,15 @@ class Stack:
         self.aux_of = {}  # aux layers -> [n_aux] the layer whose input each aux slot gets (built once per tuple)
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor,
-                 aux_layers: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-        """x [T, D] bf16 (the embeddings); cos, sin [T, hd] bf16; mask [T, S] bool; cache_pos [T] int64;
-        kv [L, 2, Hkv, S, hd] bf16, written at cache_pos; aux_layers: layers whose inputs to return (repeats
-        allowed) -> (x after the layers [T, D], aux [T, len(aux_layers)*D])."""
+                 aux_layers: tuple[int, ...] = (), emb: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """x [T, D] bf16 (the embeddings; an EAGLE-3 head: its input features); cos, sin [T, hd] bf16; mask
+        [T, S] bool; cache_pos [T] int64; kv [L, 2, Hkv, S, hd] bf16, written at cache_pos; aux_layers:
+        layers whose inputs to return (repeats allowed); emb [T, D]: an EAGLE-3 head's token embeddings
+        -> (x after the layers [T, D], aux [T, len(aux_layers)*D])."""
         a, key = self.args, tuple(aux_layers)
         if key not in self.aux_of:
             self.aux_of[key] = torch.tensor(list(key) or [-1], dtype=torch.int64)
-        args = (x, cos, sin, mask, cache_pos, kv, self.table, self.aux_of[key], len(key), a.n_heads,
+        args = (x, emb, cos, sin, mask, cache_pos, kv, self.table, self.aux_of[key], len(key), a.n_heads,
                 a.intermediate_size, a.norm_eps)
         return torch.ops.nanospec.cpu_stack(*args) if torch.compiler.is_compiling() else run(*args)
 
@@ -336,28 +415,29 @@ def pack_of(lin) -> Tensor:
     return lin.packed if lin.packed is not None else cpu_gemm.pack(lin.weight.detach())
 
 
-def run(x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor, table: Tensor,
-        aux_of: Tensor, n_aux: int, n_heads: int, inter: int, eps: float) -> tuple[Tensor, Tensor]:
+def run(x: Tensor, emb: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor,
+        table: Tensor, aux_of: Tensor, n_aux: int, n_heads: int, inter: int, eps: float) -> tuple[Tensor, Tensor]:
     T, D = x.shape
     L, _, Hkv, S, hd = kv.shape
-    assert kv.is_contiguous() and mask.shape == (T, S) and hd % 8 == 0 and hd <= 256
+    assert kv.is_contiguous() and mask.shape == (T, S) and hd % 8 == 0 and hd <= 256 and table.shape[0] == L
     x = x.contiguous().clone()  # the kernel works in place
     aux = x.new_empty(T, max(n_aux, 1) * D)
     # contiguous copies bound to names: they must outlive the call
     m = mask.contiguous().view(torch.uint8) if mask.dtype == torch.bool else (mask != 0).view(torch.uint8)
     cos, sin, pos = cos.contiguous(), sin.contiguous(), cache_pos.to(torch.int64).contiguous()
-    kernel()(table.data_ptr(), L, D, n_heads, Hkv, hd, inter, eps, T, S, x.data_ptr(), cos.data_ptr(),
-             sin.data_ptr(), m.data_ptr(), pos.data_ptr(), kv.data_ptr(), aux_of.data_ptr(), n_aux, aux.data_ptr(),
-             torch.get_num_threads())
+    e = None if emb is None else emb.contiguous()
+    kernel()(table.data_ptr(), L, D, n_heads, Hkv, hd, inter, eps, T, S, x.data_ptr(), 0 if e is None else e.data_ptr(),
+             cos.data_ptr(), sin.data_ptr(), m.data_ptr(), pos.data_ptr(), kv.data_ptr(), aux_of.data_ptr(), n_aux,
+             aux.data_ptr(), torch.get_num_threads())
     return x, aux
 
 
 @torch.library.custom_op("nanospec::cpu_stack", mutates_args=("kv",))
-def cpu_stack_op(x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor, table: Tensor,
-                 aux_of: Tensor, n_aux: int, n_heads: int, inter: int, eps: float) -> tuple[Tensor, Tensor]:
-    return run(x, cos, sin, mask, cache_pos, kv, table, aux_of, n_aux, n_heads, inter, eps)
+def cpu_stack_op(x: Tensor, emb: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor,
+                 table: Tensor, aux_of: Tensor, n_aux: int, n_heads: int, inter: int, eps: float) -> tuple[Tensor, Tensor]:
+    return run(x, emb, cos, sin, mask, cache_pos, kv, table, aux_of, n_aux, n_heads, inter, eps)
 
 
 @cpu_stack_op.register_fake
-def _(x, cos, sin, mask, cache_pos, kv, table, aux_of, n_aux, n_heads, inter, eps):
+def _(x, emb, cos, sin, mask, cache_pos, kv, table, aux_of, n_aux, n_heads, inter, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape[0], max(n_aux, 1) * x.shape[1])

@@ -173,6 +173,14 @@ def pack(w: Tensor) -> Tensor:
     return wp.reshape(G, 3, K // 8, 8).transpose(1, 2).contiguous()
 
 
+def pack_rows_(packed: Tensor, rows: Tensor, slots: Tensor):
+    """Row slots[i] of the matrix that packed = pack(W) holds becomes rows[i] (rows [n, K], slots [n]), in
+    place: a packed copy follows a buffer whose rows change (vocab.NanoSpecVocab). Static shapes, no sync."""
+    G, K8, three, eight = packed.shape
+    slots = slots.long()
+    packed[slots // three, :, slots % three, :] = rows.reshape(-1, K8, eight)  # [n, K/8, 8] per (group, place)
+
+
 def kernel_linear(x: Tensor, packed: Tensor, N: int, b: Tensor | None = None) -> Tensor:
     """x [..., K] bf16 @ W.T (+ b [N]) -> [..., N] bf16 with the C kernel; packed = pack(W), W [N, K]."""
     K = x.shape[-1]
@@ -206,6 +214,13 @@ def enabled() -> bool:
     return _ON[0]
 
 
+def mode() -> str:
+    m = os.environ.get(ENV, "auto")
+    if m not in ("auto", "kernel", "torch"):
+        raise ValueError(f"{ENV} must be auto, kernel or torch, got {m!r}")
+    return m
+
+
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None, packed: Tensor | None = None) -> Tensor:
     """F.linear(x, w, b), through the kernel where this machine chose it and w was packed (pack_linears)."""
     if not (_ON[0] and packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu"
@@ -234,14 +249,12 @@ def choose(shapes: list[tuple[int, int]], rows=(1, 16), reps: int = 5) -> bool:
     weight shapes (one entry per layer: repeats weigh) at every row count in rows (decode and a CPU
     verification tree), timed here on distinct, cold weights, alternating, medians of reps. The answer is
     cached per machine in cache_dir()/cpu_gemm.json. NANOSPEC_CPU_GEMM=kernel|torch skips the check."""
-    mode = os.environ.get(ENV, "auto")
-    if mode not in ("auto", "kernel", "torch"):
-        raise ValueError(f"{ENV} must be auto, kernel or torch, got {mode!r}")
-    if mode != "auto" or kernel() is None:
-        on = mode == "kernel" and kernel() is not None
+    m = mode()
+    if m != "auto" or kernel() is None:
+        on = m == "kernel" and kernel() is not None
     else:
         counts = {s: shapes.count(s) for s in sorted(set(shapes))}
-        on = _cached(f"{machine_id()} {counts} rows {list(rows)}", lambda: _faster(counts, rows, reps))
+        on = cached(f"{machine_id()} {counts} rows {list(rows)}", lambda: _faster(counts, rows, reps))
     _ON[0] = on
     return on
 
@@ -278,7 +291,8 @@ def merge_json(path: Path, key: str, value):
         pass
 
 
-def _cached(key: str, compute) -> bool:
+def cached(key: str, compute) -> bool:
+    """A per-machine yes/no answer: cache_dir()/cpu_gemm.json[key], computed once (compute()) and stored."""
     f = cache_dir() / "cpu_gemm.json"
     data = read_json(f)
     if key not in data:

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+import cpu_forward
 import cpu_gemm
 from model import (Attention, KVCache, Linear, MLP, ModelArgs, ModelError, RMSNorm, Transformer, check_tensors,
                    load_state_dict, rope_cache)
@@ -89,6 +90,8 @@ class EagleHead(nn.Module):
             self.layers = nn.ModuleList([layer])
         self.embed_tokens: nn.Embedding | None = None  # the target's, attached by attach()
         self.target_lm_head: nn.Linear | None = None
+        self.cpu_pass: cpu_forward.Stack | None = None  # EAGLE-3 on a bf16 CPU: the layer in one C call (load_eagle)
+        self.kv: Tensor | None = None  # [1, 2, Hkv, S, hd]: the layer's KV cache as cpu_pass reads it
 
     @property
     def layer(self):
@@ -99,7 +102,10 @@ class EagleHead(nn.Module):
             return  # keep buffer addresses stable (captured CUDA graphs point at them)
         self.max_seq = max_seq
         a, w = self.c.args, self.fc.weight
-        self.layer.self_attn.kv_cache = KVCache(1, max_seq, a.n_kv_heads, a.head_dim, w.dtype, w.device)
+        self.kv = torch.zeros(1, 2, a.n_kv_heads, max_seq, a.head_dim, dtype=w.dtype, device=w.device) \
+            if self.cpu_pass is not None else None
+        self.layer.self_attn.kv_cache = KVCache(1, max_seq, a.n_kv_heads, a.head_dim, w.dtype, w.device,
+                                                None if self.kv is None else self.kv[0])
         cos, sin = rope_cache(max_seq, a.head_dim, a.rope_theta, a.rope_scaling)
         self.register_buffer("rope_cos", cos.to(w.device, w.dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(w.device, w.dtype), persistent=False)
@@ -115,6 +121,10 @@ class EagleHead(nn.Module):
         emb = self.embed_tokens(tokens)
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
         L = self.layer
+        if self.kv is not None and tokens.shape[0] == 1 and mask.dim() == 2 and not torch.is_grad_enabled():
+            # the whole layer in one C call (cpu_forward.py): a drafting level costs its weights, not ~100 eager ops
+            h = self.cpu_pass(feats[0], cos, sin, mask, cache_pos, self.kv, emb=emb[0])[0][None]
+            return h, self.norm(h)
         if self.c.version == 3:
             x = torch.cat([L.input_layernorm(emb), L.hidden_norm(feats)], dim=-1)  # embedding first
             h = feats + L.self_attn(x, cos, sin, mask, cache_pos)
@@ -172,6 +182,8 @@ def load_eagle(path, target: Transformer, dtype, device) -> EagleHead:
     head.load_state_dict(sd, assign=True, strict=True)
     attach(head, target)
     cpu_gemm.pack_linears(head)  # where the target's load chose the kernel (bf16 on CPU)
+    if c.version == 3 and cpu_forward.switched_on() and cpu_forward.fits(c.args, [head.midlayer]):
+        head.cpu_pass = cpu_forward.Stack(c.args, [head.midlayer])
     return head.eval()
 
 

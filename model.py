@@ -484,9 +484,7 @@ def load_model(path, dtype=torch.bfloat16, device="cpu") -> Transformer:
     model.load_state_dict({k: sd[k] for k in expected}, assign=True, strict=True)
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
-    if torch.device(device).type == "cpu" and dtype == torch.bfloat16:  # this machine picks its GEMM (cpu_gemm)
-        if cpu_gemm.choose([tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)]):
-            cpu_gemm.pack_linears(model)
-            if cpu_forward.usable(model):
-                model.cpu_pass = cpu_forward.Stack(model)
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16:  # this machine picks its GEMM and its pass
+        cpu_gemm.choose([tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)])
+        cpu_forward.attach(model)
     return model.eval()

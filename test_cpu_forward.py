@@ -1,13 +1,20 @@
 """The fused CPU pass: the PyTorch layers' numbers to bf16 rounding, the same KV, every row's bits independent
-of its pass (tree nodes = autoregressive decoding), aux states, one-tensor KV compaction, compile, the switch."""
+of its pass (tree nodes = autoregressive decoding), aux states, one-tensor KV compaction, compile, the switch;
+an EAGLE-3 head's layer in the same C pass, and lossless drafting through it."""
+import json
+
 import pytest
 import torch
 
 import cpu_forward
 import cpu_gemm
+import draft as dr
 import exact
 import model as M
-from conftest import write_tiny_hf
+from conftest import write_eagle_head, write_tiny_hf
+from eagle import load_eagle
+from generate import Engine
+from vocab import make_vocab
 
 pytestmark = pytest.mark.skipif(cpu_forward.kernel() is None, reason="needs x86-64 with AVX2+FMA and a C compiler")
 
@@ -138,3 +145,95 @@ def test_off_switch_and_domain(target, monkeypatch):
     monkeypatch.setenv(cpu_forward.ENV, "maybe")
     with pytest.raises(ValueError, match="on or off"):
         M.load_model(target, dtype=torch.bfloat16)
+
+
+def head_for(target, m, tmp_path, fused, monkeypatch):
+    cfg = json.loads((target / "config.json").read_text())
+    monkeypatch.setenv(cpu_forward.ENV, "on" if fused else "off")
+    path = tmp_path / "head" if (tmp_path / "head").is_dir() else write_eagle_head(tmp_path / "head", cfg, version=3)
+    head = load_eagle(path, m, torch.bfloat16, "cpu")
+    assert (head.cpu_pass is not None) == fused
+    m.aux_layers = head.c.aux_layers
+    return head
+
+
+@torch.no_grad()
+def test_eagle3_head_layer_matches_its_pytorch_layer(target, tmp_path, monkeypatch):
+    """An EAGLE-3 head's layer in the C pass (q/k/v from [norm(embedding); norm(hidden)], the hidden as the
+    residual) agrees with its PyTorch layer to bf16 rounding over a prompt and over a drafting level (4 rows
+    at scattered draft slots under a tree mask), and writes the same K and V bits (nothing is summed in
+    another order before them)."""
+    g = torch.Generator().manual_seed(5)
+    feats, feats2 = torch.randn(1, 30, 192, generator=g).bfloat16(), torch.randn(1, 4, 192, generator=g).bfloat16()
+    res = {}
+    for fused in (True, False):
+        m = load(target, True, monkeypatch)
+        head = head_for(target, m, tmp_path, fused, monkeypatch)
+        head.setup_caches(96)
+        pos = torch.arange(30)
+        o1 = head(toks(30), feats, pos, pos, head.seq_range[None, :] <= pos[:, None])
+        slots = torch.tensor([33, 30, 37, 31])
+        mask = (head.seq_range[None, :] < 30) | (head.seq_range[None, :] == slots[:, None])
+        o2 = head(toks(4, 1), feats2, torch.full((4,), 30), slots, mask)
+        c = head.layer.self_attn.kv_cache
+        res[fused] = (*o1, *o2, c.k.clone(), c.v.clone())
+    for i, (a, b) in enumerate(zip(res[True], res[False])):
+        assert a.shape == b.shape, i
+        if i < 4:
+            assert a.dtype == b.dtype == torch.bfloat16, i
+            rel = (a.float() - b.float()).norm() / b.float().norm()
+            assert rel < 0.02, (i, rel)
+        else:  # K, V (bf16 values in both; the PyTorch layer's CPU cache is fp32), zeros where never written
+            assert torch.equal(a.float(), b.float()), i
+    assert res[True][4][:, :, :38].abs().sum() > 0
+
+
+@torch.no_grad()
+def test_eagle3_drafting_in_c_is_lossless(target, tmp_path, monkeypatch):
+    """The whole CPU drafting path in C (the target's pass, the head's layer, NanoSpec's packed LM head)
+    reproduces autoregressive greedy output token for token, with the fitted budget and with the whole tree."""
+    m = load(target, True, monkeypatch)
+    head = head_for(target, m, tmp_path, True, monkeypatch)
+    for budget in (True, False):
+        vocab = make_vocab("nanospec", head.lm_weight(), w_max=64, max_append=dr.append_width(10, 3, 3))
+        assert vocab.packed is not None
+        eng = Engine(m, drafter=dr.EagleDrafter(head, vocab, 4, 3, 10), budget=budget)
+        for p in ([5, 17, 99, 3, 42, 42, 8], list(range(30, 60))):
+            assert eng.generate(p, 40)[0] == Engine(m).generate(p, 40)[0], (budget, p)
+
+
+@torch.no_grad()
+def test_auto_mode_times_the_whole_pass_once(target, monkeypatch, tmp_path):
+    """NANOSPEC_CPU_GEMM=auto: load_model times the fused pass against the PyTorch layers on the model's own
+    weights once per machine (a second load reads the cached answer) and applies the answer: the fused pass,
+    or the layers with the GEMM cpu_gemm's check chose, every linear packed exactly when the kernel is on."""
+    monkeypatch.setenv(cpu_gemm.ENV, "auto")
+    monkeypatch.setenv(cpu_forward.ENV, "on")
+    calls, real = [], cpu_forward.fused_wins
+
+    def spy(*a, **k):
+        calls.append(real(*a, **k))
+        return calls[-1]
+
+    monkeypatch.setattr(cpu_forward, "fused_wins", spy)
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path / "real"))
+    ms = [M.load_model(target, dtype=torch.bfloat16) for _ in range(2)]
+    assert len(calls) == 1 and all((m.cpu_pass is not None) == calls[0] for m in ms)
+    p = toks(12)
+    outs = []
+    for m in ms:
+        m.setup_caches(1, 64)
+        outs.append(m(p, torch.arange(12)))
+    assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[0].float()).all()
+    for wins in (True, False):
+        monkeypatch.setattr(cpu_forward, "fused_wins", lambda *a, **k: wins)
+        monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path / str(wins)))
+        m = M.load_model(target, dtype=torch.bfloat16)
+        assert (m.cpu_pass is not None) == wins and cpu_gemm.enabled() >= wins
+        lins = [l for l in m.modules() if isinstance(l, M.Linear)]
+        fused_away = {id(l) for b in m.layers for l in (b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj,
+                                                          b.mlp.gate_proj, b.mlp.up_proj)}
+        for l in lins:
+            assert (l.packed is not None) == (cpu_gemm.enabled() and not (wins and id(l) in fused_away))
+        m.setup_caches(1, 64)
+        torch.testing.assert_close(m(p, torch.arange(12)).float(), outs[0].float(), rtol=0.05, atol=0.05)

@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import cpu_gemm
 import vocab
 from vocab import FreqVocab, FullVocab, NanoSpecVocab
 
@@ -368,3 +369,44 @@ def test_build_freq_cli_round_trip(tmp_path):
     vocab.main(["build-freq", "--tokenizer", str(tmp_path / "tokenizer.json"), "--vocab-size", "10",
                 "--corpus", str(txt), str(recs), "--out", str(out)])
     assert torch.load(out) == [7, 9, 4]  # dog (7) 3 and 9 3 (tie: smaller id first), on (4) 1 + 1
+
+
+@pytest.mark.skipif(cpu_gemm.kernel() is None, reason="needs x86-64 with AVX2+FMA and a C compiler")
+@pytest.mark.parametrize("W", [48, 50])
+def test_packed_rows_follow_the_window(W, monkeypatch):
+    """Where cpu_gemm's kernel scores LM heads (bf16 on the CPU), NanoSpec's packed copy holds exactly the rows
+    buffer after every update (W = 50: the sink row shares the last group with real rows), a compiled update
+    writes the same rows, and the scores are F.linear's to bf16 rounding with the same -inf (free) slots.
+    FullVocab and FreqVocab score through packed copies too."""
+    monkeypatch.setattr(cpu_gemm, "_ON", [True])
+    V, d = 300, 64
+    g = torch.Generator().manual_seed(W)
+    weight = torch.randn(V, d, generator=g).bfloat16()
+    v, vc = NanoSpecVocab(weight, W, 2, 3), NanoSpecVocab(weight, W, 2, 3)
+    assert v.packed is not None and v.state_bytes() > NanoSpecVocab(weight.float(), W, 2, 3).state_bytes()
+    update = torch.compile(vc.update, fullgraph=True, backend="eager")
+    logits = torch.compile(vc.logits, fullgraph=True, backend="eager")
+
+    def unpacked(p):
+        return p.transpose(1, 2).reshape(p.shape[0] * 3, d)[:W]
+
+    h = torch.randn(5, d, generator=g).bfloat16()
+    for x in (v, vc):
+        x.reset(torch.randint(0, V, (20,), generator=torch.Generator().manual_seed(0)))
+    for step in range(25):
+        args = (torch.randint(0, V, (12,), generator=g), torch.rand(12, generator=g) < 0.8,
+                torch.randint(0, V, (3, 3), generator=g), torch.rand(3, generator=g) < 0.7)
+        v.update(*args)
+        update(*args)
+        assert torch.equal(unpacked(v.packed), v.rows) and torch.equal(unpacked(vc.packed), v.rows), step
+        s, ids = v.logits(h)
+        ref = torch.nn.functional.linear(h.float(), v.rows.float(), v.bias.float())
+        assert torch.equal(torch.isneginf(s), torch.isneginf(ref)) and torch.isfinite(s).any()
+        fin = torch.isfinite(ref)
+        torch.testing.assert_close(s.float()[fin], ref[fin], rtol=0.02, atol=0.05)
+        sc, idc = logits(h)
+        assert torch.equal(sc, s) and torch.equal(idc, ids)
+    full, freq = FullVocab(weight), FreqVocab(weight, torch.tensor([7, 3, 250, 99]))
+    assert full.packed is not None and freq.packed is not None
+    for x, rows in ((full, weight), (freq, weight[[7, 3, 250, 99]])):
+        torch.testing.assert_close(x.logits(h)[0].float(), h.float() @ rows.float().T, rtol=0.02, atol=0.05)
