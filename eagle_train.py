@@ -377,7 +377,8 @@ def parse_args(argv=None):
     d = sub.add_parser("data", help="generate training data with the target (cached jsonl)")
     d.add_argument("--checkpoint", default=None, help="target HF folder or hub id (default: embedded SmolLM2)")
     d.add_argument("--out", required=True, help="output jsonl (a .meta.json sidecar records how it was made)")
-    d.add_argument("--dataset", default=None, help="ShareGPT/UltraChat jsonl whose assistant turns are regenerated; "
+    d.add_argument("--dataset", default=None, help="ShareGPT/UltraChat jsonl, or ShareGPT's JSON array (a copy cut off mid-record "
+                                                   "gives its complete records), whose assistant turns are regenerated; "
                                                    "omitted: self-generated (Magpie-style) instructions")
     d.add_argument("--num", type=int, default=1000, help="conversations (self-generated) or at most this many from --dataset")
     d.add_argument("--max-new-tokens", type=int, default=256, help="assistant tokens per turn")

@@ -82,6 +82,19 @@ def test_first_time_of_a_size_is_not_kept():
     assert b.time[1] == 0.4 and b.pick() == 1
 
 
+def test_eager_cpu_steps_settle_after_one_timing():
+    """settle=1 (eager CPU steps: no one-time set-up per shape): each end is timed once, the first time counts,
+    and the choice follows right after; the engine uses it exactly there."""
+    b = Budget(16, probe=10 ** 9, settle=1)
+    seen = []
+    for _ in range(3):
+        k = b.pick()
+        seen.append(k)
+        b.observe(k, list(range(12)) if k == 16 else [0], {16: 2.5, 1: 1.0}[k])
+    assert seen == [16, 1, 16] and b.seconds(16) == 2.5 and b.seconds(1) == 1.0
+    assert b.seconds(4) == pytest.approx(1.0 + 1.5 * 3 / 15)
+
+
 def test_probes_take_a_bounded_share_of_hopeless_text():
     """Nothing is ever accepted and the whole tree costs 8 autoregressive steps: over 600 steps the probes take at
     most probe_share of the time (plus the one probe that crossed it), yet they keep coming (the fallback's

