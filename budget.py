@@ -8,9 +8,10 @@ while it generates and picks the best of a small fixed set of sizes (static shap
 size), instead of trusting a CPU/CUDA default.
 
 The model. Drafted trees list their nodes best first with parents before children (draft.py), so the first
-b nodes are the tree the drafter would have built with budget b. A node is accepted when it and its
-ancestors match the target, whatever else the tree holds, so E[tokens | b] = 1 + sum_{i<b} p_i, with p_i the
-running acceptance rate of node rank i (the bonus token is the 1). Each size's step time (its draft, its
+b nodes are a tree of budget b; asked for b nodes, EAGLE drafts a search scaled to b (cheaper, nearly the same
+nodes: EagleDrafter.shape_for) and the hybrid the prompt-lookup chain where it has one. A node is accepted when
+it and its ancestors match the target, whatever else the tree holds, so E[tokens | b] = 1 + sum_{i<b} p_i,
+with p_i the running acceptance rate of node rank i (the bonus token is the 1). Each size's step time (its draft, its
 verification, the sync and the drafter's update) is a running average, measured. Size 1 is autoregressive
 decoding: no draft, a one-row pass, and the drafter's update (it keeps the drafter in step with the text).
 The whole tree and autoregressive decoding are tried first, `settle` times each: twice where a size's
@@ -30,8 +31,9 @@ SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 class Budget:
     def __init__(self, nodes: int, decay: float = 0.8, probe: int = 8, max_gap: int = 64, probe_share: float = 0.05,
-                 settle: int = 2):
+                 settle: int = 2, pass_s: dict | None = None):
         self.nodes = nodes
+        self.pass_s = pass_s  # {size: seconds} of the target's pass on this machine (Engine.pass_costs), or None
         self.settle = settle  # steps of a size before its time counts (the first ones may pay one-time set-up)
         self.probe_share = probe_share  # while decoding autoregressively: most of the time probes may take
         self.probe_s = self.total_s = 0.0  # seconds of those probes, of every step
@@ -56,9 +58,11 @@ class Budget:
         return 1.0 + sum(self.p(i) for i in range(1, b))
 
     def seconds(self, b: int) -> float:
-        """Step time of size b: its running mean once timed `settle` times, else interpolated (linearly in b) between
-        the nearest sizes that are (a verification's cost grows about linearly with its rows on a CPU and
-        stays flat on a GPU, so both ends bound the middle)."""
+        """Step time of size b: its running mean once timed `settle` times. Else, with the machine's pass costs,
+        the nearest smaller timed size's time plus the passes' difference (a CPU's cost is flat for a few rows,
+        then grows with them: a straight line from one row to the whole tree overrates the middle sizes, and a
+        size never chosen is never timed); without them, interpolated linearly between the nearest timed sizes
+        (a verification's cost grows about linearly with its rows on a CPU and stays flat on a GPU)."""
         known = [s for s in self.sizes if self.timed.get(s, 0) >= self.settle]
         if b in known:
             return self.time[b]
@@ -66,6 +70,8 @@ class Budget:
             return self.time.get(b, sum(self.time.values()) / len(self.time))
         lo = max((s for s in known if s < b), default=None)
         hi = min((s for s in known if s > b), default=None)
+        if self.pass_s and lo is not None and b in self.pass_s and lo in self.pass_s:
+            return self.time[lo] + max(self.pass_s[b] - self.pass_s[lo], 0.0)
         if lo is None or hi is None:
             return self.time[lo if hi is None else hi]
         return self.time[lo] + (self.time[hi] - self.time[lo]) * (b - lo) / (hi - lo)
@@ -125,4 +131,44 @@ class Budget:
                  speculated_share=round(spec / max(sum(self.chosen.values()), 1), 4))
         if self.time:
             d["budget_curve"] = {str(b): [round(self.seconds(b) * 1000, 2), round(self.tokens(b), 3)] for b in self.sizes}
+        return d
+
+
+class Budgets:
+    """One Budget per source of the next step's drafts (the drafter's budget_key): the hybrid's steps where
+    prompt lookup has a chain and those where only the EAGLE head drafts accept differently at every size
+    (a 4-node step is a chain in one and a small EAGLE tree in the other), so each keeps its own acceptance
+    and step times, and the budget of a step is the one that picked it."""
+
+    def __init__(self, nodes: int, **kw):
+        self.nodes, self.kw, self.of, self.key = nodes, kw, {}, None
+
+    @property
+    def settle(self) -> int:
+        return self.kw.get("settle", 2)
+
+    def pick(self, key) -> int:
+        self.key = key
+        if key not in self.of:
+            self.of[key] = Budget(self.nodes, **self.kw)
+        return self.of[key].pick()
+
+    def observe(self, b: int, accepted: list[int], seconds: float):
+        self.of[self.key].observe(b, accepted, seconds)
+
+    def stats(self) -> dict:
+        """Budget.stats of the request, over every source: the summed histogram and speculated share, the cost
+        curve of the source with the most steps, and with several sources each one's curve and step share."""
+        hist = {}
+        for bud in self.of.values():
+            for s, v in bud.chosen.items():
+                hist[s] = hist.get(s, 0) + v
+        spec, total = sum(v for s, v in hist.items() if s > 1), max(sum(hist.values()), 1)
+        d = dict(budget_hist={str(k): v for k, v in sorted(hist.items())}, speculated_share=round(spec / total, 4))
+        if self.of:
+            main = max(self.of.values(), key=lambda x: sum(x.chosen.values()))
+            d.update({k: v for k, v in main.stats().items() if k == "budget_curve"})
+        if len(self.of) > 1:
+            d["budget_sources"] = {str(k): dict(share=round(sum(x.chosen.values()) / total, 4), **x.stats())
+                                   for k, x in self.of.items()}
         return d

@@ -349,26 +349,40 @@ def attach(model):
 
 @torch.no_grad()
 def fused_wins(model, stack: "Stack", packs: dict, layers_kernel: bool, reps: int = 3) -> bool:
-    """Time the model's whole pass here at every ROWS_WORTH size (context 256 keys), fused and as PyTorch
-    layers, alternating, medians of reps; True iff the fused pass's best worth per second beats the layers'.
-    Leaves the model without caches or a fused pass."""
-    ctx = min(256, model.args.max_position_embeddings - 16)
-    tok = torch.randint(0, model.args.vocab_size, (1, max(ROWS_WORTH)), generator=torch.Generator().manual_seed(0))
+    """Time the model's whole pass here at every ROWS_WORTH size (pass_seconds), fused and as PyTorch layers,
+    alternating, medians of reps; True iff the fused pass's best worth per second beats the layers'. Leaves the
+    model without caches or a fused pass."""
     ts = {f: {r: [] for r in ROWS_WORTH} for f in (True, False)}
     for _ in range(reps + 1):  # the first round warms up
         for fused in (True, False):
             cpu_gemm._ON[0] = fused or layers_kernel
             for m, p in packs.items():  # (the fused copies replaced some; the layers need them all)
                 m.packed = p
-            model.cpu_pass, model.max_batch = (stack if fused else None), -1
-            model.setup_caches(1, ctx + max(ROWS_WORTH))
-            for r in ROWS_WORTH:
-                t0 = time.perf_counter()
-                model(tok[:, :r], ctx + torch.arange(r))
-                ts[fused][r].append(time.perf_counter() - t0)
-    model.cpu_pass, model.kv, model.max_batch, model.max_seq = None, None, -1, -1
+            model.cpu_pass = stack if fused else None
+            for r, t in pass_seconds(model, list(ROWS_WORTH), reps=1).items():
+                ts[fused][r].append(t)
+    model.cpu_pass = None
     worth = {f: max(w / sorted(ts[f][r][1:])[reps // 2] for r, w in ROWS_WORTH.items()) for f in ts}
     return worth[True] > worth[False]
+
+
+@torch.no_grad()
+def pass_seconds(model, rows: list[int], reps: int = 3, ctx: int = 256) -> dict[int, float]:
+    """{rows: median seconds} of the model's pass as it runs now (fused or PyTorch layers, its GEMM), at each
+    row count, over a context of ctx keys, rows interleaved, medians of reps (one warm-up round first when
+    reps > 1). Leaves the model without caches (its next setup_caches allocates them afresh)."""
+    ctx = max(1, min(ctx, model.args.max_position_embeddings - max(rows)))
+    tok = torch.randint(0, model.args.vocab_size, (1, max(rows)), generator=torch.Generator().manual_seed(0))
+    model.max_batch = -1
+    model.setup_caches(1, ctx + max(rows))
+    ts = {r: [] for r in rows}
+    for _ in range(reps + (reps > 1)):
+        for r in rows:
+            t0 = time.perf_counter()
+            model(tok[:, :r], ctx + torch.arange(r))
+            ts[r].append(time.perf_counter() - t0)
+    model.kv, model.max_batch, model.max_seq = None, -1, -1
+    return {r: sorted(t[-reps:])[reps // 2] for r, t in ts.items()}
 
 
 class Stack:

@@ -182,7 +182,15 @@ class VocabDrafter:
         ver = torch.topk(a.logits.index_select(0, a.path), vocab.k_ver, dim=-1).indices  # [D+1, k_ver]
         drows, dvalid = self.rows_of(a.tree.tokens)
         vrows, vvalid = self.rows_of(ver)
-        vocab.update(drows, dvalid & a.tree.valid, vrows, vvalid & on_path[:, None])
+        dvalid, vvalid = dvalid & a.tree.valid, vvalid & on_path[:, None]
+        W = getattr(vocab, "W", None)
+        if W is not None and drows.shape[0] + vrows.numel() > W:
+            # a catch-up chain (draft.chained: a run of autoregressive or chain-only steps) longer than the
+            # window takes in one append: its older entries would leave the window anyway, so the newest
+            # positions that fit go in (a chain: node i is path position i). Shapes only, no sync.
+            P = W // (1 + vrows.shape[1])
+            drows, dvalid, vrows, vvalid = drows[-P:], dvalid[-P:], vrows[-P:], vvalid[-P:]
+        vocab.update(drows, dvalid, vrows, vvalid)
 
     def stats(self) -> dict:
         hits, emitted, act_sum, act_max, steps = self.metrics.tolist()
@@ -266,11 +274,27 @@ class EagleDrafter(VocabDrafter):
         self.last_lm_in.copy_(lm_in[0].index_select(0, idx)[0])
         self.observe(a, nxt)
 
+    def budget_key(self, hist: list[int]) -> str:
+        """The statistics budget.Budgets keeps for the next step (hist: every token so far, the next root last)."""
+        return "eagle"
+
+    def shape_for(self, budget: int | None) -> tuple[int, int, int]:
+        """(top-k, depth, nodes) of the tree drafted for a budget of verified nodes: the configured tree, or
+        for a smaller budget a search scaled to it (top-k up to half the budget, depth up to budget - 1), so
+        drafting costs what the budget verifies (on a CPU a level of the full search costs about a twentieth
+        of a decode step per row; a 2-node tree is the root's best child alone: no head forward). One static
+        shape per budget size."""
+        if budget is None or budget >= self.nodes:
+            return self.topk, self.depth, self.nodes
+        return min(self.topk, max(1, budget // 2)), min(self.depth, budget - 1), budget
+
     @torch.no_grad()
     def draft(self, root: Tensor, n: Tensor, budget: int | None = None) -> Tree:
         """EAGLE-2: expand the top-k frontier by cumulative log-probability for `depth` levels,
-        then keep the best `nodes - 1` candidates. Static shapes throughout, no host syncs."""
-        h, k, D, dev = self.head, self.topk, self.depth, root.device
+        then keep the best `nodes - 1` candidates (shape_for: scaled to a smaller budget). Static shapes
+        throughout, no host syncs."""
+        k, D, N = self.shape_for(budget)
+        h, dev = self.head, root.device
         logp, ids = self._logp(self.last_lm_in[None])  # [1, n_rows]
         s, idx = torch.topk(logp[0], k)  # [k]
         cand_tok, cand_score, cand_parent = [self.tokens_of(ids[idx])], [s], [torch.full((k,), -1, device=dev)]
@@ -294,7 +318,7 @@ class EagleDrafter(VocabDrafter):
             fr_tok, fr_score, fr_cand = tok[top], sc[top], base + top
             fr_feat = out[0, prow]
             fr_anc = fr_anc[prow] | F.one_hot(lvl * k + torch.arange(k, device=dev), D * k).bool()
-        return self._rerank(torch.cat(cand_tok), torch.cat(cand_score), torch.cat(cand_parent), root)
+        return self._rerank(torch.cat(cand_tok), torch.cat(cand_score), torch.cat(cand_parent), root, k, D, N)
 
     def _slot_mask(self, fr_anc: Tensor, n: Tensor) -> Tensor:
         # place the [k, D*k] ancestor rows at draft cache columns n .. n + D*k
@@ -302,10 +326,9 @@ class EagleDrafter(VocabDrafter):
         m = torch.zeros(k, self.head.seq_range.shape[0], dtype=torch.bool, device=fr_anc.device)
         return m.index_copy(1, n + torch.arange(fr_anc.shape[1], device=fr_anc.device), fr_anc)
 
-    def _rerank(self, tok, score, parent, root) -> Tree:
-        k, N, dev = self.topk, self.nodes, tok.device
-        C = tok.shape[0]
-        level = torch.cat([torch.zeros(k, device=dev), torch.arange(1, self.depth, device=dev).repeat_interleave(k * k)])
+    def _rerank(self, tok, score, parent, root, k, D, N) -> Tree:
+        dev, C = tok.device, tok.shape[0]
+        level = torch.cat([torch.zeros(k, device=dev), torch.arange(1, D, device=dev).repeat_interleave(k * k)])
         # a child's score never exceeds its parent's; the small depth penalty breaks exact ties the same
         # way, so a selected child's parent is always selected too
         key = torch.nan_to_num(score, nan=-1e30, neginf=-1e30) - 1e-4 * level
@@ -317,8 +340,8 @@ class EagleDrafter(VocabDrafter):
         parents = torch.cat([torch.tensor([-1], device=dev), torch.where(cp < 0, 0, pos_of[cp.clamp(min=0)] + 1)])
         depth = torch.cat([torch.zeros(1, device=dev), level[sel] + 1]).long()
         tokens = torch.cat([root.view(1), tok[sel]])
-        anc = ancestor_mask(parents, self.depth)
-        return Tree(tokens, parents, depth, anc, torch.ones(N, dtype=torch.bool, device=dev), None, self.depth)
+        anc = ancestor_mask(parents, D)
+        return Tree(tokens, parents, depth, anc, torch.ones(N, dtype=torch.bool, device=dev), None, D)
 
 
 class ModelDrafter(VocabDrafter):
@@ -330,6 +353,9 @@ class ModelDrafter(VocabDrafter):
         self.model, self.vocab, self.k, self.sampling = model, vocab, k, sampling
         self.depth, self.nodes = k, k + 1
         self.lm_head_s = 0.0
+
+    def budget_key(self, hist: list[int]) -> str:
+        return "model"
 
     def setup(self, max_seq: int):
         # the chain needs k + 1 slots past the verified prefix; the engine's cache budget already counts
@@ -391,6 +417,9 @@ class NgramDrafter:
         # instead of once per proposal length (each CPU inductor compile costs tens of seconds); for --compile
         self.static = static
 
+    def budget_key(self, hist: list[int]) -> str:
+        return "ngram"
+
     def setup(self, max_seq):
         pass
 
@@ -429,7 +458,7 @@ class HybridDrafter:
     long as the tree holds them, and the rest hangs below the last one. Node order (what budget.py's
     prefixes cut): the root, the tree nodes the chain agrees with, the chain's own continuation, then the
     other tree nodes best first; parents still come before children. A budget below the whole tree gets the
-    chain alone, or the root alone where there is no chain (draft). It is one tree verified once, so the
+    chain alone, or where there is no chain an EAGLE tree drafted for that budget (EagleDrafter.shape_for). It is one tree verified once, so the
     output is the target's as for any tree. Both drafters learn from every step (NanoSpec's window sees the
     chain's tokens too). Reads host values (the chain search): graphable = False."""
 
@@ -440,6 +469,13 @@ class HybridDrafter:
         self.vocab = eagle.vocab
         self.nodes = eagle.nodes + ngram.k
         self.depth = max(eagle.depth, ngram.k)
+
+    def budget_key(self, hist: list[int]) -> str:
+        """ngram where prompt lookup has a chain after hist (the next root last), else eagle: below the whole
+        tree the two draft differently, so budget.Budgets keeps their statistics apart. The proposal is kept
+        for the draft that follows."""
+        self.proposal = (len(hist), hist[-1], self.ngram.propose(hist))
+        return "ngram" if self.proposal[2] else "eagle"
 
     def setup(self, max_seq: int):
         self.eagle.setup(max_seq + self.ngram.k)  # the chain's nodes may pass the tree's slots
@@ -452,25 +488,27 @@ class HybridDrafter:
         self.source = []
         self.skipped = 0  # steps that verified only the chain, so the EAGLE tree was not drafted
         self.chain_only, self.pending = False, []  # the head's updates wait while it does not draft
+        self.proposal = (-1, -1, [])  # (history length, root, chain) of budget_key's proposal
 
     @torch.no_grad()
     def draft(self, root: Tensor, n: Tensor, budget: int | None = None) -> Tree:
-        chain = self.ngram.propose(self.ngram.hist + [int(root)])
-        if budget is not None and 1 < budget < self.nodes and not self.ngram.static:
-            # Below the whole tree's budget the hybrid is prompt lookup: the chain alone where there is one,
-            # else an autoregressive step (the root alone), and the EAGLE tree is not drafted. Where the
-            # budget reaches no further than the chain the prefix is the same anyway (node order above); past
-            # it, drafting the tree costs about a decode step on a CPU (a one-layer head's eager ops next to
-            # the fused pass) for EAGLE prefixes that do not pay there. The whole tree (budget.py's largest
-            # size, and budget None) is the merged tree, so the budget still weighs EAGLE against the rest.
+        r, m = int(root), len(self.ngram.hist) + 1
+        chain = self.proposal[2] if self.proposal[:2] == (m, r) else self.ngram.propose(self.ngram.hist + [r])
+        small = budget is not None and 1 < budget < self.nodes and not self.ngram.static
+        if small and chain:
+            # Below the whole tree's budget, where prompt lookup has a chain, the hybrid verifies the chain
+            # alone and does not draft the EAGLE tree: where the budget reaches no further than the chain the
+            # prefix is the same anyway (node order above), and past it the tree's draft costs more than its
+            # extra nodes win on a CPU. The whole tree (budget.py's largest size, and budget None) is the
+            # merged tree, so the budget still weighs EAGLE against the rest.
             self.source = ["eagle"] + ["ngram"] * len(chain)
             self.skipped += 1
             self.chain_only = True
             return chain_tree(torch.cat([root.view(1), torch.tensor(chain, dtype=root.dtype, device=root.device)]))
         self.chain_only = False
         self._catch_up()
-        t = self.eagle.draft(root, n)
-        if not chain and not self.ngram.static:
+        t = self.eagle.draft(root, n, budget if small else None)  # no chain, small budget: a tree of that size
+        if small or (not chain and not self.ngram.static):
             self.source = ["eagle"] * t.tokens.shape[0]
             return t
         toks, par = t.tokens.tolist(), t.parents.tolist()

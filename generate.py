@@ -15,9 +15,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+import cpu_forward
+import cpu_gemm
 import draft as dr
 from download import CheckpointError, resolve_checkpoint
-from budget import Budget
+from budget import SIZES, Budgets
 from exact import MAX_ROWS, Invariance, PassRows, machine_id
 from model import RECENT, ModelError, Transformer, causal_recent, load_model, tree_mask, tree_recent
 from sampling import Sampling, accept_greedy, accept_sample, logits_to_probs, sample
@@ -295,6 +297,7 @@ class Engine:
         m, d, dev = self.model, self.drafter, self.device
         T, eos = len(prompt), set(m.args.eos_ids)
         S, self.R_ver = self.plan(T, max_new_tokens, d.nodes)
+        pass_s = self.pass_costs(d.nodes) if self.budget else None  # (before the caches: it times passes)
         m.setup_caches(1, S)
         d.setup(S)
         self._check_graphs()
@@ -312,8 +315,9 @@ class Engine:
         t_start = t_step = time.perf_counter()
         # eager CPU steps pay no one-time set-up per shape: one timing step of each end of the budget range
         settle = 1 if dev.type == "cpu" and not self.compiled else 2
-        budget = self.last_budget = Budget(d.nodes, settle=settle) if self.budget else None  # (kept for diagnostics)
-        b = budget.pick() if budget else d.nodes  # nodes to verify; 1 = an autoregressive step (no draft)
+        budget = self.last_budget = Budgets(d.nodes, settle=settle, pass_s=pass_s) if self.budget else None
+        # nodes to verify; 1 = an autoregressive step (no draft); per source of the next drafts (budget_key)
+        b = budget.pick(d.budget_key(prompt + out)) if budget else d.nodes
         with clock("draft"):
             tree = d.draft(tok, n, b if budget else None) if b > 1 else dr.chain_tree(tok)
         planned, pending = None, []  # pending: autoregressive steps the drafter has not seen yet
@@ -330,7 +334,7 @@ class Engine:
             if budget:  # a step's time: the drafter's last update, this draft, the verification and the sync
                 t_step, t = time.perf_counter(), t_step
                 budget.observe(b, nodes, t_step - t)
-                b = budget.pick()
+                b = budget.pick(d.budget_key(prompt + out + emitted))
             if tree.tokens.shape[0] == 1 and b == 1 and len(pending) < 128:  # autoregressive, and so is the next
                 pending.append(acc)  # the drafter catches up on a run of these later, in one update
                 tree = dr.chain_tree(acc.bonus.view(1))
@@ -358,6 +362,25 @@ class Engine:
         lm = st.extra.pop("lm_head_s", 0.0)  # drafting time spent in the LM head (eager only)
         st.phase_s["lm_head"], st.phase_s["draft"] = lm, st.phase_s["draft"] - lm
         return out, st
+
+    def pass_costs(self, nodes: int) -> dict[int, float] | None:
+        """Seconds of the target's pass at each budget size up to nodes, on this machine (CPU; measured once
+        and cached per machine, model and pass kind in cache_dir()/pass_cost.json; a second or so): budget.py's
+        estimate for the sizes a request has not timed. None on other devices (budget.py interpolates)."""
+        m = self.model
+        if self.device.type != "cpu":
+            return None
+        a, sizes = m.args, [s for s in SIZES if s < nodes] + [nodes]
+        key = (f"{cpu_gemm.machine_id()} L{a.n_layers} d{a.dim} h{a.n_heads}/{a.n_kv_heads}x{a.head_dim} "
+               f"i{a.intermediate_size} v{a.vocab_size} {m.lm_head.weight.dtype} "
+               f"{'fused pass' if m.cpu_pass is not None else 'layers'} {'kernel' if cpu_gemm.enabled() else 'torch'}")
+        f = cpu_gemm.cache_dir() / "pass_cost.json"
+        costs = cpu_gemm.read_json(f).get(key, {})
+        missing = [s for s in sizes if str(s) not in costs]
+        if missing:
+            costs.update({str(r): t for r, t in cpu_forward.pass_seconds(m, missing).items()})
+            cpu_gemm.merge_json(f, key, costs)
+        return {s: costs[str(s)] for s in sizes}
 
     def _check_graphs(self):
         graphed = [s for s in (self.verify_step, self.advance_step) if isinstance(s, Graphed)]

@@ -3,7 +3,7 @@ the ends first, the fallback to autoregressive decoding and back. (The engine's 
 budget is in test_generate.py.)"""
 import pytest
 
-from budget import Budget
+from budget import Budget, Budgets
 
 
 def trained(nodes, p, cost):
@@ -114,3 +114,37 @@ def test_probes_take_a_bounded_share_of_hopeless_text():
         ks.append(k)
         b.observe(k, list(range(k)), cost(k))
     assert sum(k > 1 for k in ks[-50:]) >= 40  # (slowly: after a long hopeless run probes come 64 steps apart)
+
+
+def test_each_source_keeps_its_own_budget():
+    """Budgets: steps drafted by prompt lookup (a chain accepted to the end) and by the EAGLE head alone (nothing
+    accepted) keep apart, so the chain's size pays where there is a chain and the other steps fall back to
+    autoregressive decoding; observe() goes to the budget that picked; stats() merge the histograms."""
+    bs = Budgets(8, probe=10 ** 9, settle=1)
+    cost = lambda k: 1.0 + 0.1 * k
+    picks = {"ngram": [], "eagle": []}
+    for step in range(40):
+        key = "ngram" if step % 2 else "eagle"
+        k = bs.pick(key)
+        picks[key].append(k)
+        bs.observe(k, list(range(k)) if key == "ngram" else [0], cost(k))
+    assert picks["ngram"][-5:] == [8] * 5 and picks["eagle"][-5:] == [1] * 5
+    d = bs.stats()
+    assert sum(d["budget_hist"].values()) == 40 and set(d["budget_sources"]) == {"ngram", "eagle"}
+    assert d["budget_sources"]["ngram"]["share"] == 0.5 and 0.4 < d["speculated_share"] < 0.6
+    assert bs.settle == 1
+
+
+def test_untimed_sizes_follow_the_machines_pass_costs():
+    """With the machine's pass costs (Engine.pass_costs), an untimed size costs the nearest smaller timed size's
+    step plus the passes' difference (flat then rising, as a CPU's), not a straight line from one row to the
+    whole tree; without them the line stays."""
+    pass_s = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.8, 16: 3.5}
+    b, line = Budget(16, settle=1, pass_s=pass_s), Budget(16, settle=1)
+    for x in (b, line):
+        x.observe(16, [0], 4.0)
+        x.observe(1, [0], 1.2)
+    assert b.seconds(4) == pytest.approx(1.2 + 0.1) and b.seconds(8) == pytest.approx(1.2 + 0.8)
+    assert line.seconds(4) == pytest.approx(1.2 + 2.8 * 3 / 15)
+    b.observe(4, [0], 1.5)
+    assert b.seconds(8) == pytest.approx(1.5 + 0.7) and b.seconds(4) == 1.5

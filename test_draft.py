@@ -79,6 +79,30 @@ def accepted(tree, L, bonus, n=0, V=256):
     return dr.Accepted(tree, path, torch.tensor(L), torch.tensor(bonus), torch.zeros(N, V), z, z, torch.tensor(n))
 
 
+def test_long_catch_up_chain_fits_the_window():
+    """A catch-up chain (draft.chained over a run of autoregressive steps) whose append outruns the NanoSpec
+    window goes in as its newest positions: no error mid-generation, and the window ends as if the steps had
+    been appended one by one."""
+    V, K, W = 200, 40, 64
+    g = torch.Generator().manual_seed(0)
+    toks, logits = torch.randint(0, V, (K,), generator=g), torch.randn(K, V, generator=g)
+    steps = [dr.Accepted(dr.chain_tree(toks[i:i + 1]), torch.zeros(1, dtype=torch.long), torch.tensor(1),
+                         toks[(i + 1) % K], logits[i:i + 1], torch.zeros(1, 1, 8), None, torch.tensor(i))
+             for i in range(K)]
+    ds = []
+    for _ in range(2):
+        d = dr.VocabDrafter()
+        d.vocab = make_vocab("nanospec", torch.randn(V, 8, generator=g), w_max=W, k_pre=1, k_ver=3)
+        d.reset_vocab(dr.Prefill(toks[:3], toks[3:4], logits[:3], None, None))
+        ds.append(d)
+    a = dr.chained(steps)
+    assert a.tree.tokens.shape[0] + 3 * a.path.shape[0] > W  # one append would not fit
+    ds[0].observe(a, a.next_tokens())
+    for st in steps:
+        ds[1].observe(st, st.next_tokens())
+    assert torch.equal(ds[0].vocab.count, ds[1].vocab.count)
+
+
 def test_ngram_history_tracks_the_sequence():
     d = dr.NgramDrafter(k=3, nmin=1, nmax=2)
     p = torch.tensor([1, 2, 3, 1, 2])

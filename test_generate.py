@@ -10,6 +10,7 @@ import torch.utils._pytree as pytree
 import cpu_forward
 import cpu_gemm
 import draft as dr
+import budget as budget_module
 from budget import Budget
 from conftest import write_eagle_head, write_tiny_hf
 from eagle import load_eagle
@@ -176,7 +177,7 @@ def test_speculative_sampling_is_exact(tmp_path, monkeypatch, kind, samp, prefix
         class Prefix(Budget):
             def pick(self):
                 return prefix
-        monkeypatch.setattr(g, "Budget", Prefix)
+        monkeypatch.setattr(budget_module, "Budget", Prefix)
     V = 12
     path, _ = write_tiny_hf(tmp_path / "t", vocab_size=V, seed=3)
     cfg = json.loads((path / "config.json").read_text())
@@ -489,7 +490,7 @@ class Cycle(Budget):
 @pytest.mark.parametrize("kind,vocab", [("eagle3", "nanospec"), ("eagle2", "full"), ("eagle3_pruned", "full"),
                                         ("model", "nanospec"), ("ngram", "full"), ("hybrid", "nanospec")])
 def test_greedy_lossless_with_every_budget(tiny, monkeypatch, kind, vocab):
-    monkeypatch.setattr(g, "Budget", Cycle)
+    monkeypatch.setattr(budget_module, "Budget", Cycle)  # every source's budget cycles (budget.Budgets)
     m = target(tiny[0])
     w_max = 48 if kind == "eagle3_pruned" else 64
     eng = Engine(m, drafter=make_drafter(kind, tiny, m, vocab, w_max=w_max), budget=True)
@@ -525,6 +526,22 @@ def prefilled(m, drafters, prompt):
             d.setup(S)
             d.prefill(dr.Prefill(p, tok, logits[0], hid, aux))
     return tok, torch.tensor(len(p))
+
+
+def test_pass_costs_are_measured_once_per_machine(tiny, monkeypatch, tmp_path):
+    """The budget's pass-cost table: every size of the budget range, timed on the first request with the
+    budget and read from the cache afterwards (a second engine too), and the request is still lossless."""
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
+    calls, real = [], cpu_forward.pass_seconds
+    monkeypatch.setattr(cpu_forward, "pass_seconds", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    m = target(tiny[0])
+    for _ in range(2):
+        eng = Engine(m, drafter=make_drafter("eagle3", tiny, m, "nanospec"), budget=True)
+        assert eng.generate(PROMPTS[0], 12)[0] == autoregressive(m, PROMPTS[0], 12)
+    assert calls == [[1, 2, 4, 8, 10]]
+    costs = eng.pass_costs(10)
+    assert sorted(costs) == [1, 2, 4, 8, 10] and all(v > 0 for v in costs.values()) and len(calls) == 1
+    assert eng.last_budget.of["eagle"].pass_s == costs
 
 
 def test_prefix_is_the_smaller_budgets_tree(tiny):
@@ -573,8 +590,9 @@ def test_hybrid_tree_merges_the_chain(tiny):
 
 def test_hybrid_skips_the_eagle_tree_when_the_budget_verifies_only_the_chain(tiny):
     """A budget below the whole tree gets the root + chain without the EAGLE tree being drafted (where the
-    budget reaches no further than the chain, that is the merged tree's prefix of the same size), or the root
-    alone where there is no chain; the whole tree's budget (or none) drafts the tree."""
+    budget reaches no further than the chain, that is the merged tree's prefix of the same size), or where
+    there is no chain an EAGLE tree drafted for that budget; the whole tree's budget (or none) drafts the
+    whole tree."""
     m = target(tiny[0])
     d = make_drafter("hybrid", tiny, m, "nanospec")
     tok, n = prefilled(m, [d], PROMPTS[2])
@@ -594,9 +612,51 @@ def test_hybrid_skips_the_eagle_tree_when_the_budget_verifies_only_the_chain(tin
         assert torch.equal(d.draft(tok, n, d.nodes).tokens, full.tokens) and len(calls) == 1
         assert torch.equal(d.draft(tok, n).tokens, full.tokens) and len(calls) == 2
         d.ngram.propose = lambda hist: []
-        assert d.draft(tok, n, 4).tokens.tolist() == [int(tok)] and len(calls) == 2
-        assert d.draft(tok, n, d.nodes).tokens.shape[0] == d.eagle.nodes and len(calls) == 3
-    assert d.stats()["chain_only_steps"] == 5
+        t4 = d.draft(tok, n, 4)
+        assert torch.equal(t4.tokens, real(tok, n, 4).tokens) and t4.tokens.shape[0] == 4 and len(calls) == 3
+        assert d.source == ["eagle"] * 4
+        assert d.draft(tok, n, d.nodes).tokens.shape[0] == d.eagle.nodes and len(calls) == 4
+    assert d.stats()["chain_only_steps"] == 4  # the 4 chain steps above (b = 2, 3, 4, 9)
+
+
+def test_eagle_tree_for_a_small_budget_is_drafted_at_its_size(tiny):
+    """A budget below the configured tree drafts a search scaled to it (EagleDrafter.shape_for): b nodes, parents
+    first, the ancestor masks their closure, depth below b; 2 nodes are the root's best child, found without a
+    single head forward; the whole budget (or none) drafts the configured tree."""
+    m = target(tiny[0])
+    d = make_drafter("eagle3", tiny, m, topk=4, depth=3, nodes=12)
+    tok, n = prefilled(m, [d], PROMPTS[2])
+    forwards = []
+    real = d.head.forward
+    d.head.forward = lambda *a, **k: forwards.append(1) or real(*a, **k)
+    with torch.no_grad():
+        for b, fw in ((2, 0), (4, 2), (8, 2)):
+            forwards.clear()
+            t = d.draft(tok, n, b)
+            N = t.tokens.shape[0]
+            assert N == b and len(forwards) == fw and d.shape_for(b) == (min(4, b // 2), min(3, b - 1), b), b
+            assert int(t.parents[0]) == -1 and (t.parents[1:] < torch.arange(1, N)).all()
+            assert torch.equal(t.anc, dr.ancestor_mask(t.parents, t.max_depth)) and int(t.depth.max()) < b
+        logp, ids = d._logp(d.last_lm_in[None])
+        assert d.draft(tok, n, 2).tokens.tolist() == [int(tok), int(d.tokens_of(ids[logp[0].argmax()]))]
+        assert torch.equal(d.draft(tok, n, 12).tokens, d.draft(tok, n).tokens) and d.shape_for(12) == (4, 3, 12)
+
+
+def test_hybrid_budgets_chain_and_tree_steps_apart(tiny):
+    """With the fitted budget the hybrid's steps with a prompt-lookup chain and those without keep separate
+    statistics (budget.Budgets, keyed by budget_key), the draft reuses the key's proposal, and the output is
+    still autoregressive decoding's."""
+    m = target(tiny[0])
+    d = make_drafter("hybrid", tiny, m, "nanospec")
+    real, calls = d.ngram.propose, []
+    d.ngram.propose = lambda hist: calls.append(len(hist)) or (real(hist) if len(hist) % 2 else [])
+    eng = Engine(m, drafter=d, budget=True)
+    out, st = eng.generate(PROMPTS[1] * 3, 40)
+    assert out == autoregressive(m, PROMPTS[1] * 3, 40)
+    srcs = st.extra["budget_sources"]
+    assert set(srcs) == {"ngram", "eagle"} and abs(sum(x["share"] for x in srcs.values()) - 1) < 1e-3
+    assert sum(st.extra["budget_hist"].values()) == sum(sum(x["budget_hist"].values()) for x in srcs.values())
+    assert len(calls) == len(set(calls))  # one proposal per step: the draft took budget_key's
 
 
 def test_hybrid_reports_where_accepted_tokens_came_from(tiny):
@@ -615,7 +675,7 @@ def test_budget_sizes_compile_once_each(tiny, monkeypatch, kind):
     are padded to one size under --compile), so a second request that moves through the same sizes traces
     nothing new, and its tokens are still autoregressive decoding's."""
     from torch._dynamo.testing import CompileCounter
-    monkeypatch.setattr(g, "Budget", Cycle)
+    monkeypatch.setattr(budget_module, "Budget", Cycle)  # every source's budget cycles (budget.Budgets)
     torch._dynamo.reset()
     m = target(tiny[0])
     d = make_drafter(kind, tiny, m, "nanospec")
