@@ -17,7 +17,8 @@ decoding: no draft, a one-row pass, and the drafter's update (it keeps the draft
 The whole tree and autoregressive decoding are tried first, `settle` times each: twice where a size's
 first step pays one-time set-up (a compiled step's new shape, a CUDA graph's capture, CUDA kernels' first
 launch), once for eager CPU steps, which have none (a whole-tree step there costs several decode steps:
-on a short answer a second one is a tenth of its time); sizes between are interpolated until chosen and timed. Afterwards every
+on a short answer a second one is a tenth of its time); sizes between are estimated until chosen and timed
+(from the machine's pass costs where the engine has them, see seconds()). Afterwards every
 `probe`-th step re-measures what the current choice does not: while speculating, in turn the next size up
 (the acceptance of deeper nodes) and an autoregressive step; while decoding autoregressively, in turn the most
 promising speculative size (cheap: often the prompt-lookup chain alone, draft.HybridDrafter) and the whole tree.
@@ -125,7 +126,7 @@ class Budget:
 
     def stats(self) -> dict:
         """The request's budget histogram and speculated share, and its cost curve: per size, the step time
-        (ms; interpolated where not timed twice) and the expected tokens per step, at the request's end."""
+        (ms; estimated where not timed `settle` times) and the expected tokens per step, at the request's end."""
         spec = sum(v for s, v in self.chosen.items() if s > 1)
         d = dict(budget_hist={str(k): v for k, v in sorted(self.chosen.items())},
                  speculated_share=round(spec / max(sum(self.chosen.values()), 1), 4))
