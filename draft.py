@@ -281,9 +281,9 @@ class EagleDrafter(VocabDrafter):
     def shape_for(self, budget: int | None) -> tuple[int, int, int]:
         """(top-k, depth, nodes) of the tree drafted for a budget of verified nodes: the configured tree, or
         for a smaller budget a search scaled to it (top-k up to half the budget, depth up to budget - 1), so
-        drafting costs what the budget verifies (on a CPU a level of the full search costs about a twentieth
-        of a decode step per row; a 2-node tree is the root's best child alone: no head forward). One static
-        shape per budget size."""
+        drafting costs what the budget verifies (on the AVX2 CPU the full 16-node draft costs about half a
+        decode step, a 4-node one a fifth; a 2-node tree is the root's best child alone: no head forward).
+        One static shape per budget size."""
         if budget is None or budget >= self.nodes:
             return self.topk, self.depth, self.nodes
         return min(self.topk, max(1, budget // 2)), min(self.depth, budget - 1), budget
@@ -458,8 +458,8 @@ class HybridDrafter:
     long as the tree holds them, and the rest hangs below the last one. Node order (what budget.py's
     prefixes cut): the root, the tree nodes the chain agrees with, the chain's own continuation, then the
     other tree nodes best first; parents still come before children. A budget below the whole tree gets the
-    chain alone, or where there is no chain an EAGLE tree drafted for that budget (EagleDrafter.shape_for). It is one tree verified once, so the
-    output is the target's as for any tree. Both drafters learn from every step (NanoSpec's window sees the
+    chain alone, or where there is no chain an EAGLE tree drafted for that budget (EagleDrafter.shape_for).
+    It is one tree verified once, so the output is the target's as for any tree. Both drafters learn from every step (NanoSpec's window sees the
     chain's tokens too). Reads host values (the chain search): graphable = False."""
 
     graphable = False
