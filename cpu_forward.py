@@ -319,6 +319,11 @@ def fits(a, layers) -> bool:
 ROWS_WORTH = {1: 1.0, 4: 1.8, 16: 2.5}
 
 
+def shape_key(a) -> str:
+    """What a model's per-machine timings depend on besides the machine (cached answers are keyed by it)."""
+    return f"L{a.n_layers} d{a.dim} h{a.n_heads}/{a.n_kv_heads}x{a.head_dim} i{a.intermediate_size} v{a.vocab_size}"
+
+
 def attach(model):
     """Give a bf16 CPU model, whose GEMM cpu_gemm.choose has picked, its fastest pass on this machine, and pack
     its linears where the process takes cpu_gemm's kernel. The fused pass (its GEMMs are the kernel's) runs
@@ -335,10 +340,8 @@ def attach(model):
     cpu_gemm.pack_linears(model)
     packs = {m: m.packed for m in model.modules() if "packed" in m._buffers}
     stack = Stack(model.args, model.layers)
-    a = model.args
-    key = (f"{cpu_gemm.machine_id()} fused pass L{a.n_layers} d{a.dim} h{a.n_heads}/{a.n_kv_heads}x{a.head_dim} "
-           f"i{a.intermediate_size} v{a.vocab_size} vs layers with {'kernel' if layers_kernel else 'torch'} "
-           f"GEMM, worth {ROWS_WORTH}")
+    key = (f"{cpu_gemm.machine_id()} fused pass {shape_key(model.args)} vs layers with "
+           f"{'kernel' if layers_kernel else 'torch'} GEMM, worth {ROWS_WORTH}")
     if gemm == "auto" and not cpu_gemm.cached(key, lambda: fused_wins(model, stack, packs, layers_kernel)):
         cpu_gemm._ON[0] = layers_kernel  # the PyTorch layers, with the GEMM cpu_gemm's check chose
         for m, p in packs.items():

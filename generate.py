@@ -370,9 +370,8 @@ class Engine:
         m = self.model
         if self.device.type != "cpu":
             return None
-        a, sizes = m.args, [s for s in SIZES if s < nodes] + [nodes]
-        key = (f"{cpu_gemm.machine_id()} L{a.n_layers} d{a.dim} h{a.n_heads}/{a.n_kv_heads}x{a.head_dim} "
-               f"i{a.intermediate_size} v{a.vocab_size} {m.lm_head.weight.dtype} "
+        sizes = [s for s in SIZES if s < nodes] + [nodes]
+        key = (f"{cpu_gemm.machine_id()} {cpu_forward.shape_key(m.args)} {m.lm_head.weight.dtype} "
                f"{'fused pass' if m.cpu_pass is not None else 'layers'} {'kernel' if cpu_gemm.enabled() else 'torch'}")
         f = cpu_gemm.cache_dir() / "pass_cost.json"
         costs = cpu_gemm.read_json(f).get(key, {})
