@@ -21,8 +21,8 @@ on a short answer a second one is a tenth of its time); sizes between are estima
 (from the machine's pass costs where the engine has them, see seconds()). Afterwards every
 `probe`-th step re-measures what the current choice does not: while speculating, in turn the next size up
 (the acceptance of deeper nodes) and an autoregressive step; while decoding autoregressively, in turn the most
-promising speculative size (cheap: often the prompt-lookup chain alone, draft.HybridDrafter) and the whole tree.
-That is the fallback's way back: when the text becomes predictable again, the probes see it. While
+promising speculative size (cheap: often the prompt-lookup chain alone, draft.HybridDrafter) and the size above
+it. That is the fallback's way back: when the text becomes predictable again, the probes see it. While
 autoregressive decoding keeps winning, the probes thin out (the gap doubles up to max_gap steps) and take at
 most `probe_share` (5%) of the request's time, so hopeless text (high temperature, novel content) loses at
 most that much to them, by construction rather than by a tuned gap.
@@ -32,12 +32,14 @@ SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 class Budget:
     def __init__(self, nodes: int, decay: float = 0.8, probe: int = 8, max_gap: int = 64, probe_share: float = 0.05,
-                 settle: int = 2, pass_s: dict | None = None):
+                 settle: int = 2, pass_s: dict | None = None, spent: dict | None = None):
         self.nodes = nodes
         self.pass_s = pass_s  # {size: seconds} of the target's pass on this machine (Engine.pass_costs), or None
         self.settle = settle  # steps of a size before its time counts (the first ones may pay one-time set-up)
         self.probe_share = probe_share  # while decoding autoregressively: most of the time probes may take
-        self.probe_s = self.total_s = 0.0  # seconds of those probes, of every step
+        # seconds of those probes and of every step; Budgets passes one dict to all its sources, so the cap holds
+        # for the request, not per source
+        self.spent = {"probe": 0.0, "total": 0.0} if spent is None else spent
         self.probing = False
         self.sizes = [s for s in SIZES if s < nodes] + [nodes]
         self.decay, self.probe, self.max_gap = decay, probe, max_gap
@@ -101,9 +103,13 @@ class Budget:
                     up = min([s for s in self.sizes if s > best], default=best)
                     b = 1 if self.probes % 2 == 0 else up
                 else:  # autoregressive: alternately the most promising speculative size (a cheap probe, often
-                    # the prompt-lookup chain alone) and the whole tree; less often each time (a probe costs
-                    # more than it emits while speculation keeps losing)
-                    b = max(self.sizes[1:], key=self.rate) if self.probes % 2 else self.nodes
+                    # the prompt-lookup chain alone) and the next size up from it (the climb back, one size at a
+                    # time: a whole-tree probe costs several decode steps, and at temperature 0.7 those were most
+                    # of what the fallback lost); less often each time (a probe costs more than it emits while
+                    # speculation keeps losing)
+                    b = max(self.sizes[1:], key=self.rate)
+                    if self.probes % 2 == 0:
+                        b = min([s for s in self.sizes if s > b], default=b)
                     self.gap = min(2 * self.gap, self.max_gap)
         self.probing = not ends and b != best and best == 1
         self.chosen[b] = self.chosen.get(b, 0) + 1
@@ -112,14 +118,27 @@ class Budget:
     def observe(self, b: int, accepted: list[int], seconds: float):
         """A step verified the first b nodes, accepted these node indices (root first) and took seconds."""
         self.steps += 1
-        self.total_s += seconds
+        self.spent["total"] += seconds
         if self.probing:
-            self.probe_s += seconds
+            self.spent["probe"] += seconds
         d = self.decay
         on = set(accepted)
         for i in range(1, b):
             self.hits[i] = d * self.hits[i] + (i in on)
             self.trials[i] = d * self.trials[i] + 1.0
+        self.time_step(b, seconds)
+
+    @property
+    def probe_s(self) -> float:
+        return self.spent["probe"]
+
+    @property
+    def total_s(self) -> float:
+        return self.spent["total"]
+
+    def time_step(self, b: int, seconds: float):
+        """Only the step time of size b (no acceptance): what observe() keeps of a step's time."""
+        d = self.decay
         n = self.timed.get(b, 0)
         self.timed[b] = n + 1
         self.time[b] = seconds if n < self.settle else d * self.time[b] + (1 - d) * seconds  # until settled: the latest
@@ -143,6 +162,7 @@ class Budgets:
 
     def __init__(self, nodes: int, **kw):
         self.nodes, self.kw, self.of, self.key = nodes, kw, {}, None
+        self.spent = {"probe": 0.0, "total": 0.0}  # one probe cap for the request (Budget.probe_share)
 
     @property
     def settle(self) -> int:
@@ -151,11 +171,20 @@ class Budgets:
     def pick(self, key) -> int:
         self.key = key
         if key not in self.of:
-            self.of[key] = Budget(self.nodes, **self.kw)
+            new = self.of[key] = Budget(self.nodes, spent=self.spent, **self.kw)
+            # an autoregressive step is the same step whatever drafts the next one: a new source starts with
+            # the time the others measured (one timing step fewer for it)
+            ar = max(self.of.values(), key=lambda x: x.timed.get(1, 0))
+            if ar is not new and ar.timed.get(1, 0):
+                new.time[1], new.timed[1] = ar.time[1], ar.timed[1]
         return self.of[key].pick()
 
     def observe(self, b: int, accepted: list[int], seconds: float):
         self.of[self.key].observe(b, accepted, seconds)
+        if b == 1:  # every source's autoregressive time follows it (see pick)
+            for k, bud in self.of.items():
+                if k != self.key:
+                    bud.time_step(1, seconds)
 
     def stats(self) -> dict:
         """Budget.stats of the request, over every source: the summed histogram and speculated share, the cost
