@@ -139,6 +139,30 @@ def export_head(head, out_dir, dtype=torch.bfloat16, with_lm_head: bool = True):
     return out
 
 
+def init_from(head, folder: Path):
+    """Start from an exported EAGLE-3 head (export_head's folder, e.g. the shipped one): continued training on
+    new data keeps what the head learnt from the old data (which may no longer be at hand). Its shapes and aux
+    layers must be this run's; without lm_head.weight the new head keeps the target's copy."""
+    from safetensors.torch import load_file
+    cfg_p, w_p = folder / "config.json", folder / "model.safetensors"
+    if not (cfg_p.is_file() and w_p.is_file()):
+        raise TrainError(f"--init {folder}: not an EAGLE-3 head folder (config.json + model.safetensors)")
+    aux = json.loads(cfg_p.read_text()).get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+    if aux is not None and tuple(aux) != tuple(head.c.aux_layers):
+        raise TrainError(f"--init {folder}: its aux layers are {tuple(aux)}, this run's are {tuple(head.c.aux_layers)}")
+    sd, own = load_file(str(w_p)), head.state_dict()
+    extra, missing = set(sd) - set(own), set(own) - set(sd) - {"lm_head.weight"}
+    bad = sorted(k for k in set(sd) & set(own) if sd[k].shape != own[k].shape)
+    if extra or missing or bad:
+        what = (f"unknown tensor {sorted(extra)[0]}" if extra else f"no {sorted(missing)[0]}" if missing
+                else f"{bad[0]} is {tuple(sd[bad[0]].shape)}, this head's is {tuple(own[bad[0]].shape)}")
+        raise TrainError(f"--init {folder}: does not fit this target's head ({what})")
+    with torch.no_grad():
+        for k, v in sd.items():
+            own[k].copy_(v.to(own[k].dtype))
+    log(f"initialised from {folder} ({len(sd)} tensors)")
+
+
 # ---------------------------------------------------------------- training loop
 
 def lr_lambda(warmup: int, total: int, min_ratio: float = 0.0):
@@ -192,6 +216,8 @@ def _train(args, device, rank, world) -> dict:
     recs = [r for p in ([args.data] if isinstance(args.data, (str, Path)) else args.data)
             for r in read_records(p, target.args.vocab_size, min(args.max_len, target.args.max_position_embeddings))]
     head = new_head(target, aux, args.rope_theta, seed=args.seed)
+    if getattr(args, "init", None) and not args.resume:
+        init_from(head, Path(args.init))
     head.lm_head.weight.requires_grad_(not args.freeze_lm_head)
     sig = signature(target, head, args.freeze_lm_head)
     ck = load_checkpoint(ck_path, sig) if args.resume else None
@@ -304,8 +330,8 @@ def data_meta(args, ckpt_path: Path) -> dict:
     cfg = (ckpt_path / "config.json").read_bytes()
     w = ckpt_path / "model.safetensors"
     ident = hashlib.sha256(cfg + (str(w.stat().st_size).encode() if w.is_file() else b"")).hexdigest()[:16]
-    keys = ["dataset", "num", "seed", "batch_size", "max_new_tokens", "request_tokens", "temperature", "sampled_frac",
-            "min_request_chars"]
+    keys = ["dataset", "num", "offset", "max_turns", "max_prompt_tokens", "seed", "batch_size", "max_new_tokens",
+            "request_tokens", "temperature", "sampled_frac", "min_request_chars"]
     return dict(kind="regenerated" if args.dataset else "magpie", target=ident,
                 **{k: getattr(args, k) for k in keys if hasattr(args, k)})
 
@@ -332,10 +358,14 @@ def cmd_data(args):
         if args.num:
             rng = random.Random(args.seed)
             rng.shuffle(convs)
-            convs = convs[:args.num]
+            convs = convs[args.offset:args.offset + args.num]
+        elif args.offset:
+            convs = convs[args.offset:]
+        if not convs:
+            raise TrainError(f"no conversations left in {args.dataset} at --offset {args.offset}")
         recs = answer_conversations(model, tok, convs, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                                     temperature=args.temperature, sampled_frac=1.0 if args.temperature > 0 else 0.0,
-                                    seed=args.seed)
+                                    seed=args.seed, max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens)
     else:
         recs = magpie_data(model, tok, args.num, batch_size=args.batch_size, request_tokens=args.request_tokens,
                            max_new_tokens=args.max_new_tokens, answer_temperature=args.temperature,
@@ -360,6 +390,41 @@ def cmd_export(args):
     return 0
 
 
+def cmd_eval(args):
+    import eagle_eval as ev
+    path = resolve_checkpoint(args.checkpoint)
+    target = load_model(path, dtype=getattr(torch, args.dtype))
+    head_dir = resolve_checkpoint(args.head, patterns=["config.json", "*.safetensors"])
+    try:
+        head = ev.load_head(head_dir, target)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
+    recs = [r for r in read_records(args.data, target.args.vocab_size, target.args.max_position_embeddings)
+            if r["spans"]][:args.limit]
+    if not recs:
+        raise TrainError(f"{args.data}: no records with an answer span")
+    try:
+        topk, depth, nodes = (int(x) for x in args.tree.split("/"))
+    except ValueError:
+        raise TrainError(f"--tree must be top-k/depth/nodes (e.g. 8/5/16), got {args.tree!r}") from None
+    t0 = time.perf_counter()
+    try:
+        res = ev.recall_table(target, head, recs, steps=args.steps, vocab=args.vocab, w_max=args.w_max)
+        eng = None
+        if args.engine_tokens:
+            prompts = [r["ids"][:r["spans"][0][0]] for r in recs]
+            eng = ev.engine_acceptance(target, head_dir, prompts, args.vocab, args.engine_tokens, topk, depth, nodes,
+                                       args.steps, args.w_max)
+    except ValueError as e:  # a vocabulary spec or size the engine refuses
+        raise TrainError(str(e)) from None
+    print(ev.table(res, eng))
+    log(f"{len(recs)} records in {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(recall=res, engine=eng, head=str(args.head), data=str(args.data)),
+                                              indent=1))
+    return 0
+
+
 def cmd_train(args):
     if args.no_lm_head and not args.freeze_lm_head:
         raise TrainError("--no-lm-head needs --freeze-lm-head (the exported head then shares the target's lm_head)")
@@ -381,6 +446,12 @@ def parse_args(argv=None):
                                                    "gives its complete records), whose assistant turns are regenerated; "
                                                    "omitted: self-generated (Magpie-style) instructions")
     d.add_argument("--num", type=int, default=1000, help="conversations (self-generated) or at most this many from --dataset")
+    d.add_argument("--offset", type=int, default=0,
+                   help="--dataset: skip this many of the shuffled conversations first (disjoint chunks: --offset 0, "
+                        "--offset N, ... with the same --num N and --seed)")
+    d.add_argument("--max-turns", type=int, default=None, help="--dataset: answer at most this many user turns each")
+    d.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="--dataset: end a conversation before a turn whose prompt is longer")
     d.add_argument("--max-new-tokens", type=int, default=256, help="assistant tokens per turn")
     d.add_argument("--request-tokens", type=int, default=64, help="self-generated request budget (unfinished ones are dropped)")
     d.add_argument("--min-request-chars", type=int, default=12, help="self-generated: drop shorter requests")
@@ -399,6 +470,8 @@ def parse_args(argv=None):
     t.add_argument("--out", required=True, help="run folder (checkpoint.pt, history.json)")
     t.add_argument("--export", default=None, help="write the EAGLE-3 folder here at the end")
     t.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
+    t.add_argument("--init", default=None,
+                   help="start from this exported EAGLE-3 head folder (continued training on new data)")
     t.add_argument("--ttt-steps", type=int, default=3 if cpu else 7, help="unrolled training-time-test steps")
     t.add_argument("--epochs", type=int, default=1)
     t.add_argument("--max-steps", type=int, default=None, help="schedule length: at most this many optimizer steps")
@@ -435,6 +508,22 @@ def parse_args(argv=None):
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     e.add_argument("--no-lm-head", action="store_true", help="omit lm_head.weight (it must equal the target's)")
     e.set_defaults(func=cmd_export)
+
+    v = sub.add_parser("eval", help="a head's recall@k per depth (full and draft vocabulary) and the engine's "
+                                    "acceptance, on held-out records")
+    v.add_argument("--head", required=True, help="an EAGLE-3 head folder (over the target's whole vocabulary)")
+    v.add_argument("--data", required=True, help="held-out records from `eagle_train.py data` (first answer each)")
+    v.add_argument("--checkpoint", default=None, help="target HF folder or hub id (default: embedded SmolLM2)")
+    v.add_argument("--vocab", default="nanospec", help="the draft vocabulary: full, nanospec or freq:PATH[:K]")
+    v.add_argument("--w-max", type=int, default=3072, help="NanoSpec window slots")
+    v.add_argument("--steps", type=int, default=4, help="unrolled depths")
+    v.add_argument("--limit", type=int, default=None, help="at most this many records")
+    v.add_argument("--engine-tokens", type=int, default=128,
+                   help="new tokens per prompt for the engine's realised acceptance (0: skip it)")
+    v.add_argument("--tree", default="8/5/16", help="the engine's tree: top-k/depth/nodes")
+    v.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    v.add_argument("--json", default=None, help="also write the figures here")
+    v.set_defaults(func=cmd_eval)
     return p.parse_args(argv)
 
 

@@ -91,7 +91,7 @@ def test_user_turn_prefix_is_cut_from_the_template(tmp_path):
     assert ed.user_turn_prefix(Tokenizer(path)) == "<|im_start|>user\n"
 
 
-def test_regenerated_dataset_keeps_user_turns(tmp_path):
+def test_regenerated_dataset_keeps_user_turns(tmp_path, capsys):
     path, _ = write_tiny_hf(tmp_path / "chat", num_hidden_layers=2, vocab_size=260)
     write_byte_tokenizer(path, [258] + list(range(150, 256)))
     ds = tmp_path / "sharegpt.jsonl"
@@ -110,6 +110,35 @@ def test_regenerated_dataset_keeps_user_turns(tmp_path):
     assert len(recs) == 2
     text = Tokenizer(path).tok.decode(recs[0]["ids"], skip_special_tokens=False)
     assert "hi there" in text and "more" in text and "old answer" not in text
+
+    # --max-turns answers only the first user turn; --max-prompt-tokens ends a conversation before a longer
+    # prompt (the first one's "hi there" fits, its second turn and the system-prompted one do not)
+    spans = {}
+    for flags in (["--max-turns", "1"], ["--max-prompt-tokens", "30"]):
+        o = tmp_path / f"cut{len(spans)}.jsonl"
+        assert et.main(["data", "--checkpoint", str(path), "--dataset", str(ds), "--out", str(o),
+                        "--max-new-tokens", "8", "--dtype", "float32"] + flags) == 0
+        spans[flags[0]] = [r["spans"] for r in ed.read_records(o)]
+    assert [len(x) for x in spans["--max-turns"]] == [1, 1]
+    enc = Tokenizer(path).encode_chat
+    assert len(enc([{"role": "user", "content": "hi there"}])) <= 30
+    assert len(enc([{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"}])) > 30
+    assert [len(x) for x in spans["--max-prompt-tokens"]] == [1]  # (the second conversation has no turn left)
+    # --offset: disjoint chunks of the shuffled dataset (--num 1 at offsets 0 and 1: one conversation each)
+    got = []
+    for off in ("0", "1", "2"):
+        o = tmp_path / f"off{off}.jsonl"
+        args = ["data", "--checkpoint", str(path), "--dataset", str(ds), "--out", str(o), "--max-new-tokens", "8",
+                "--dtype", "float32", "--num", "1", "--offset", off]
+        if off == "2":  # two conversations: nothing left at offset 2
+            capsys.readouterr()
+            rc, err = et.main(args), capsys.readouterr().err.strip().splitlines()
+            assert rc == 2 and err[-1].startswith("error: ") and "--offset 2" in err[-1], err
+            assert not any("Traceback" in x for x in err)
+            continue
+        assert et.main(args) == 0
+        got.append(ed.read_records(o)[0]["ids"])
+    assert len(got) == 2 and got[0] != got[1]
 
 
 def test_sharegpt_json_array_cut_off_mid_record(tmp_path, capsys):

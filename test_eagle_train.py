@@ -42,6 +42,29 @@ def test_training_lowers_loss_and_raises_accepted_length(tiny, tmp_path):
     before = et.mean_accepted_length(m, untrained, tiny["eval_prompts"], 40, topk=4, depth=4, nodes=16)
     after = et.mean_accepted_length(m, tmp_path / "head", tiny["eval_prompts"], 40, topk=4, depth=4, nodes=16)
     assert before < 1.2 and after > before + 0.5, (before, after)
+    # eval (eagle_eval.py) on the held-out records: the trained head's recall is far above the untrained one's,
+    # rises with k, the engine's realised acceptance is what mean_accepted_length saw, and the full
+    # vocabulary's two column groups are one
+    ed.write_records(tmp_path / "held.jsonl", tiny["recs"][144:], {})
+    res = {}
+    for name, head in (("before", untrained), ("after", tmp_path / "head")):
+        for voc in ("full", "nanospec"):
+            js = tmp_path / f"{name}_{voc}.json"
+            assert et.main(["eval", "--checkpoint", str(tiny["path"]), "--head", str(head), "--data",
+                            str(tmp_path / "held.jsonl"), "--vocab", voc, "--dtype", "float32", "--steps", "3",
+                            "--w-max", "64", "--limit", "12", "--engine-tokens", "40", "--tree", "4/4/16",
+                            "--json", str(js)]) == 0
+            res[name, voc] = json.loads(js.read_text())
+    for r in res.values():
+        for grid in (r["recall"]["full"], r["recall"]["vocab"]):
+            assert all(0 <= a <= b <= 1 for row in grid for a, b in zip(row, row[1:]))
+    assert res["after", "full"]["recall"]["vocab"] == res["after", "full"]["recall"]["full"]
+    assert res["after", "full"]["recall"]["full"][0][0] > res["before", "full"]["recall"]["full"][0][0] + 0.2
+    assert res["after", "nanospec"]["recall"]["full"] == res["after", "full"]["recall"]["full"]
+    assert 0 < res["after", "nanospec"]["recall"]["window"] <= 64
+    eng = res["after", "full"]["engine"]
+    assert eng["tau"] > 1.3 and 1 >= eng["accept"][0] >= eng["accept"][1] > 0
+    assert eng["tau"] > res["before", "full"]["engine"]["tau"] + 0.3
 
 
 def test_export_round_trip_reproduces_logits(tiny, tmp_path):
@@ -96,6 +119,24 @@ def test_resume_continues_exactly(tiny, tmp_path):
     assert a["step"] == b["step"] == 16
     for k in a["model"]:
         torch.testing.assert_close(a["model"][k], b["model"][k], atol=0, rtol=0)
+
+
+def test_init_from_an_exported_head(tiny, tmp_path, capsys):
+    """--init starts from an exported head (the shipped one, for continued training on new data): with lr 0
+    the run's weights are the folder's; a folder that is not a head, or one of other aux layers, is a one-line
+    error."""
+    from safetensors.torch import load_file
+    assert train_cli(tiny, tmp_path / "a", "--max-steps", "4", "--export", str(tmp_path / "a_head")) == 0
+    assert train_cli(tiny, tmp_path / "b", "--max-steps", "1", "--lr", "0", "--init", str(tmp_path / "a_head")) == 0
+    got = torch.load(tmp_path / "b" / et.CKPT_NAME, weights_only=False)["model"]
+    ref = load_file(str(tmp_path / "a_head" / "model.safetensors"))
+    assert set(ref) <= set(got)
+    for k, v in ref.items():
+        torch.testing.assert_close(got[k], v.float(), atol=0, rtol=0)
+    capsys.readouterr()
+    one_line_error(capsys, train_cli(tiny, tmp_path / "c", "--init", str(tmp_path)), "--init", "not an EAGLE-3 head")
+    one_line_error(capsys, train_cli(tiny, tmp_path / "d", "--init", str(tmp_path / "a_head"), "--aux-layers", "0,1,2"),
+                   "--init", "aux layers")
 
 
 # ---------------------------------------------------------------- bad input: one-line errors

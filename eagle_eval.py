@@ -1,0 +1,130 @@
+"""EAGLE-3 head diagnostics on held-out text (`python eagle_train.py eval`): how often the target's next token
+is among the head's top-k at each unrolled depth, over the full vocabulary and over the draft vocabulary in
+use, next to the acceptance the engine realises on the same prompts. Users training their own heads read it
+to tell a narrow head (low recall everywhere) from a vocabulary that loses what the head knows (full-vocabulary
+recall above the draft vocabulary's) from a tree that loses what both know (recall above acceptance).
+
+Teacher forcing: each depth's input tokens are the text's own (as training-time test feeds them), so depth i's
+recall is conditioned on the earlier tokens being right, which is what acceptance at depth i needs too.
+The draft vocabulary's window follows the text as the engine's does: reset from the prompt (and the target's
+top-k_pre at each prompt position), then per answer position the target's top-k_ver there and the head's
+first-level candidates (its top-`tree_k` at the previous position, the tree's first level)."""
+import torch
+
+import vocab as vc
+from eagle import load_eagle
+from eagle_ttt import rope_cache, ttt_forward
+from model import Transformer
+
+KS = (1, 4, 8, 10)
+
+
+@torch.no_grad()
+def recall_table(target: Transformer, head, recs: list[dict], steps: int = 4, vocab: str = "nanospec",
+                 ks=KS, tree_k: int = 8, w_max: int = 3072, k_pre: int = 3, k_ver: int = 3) -> dict:
+    """recs: eagle_data records; each one's first span (its first answer) is scored after its prompt.
+    Returns {"full": [[R@k per k] per depth], "vocab": the same over the draft vocabulary, "rows": rows
+    scored per depth, "window": mean active rows of the draft vocabulary}."""
+    dev = target.lm_head.weight.device
+    K = max(ks)
+    a = head.c.args
+    W = head.lm_weight()
+    hits = {w: [[0] * len(ks) for _ in range(steps)] for w in ("full", "vocab")}
+    rows, window, n_win = [0] * steps, 0, 0
+    saved = target.aux_layers
+    target.aux_layers = head.c.aux_layers
+    try:
+        for r in recs:
+            s0, e0 = r["spans"][0]
+            ids = torch.tensor(r["ids"][:e0], device=dev)
+            T = ids.shape[0]
+            if s0 < 1 or e0 - s0 < 2:
+                continue
+            target.setup_caches(1, T)
+            logits, _, aux = target(ids[None], torch.arange(T, device=dev), return_hidden=True)
+            logits = logits[0].float()  # [T, V]: row j predicts token j + 1
+            nxt = logits.argmax(-1)  # [T] the target's next token
+            ver = logits.topk(max(k_pre, k_ver), dim=-1).indices  # [T, k]
+            cos, sin = rope_cache(T + steps, a.head_dim, a.rope_theta, a.rope_scaling)
+            outs = ttt_forward(head, aux, ids[None], steps, cos.to(dev), sin.to(dev))  # [1, T, d] per depth
+            voc = vc.make_vocab(vocab, W, w_max=w_max, k_pre=k_pre, k_ver=k_ver,
+                                eos_ids=target.args.eos_ids)
+            voc.reset(ids[:s0], ver[:s0, :k_pre])
+            lvl1 = None  # the head's first-level candidates at the previous row
+            # row t of depth i predicts token t + i + 2 (its label: the target's argmax at row t + i + 1); the
+            # first answer token (s0) is the target's own bonus, so rows start where they predict s0 + 1
+            for t in range(s0 - 1, e0 - 2):
+                draft = lvl1 if lvl1 is not None else ver[t, :0]
+                voc.update(draft, torch.ones_like(draft, dtype=torch.bool), ver[t:t + 1, :k_ver],
+                           torch.ones(1, dtype=torch.bool, device=dev))
+                window, n_win = window + int(voc.active_size()), n_win + 1
+                for i in range(steps):
+                    if t + i + 1 >= e0 - 1:
+                        break
+                    h = outs[i][0, t]  # [d]
+                    label = nxt[t + i + 1]
+                    full = torch.nn.functional.linear(h, W).float().topk(K).indices  # [K]
+                    z, vids = voc.logits(h[None])
+                    z = z[0].float()
+                    top = z.topk(min(K, z.shape[0]))
+                    vtop = torch.where(top.values > float("-inf"), vids[top.indices], -1)
+                    for j, k in enumerate(ks):
+                        hits["full"][i][j] += int((full[:k] == label).any())
+                        hits["vocab"][i][j] += int((vtop[:k] == label).any())
+                    rows[i] += 1
+                    if i == 0:
+                        lvl1 = full[:tree_k] if vocab == "full" else vtop[:tree_k].clamp(min=0)
+    finally:
+        target.aux_layers = saved
+    rate = lambda w: [[round(h / max(rows[i], 1), 4) for h in hits[w][i]] for i in range(steps)]
+    return dict(full=rate("full"), vocab=rate("vocab"), rows=rows, window=round(window / max(n_win, 1), 1),
+                ks=list(ks), vocab_spec=vocab)
+
+
+def engine_acceptance(target: Transformer, head_dir, prompts: list[list[int]], vocab: str, max_new_tokens: int,
+                      topk: int, depth: int, nodes: int, steps: int, w_max: int = 3072) -> dict:
+    """Greedy speculative decoding with the head and the vocabulary, the whole tree verified every step:
+    per depth d, the share of steps that accepted at least d drafted tokens, and τ (tokens per step)."""
+    from draft import DraftConfig
+    from generate import build_engine
+    saved = target.aux_layers
+    try:
+        eng = build_engine(target, None, DraftConfig(str(head_dir), vocab, topk, depth, nodes, w_max=w_max),
+                           budget=False)
+        hist = {}
+        for p in prompts:
+            _, st = eng.generate(list(p), max_new_tokens)
+            for k, v in st.accept_hist.items():
+                hist[k] = hist.get(k, 0) + v
+    finally:
+        target.aux_layers = saved
+    n = max(sum(hist.values()), 1)
+    acc = [round(sum(v for k, v in hist.items() if k - 1 >= d) / n, 4) for d in range(1, steps + 1)]
+    return dict(accept=acc, tau=round(sum(k * v for k, v in hist.items()) / n, 3), steps=n)
+
+
+def load_head(path, target: Transformer):
+    """The EAGLE-3 head to diagnose; one over the target's whole vocabulary (a pruned, d2t head's rows are not
+    token ids, and NanoSpec's window needs them to be)."""
+    w = target.lm_head.weight
+    head = load_eagle(path, target, w.dtype, w.device)
+    if head.c.version != 3 or head.lm_weight().shape[0] != target.args.vocab_size:
+        raise ValueError(f"{path}: eval needs an EAGLE-3 head over the target's whole vocabulary")
+    return head
+
+
+def table(res: dict, eng: dict | None = None) -> str:
+    """recall_table's result (and engine_acceptance's) as a markdown table."""
+    ks = res["ks"]
+    hdr = (["depth"] + [f"full R@{k}" for k in ks] + [f"{res['vocab_spec']} R@{k}" for k in ks]
+           + (["engine accepted"] if eng else []) + ["rows"])
+    out = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+    for i, (f, v) in enumerate(zip(res["full"], res["vocab"])):
+        cells = [str(i + 1)] + [f"{x:.3f}" for x in f] + [f"{x:.3f}" for x in v]
+        if eng:
+            cells.append(f"{eng['accept'][i]:.3f}" if i < len(eng["accept"]) else "")
+        out.append("| " + " | ".join(cells + [str(res["rows"][i])]) + " |")
+    tail = f"mean active rows of the draft vocabulary: {res['window']}"
+    if eng:
+        tail += f"; engine τ {eng['tau']} over {eng['steps']} steps"
+    return "\n".join(out) + "\n\n" + tail
