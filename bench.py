@@ -13,7 +13,7 @@ printed with the question id and makes the exit code 1. Reports (Markdown, JSON,
 matplotlib is installed) go to --out (default results/).
 
 Method names: `ar`, `ar-fast`, `ngram`, `<head>` (full vocabulary), `<head>+freq-<K>` (FR-Spec top-K, K like 512,
-8k, 32k), `<head>+nanospec`, `<head>+nanospec-ctx|-ext|-noasync` (ablations), `<head>+nanospec-w<W>`
+8k, 32k), `<head>+nanospec`, `<head>+nanospec-ctx|-ext|-noasync|-nofill` (ablations), `<head>+nanospec-w<W>`
 (another window size), with <head> = eagle3 or eagle2. Presets: `main`, `ablations`, `sweep`, `all`.
 `--compile both` adds a compiled twin `NAME@compile` of every method (its output must equal `ar@compile`:
 compiled kernels round differently from eager ones) and a compiled / eager table.
@@ -74,7 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--categories", default=None, help="comma-separated tasks or file categories")
     p.add_argument("--max-new-tokens", type=int, default=256, help="per turn (default 256)")
     p.add_argument("--methods", default=None, help="comma-separated names: ar, ngram, eagle3 (full vocabulary), "
-                   "eagle3+freq-8k (any K), eagle3+nanospec, eagle3+nanospec-ctx|-ext|-noasync, eagle3+nanospec-w1k "
+                   "eagle3+freq-8k (any K), eagle3+nanospec, eagle3+nanospec-ctx|-ext|-noasync|-nofill, eagle3+nanospec-w1k "
                    "(any window), the same with eagle2, any of these + '+ngram' (a prompt-lookup chain merged into the "
                    "tree, e.g. eagle3+nanospec+ngram); and presets main (ar, ngram, full, --freq-ks, nanospec), "
                    "ablations, sweep (--sweep-ks, --sweep-w), all. Default: all for the built-in prompts, main for "

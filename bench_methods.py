@@ -54,7 +54,7 @@ class Method:
         return (2, self.head, self.hybrid, *v, self.compiled, self.budget)
 
 
-ABLATION_ORDER = ("ctx", "ext", "noasync")
+ABLATION_ORDER = ("ctx", "ext", "noasync", "nofill")
 
 
 def method_from_name(name: str, heads: dict, w_max: int) -> Method:
@@ -79,7 +79,7 @@ def method_from_name(name: str, heads: dict, w_max: int) -> Method:
         return Method(name, "eagle", head, "freq", parse_k(rest[5:]))
     if rest == "nanospec":
         return Method(name, "eagle", head, "nanospec", w_max)
-    mm = re.fullmatch(r"nanospec-(ctx|ext|noasync|w(\d+k?))", rest)
+    mm = re.fullmatch(r"nanospec-(ctx|ext|noasync|nofill|w(\d+k?))", rest)
     if mm:
         if mm.group(2):
             return Method(name, "eagle", head, "nanospec", parse_k(mm.group(2)))
@@ -90,7 +90,8 @@ def method_from_name(name: str, heads: dict, w_max: int) -> Method:
 def expand_methods(spec: str, heads: dict, freq_ks, sweep_ks, sweep_w, w_max) -> list[Method]:
     """Presets and names -> Method list (ar first, duplicates merged, group tags kept)."""
     preset = {"main": lambda h: [h] + [f"{h}+freq-{fmt_k(k)}" for k in freq_ks] + [f"{h}+nanospec"],
-              "ablations": lambda h: [f"{h}+nanospec", f"{h}+nanospec-ctx", f"{h}+nanospec-ext", f"{h}+nanospec-noasync"],
+              "ablations": lambda h: [f"{h}+nanospec", f"{h}+nanospec-ctx", f"{h}+nanospec-ext", f"{h}+nanospec-noasync",
+                                          f"{h}+nanospec-nofill"],
               "sweep": lambda h: [h] + [f"{h}+freq-{fmt_k(k)}" for k in sweep_ks] + [f"{h}+nanospec"]
               + [f"{h}+nanospec-w{fmt_k(w)}" for w in sweep_w if w != w_max]}
     names: dict[str, set] = {"ar": {"main"}, "ar-fast": {"main"}}  # the reference and the speed baseline

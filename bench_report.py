@@ -231,7 +231,8 @@ def write_reports(out_dir: Path, tag: str, ctx: dict, S: dict, methods, tasks, r
     if abl:
         L.append("\n## Table 5 analogue: NanoSpec ablations\n")
         L.append("ctx = context only (no per-step append), ext = extension only (no prompt initialisation), "
-                 "noasync = indexed GEMM over non-contiguous rows instead of the packed buffer.\n\n")
+                 "noasync = indexed GEMM over non-contiguous rows instead of the packed buffer, "
+                 "nofill = free slots left empty (no frequent tokens from the head folder's freq.pt).\n\n")
         rows = []
         for h in heads:
             base = (S.get(h) or {}).get("overall", {}).get("tokens_per_s")

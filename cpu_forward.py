@@ -336,14 +336,14 @@ def attach(model):
         if layers_kernel:
             cpu_gemm.pack_linears(model)
         return
-    cpu_gemm._ON[0] = True  # the fused pass's products are the kernel's: the process takes it (draft head too)
+    cpu_gemm.switch(True)  # the fused pass's products are the kernel's: the process takes it (draft head too)
     cpu_gemm.pack_linears(model)
     packs = {m: m.packed for m in model.modules() if "packed" in m._buffers}
     stack = Stack(model.args, model.layers)
     key = (f"{cpu_gemm.machine_id()} fused pass {shape_key(model.args)} vs layers with "
            f"{'kernel' if layers_kernel else 'torch'} GEMM, worth {ROWS_WORTH}")
     if gemm == "auto" and not cpu_gemm.cached(key, lambda: fused_wins(model, stack, packs, layers_kernel)):
-        cpu_gemm._ON[0] = layers_kernel  # the PyTorch layers, with the GEMM cpu_gemm's check chose
+        cpu_gemm.switch(layers_kernel)  # the PyTorch layers, with the GEMM cpu_gemm's check chose
         for m, p in packs.items():
             m.packed = p if layers_kernel else None
         return
@@ -358,7 +358,7 @@ def fused_wins(model, stack: "Stack", packs: dict, layers_kernel: bool, reps: in
     ts = {f: {r: [] for r in ROWS_WORTH} for f in (True, False)}
     for _ in range(reps + 1):  # the first round warms up
         for fused in (True, False):
-            cpu_gemm._ON[0] = fused or layers_kernel
+            cpu_gemm.switch(fused or layers_kernel)
             for m, p in packs.items():  # (the fused copies replaced some; the layers need them all)
                 m.packed = p
             model.cpu_pass = stack if fused else None

@@ -214,6 +214,11 @@ def enabled() -> bool:
     return _ON[0]
 
 
+def switch(on: bool):
+    """Turn the kernel on or off for this process (choose() and cpu_forward.attach decide; benches compare)."""
+    _ON[0] = bool(on)
+
+
 def mode() -> str:
     m = os.environ.get(ENV, "auto")
     if m not in ("auto", "kernel", "torch"):
@@ -255,7 +260,7 @@ def choose(shapes: list[tuple[int, int]], rows=(1, 16), reps: int = 5) -> bool:
     else:
         counts = {s: shapes.count(s) for s in sorted(set(shapes))}
         on = cached(f"{machine_id()} {counts} rows {list(rows)}", lambda: _faster(counts, rows, reps))
-    _ON[0] = on
+    switch(on)
     return on
 
 

@@ -607,7 +607,7 @@ class DraftConfig:
     w_max: int = 3072  # NanoSpec window
     k_pre: int = 3  # NanoSpec: target top-K per prompt position
     k_ver: int = 3  # NanoSpec: target top-K per accepted position
-    ablation: str | None = None  # NanoSpec ablation: ctx | ext | noasync
+    ablation: str | None = None  # NanoSpec ablation: ctx | ext | noasync | nofill
     static: bool = False  # n-gram chains padded to spec_k + 1 nodes: one compiled verify shape
     ngram: bool | None = False  # EAGLE heads: merge a prompt-lookup chain into the tree; None: on for EAGLE heads
 
@@ -627,9 +627,10 @@ def eagle_vocab(c: DraftConfig, head: EagleHead, target: Transformer, chain: int
     chain of `chain` tokens, the target's top-K per path node)."""
     topk, depth, nodes = c.tree(head.fc.weight.device)
     check_tree_budget(topk, depth, nodes)
+    rows = EagleDrafter.token_to_row_map(head)
     return make_vocab(c.vocab, head.lm_weight(), w_max=c.w_max, k_pre=c.k_pre, k_ver=c.k_ver, ablation=c.ablation,
                       eos_ids=target.args.eos_ids, max_append=append_width(nodes + chain, max(depth, chain), c.k_ver),
-                      token_to_row=EagleDrafter.token_to_row_map(head))
+                      token_to_row=rows, fill=getattr(head, "fill_path", None) if rows is None else None)
 
 
 def make_drafter(c: DraftConfig, target: Transformer, sampling: Sampling | None = None,

@@ -155,6 +155,9 @@ def read_keys(path: Path) -> tuple[dict, Path]:
     raise ModelError(f"no model.safetensors or pytorch_model.bin in {path}")
 
 
+FILL_FILE = "freq.pt"
+
+
 def load_eagle(path, target: Transformer, dtype, device) -> EagleHead:
     path = Path(path)
     keys, wfile = read_keys(path)
@@ -184,6 +187,9 @@ def load_eagle(path, target: Transformer, dtype, device) -> EagleHead:
     cpu_gemm.pack_linears(head)  # where the target's load chose the kernel (bf16 on CPU)
     if c.version == 3 and cpu_forward.switched_on() and cpu_forward.fits(c.args, [head.midlayer]):
         head.cpu_pass = cpu_forward.Stack(c.args, [head.midlayer])
+    # a frequency file shipped with the head (FR-Spec's format, ranked over the target's own text): NanoSpec's
+    # free slots score its most frequent tokens (vocab.NanoSpecVocab, "fill")
+    head.fill_path = path / FILL_FILE if (path / FILL_FILE).is_file() else None
     return head.eval()
 
 

@@ -21,7 +21,8 @@ KS = (1, 4, 8, 10)
 
 @torch.no_grad()
 def recall_table(target: Transformer, head, recs: list[dict], steps: int = 4, vocab: str = "nanospec",
-                 ks=KS, tree_k: int = 8, w_max: int = 3072, k_pre: int = 3, k_ver: int = 3) -> dict:
+                 ks=KS, tree_k: int = 8, w_max: int = 3072, k_pre: int = 3, k_ver: int = 3,
+                 ablation: str | None = None) -> dict:
     """recs: eagle_data records; each one's first span (its first answer) is scored after its prompt.
     Returns {"full": [[R@k per k] per depth], "vocab": the same over the draft vocabulary, "rows": rows
     scored per depth, "window": mean active rows of the draft vocabulary}."""
@@ -47,8 +48,8 @@ def recall_table(target: Transformer, head, recs: list[dict], steps: int = 4, vo
             ver = logits.topk(max(k_pre, k_ver), dim=-1).indices  # [T, k]
             cos, sin = rope_cache(T + steps, a.head_dim, a.rope_theta, a.rope_scaling)
             outs = ttt_forward(head, aux, ids[None], steps, cos.to(dev), sin.to(dev))  # [1, T, d] per depth
-            voc = vc.make_vocab(vocab, W, w_max=w_max, k_pre=k_pre, k_ver=k_ver,
-                                eos_ids=target.args.eos_ids)
+            voc = vc.make_vocab(vocab, W, w_max=w_max, k_pre=k_pre, k_ver=k_ver, eos_ids=target.args.eos_ids,
+                                ablation=ablation, fill=getattr(head, "fill_path", None) if vocab == "nanospec" else None)
             voc.reset(ids[:s0], ver[:s0, :k_pre])
             lvl1 = None  # the head's first-level candidates at the previous row
             # row t of depth i predicts token t + i + 2 (its label: the target's argmax at row t + i + 1); the
@@ -82,15 +83,17 @@ def recall_table(target: Transformer, head, recs: list[dict], steps: int = 4, vo
 
 
 def engine_acceptance(target: Transformer, head_dir, prompts: list[list[int]], vocab: str, max_new_tokens: int,
-                      topk: int, depth: int, nodes: int, steps: int, w_max: int = 3072) -> dict:
+                      topk: int, depth: int, nodes: int, steps: int, w_max: int = 3072, k_pre: int = 3,
+                      k_ver: int = 3, ablation: str | None = None) -> dict:
     """Greedy speculative decoding with the head and the vocabulary, the whole tree verified every step:
     per depth d, the share of steps that accepted at least d drafted tokens, and τ (tokens per step)."""
     from draft import DraftConfig
     from generate import build_engine
     saved = target.aux_layers
     try:
-        eng = build_engine(target, None, DraftConfig(str(head_dir), vocab, topk, depth, nodes, w_max=w_max),
-                           budget=False)
+        c = DraftConfig(str(head_dir), vocab, topk, depth, nodes, w_max=w_max, k_pre=k_pre, k_ver=k_ver,
+                        ablation=ablation)
+        eng = build_engine(target, None, c, budget=False)
         hist = {}
         for p in prompts:
             _, st = eng.generate(list(p), max_new_tokens)
@@ -124,7 +127,7 @@ def table(res: dict, eng: dict | None = None) -> str:
         if eng:
             cells.append(f"{eng['accept'][i]:.3f}" if i < len(eng["accept"]) else "")
         out.append("| " + " | ".join(cells + [str(res["rows"][i])]) + " |")
-    tail = f"mean active rows of the draft vocabulary: {res['window']}"
+    tail = f"mean slots the window's own tokens hold: {res['window']}"
     if eng:
         tail += f"; engine τ {eng['tau']} over {eng['steps']} steps"
     return "\n".join(out) + "\n\n" + tail

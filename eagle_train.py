@@ -409,12 +409,13 @@ def cmd_eval(args):
         raise TrainError(f"--tree must be top-k/depth/nodes (e.g. 8/5/16), got {args.tree!r}") from None
     t0 = time.perf_counter()
     try:
-        res = ev.recall_table(target, head, recs, steps=args.steps, vocab=args.vocab, w_max=args.w_max)
+        res = ev.recall_table(target, head, recs, steps=args.steps, vocab=args.vocab, w_max=args.w_max,
+                              k_pre=args.k_pre, k_ver=args.k_ver, ablation=args.vocab_ablation)
         eng = None
         if args.engine_tokens:
             prompts = [r["ids"][:r["spans"][0][0]] for r in recs]
             eng = ev.engine_acceptance(target, head_dir, prompts, args.vocab, args.engine_tokens, topk, depth, nodes,
-                                       args.steps, args.w_max)
+                                       args.steps, args.w_max, args.k_pre, args.k_ver, args.vocab_ablation)
     except ValueError as e:  # a vocabulary spec or size the engine refuses
         raise TrainError(str(e)) from None
     print(ev.table(res, eng))
@@ -516,6 +517,10 @@ def parse_args(argv=None):
     v.add_argument("--checkpoint", default=None, help="target HF folder or hub id (default: embedded SmolLM2)")
     v.add_argument("--vocab", default="nanospec", help="the draft vocabulary: full, nanospec or freq:PATH[:K]")
     v.add_argument("--w-max", type=int, default=3072, help="NanoSpec window slots")
+    v.add_argument("--k-pre", type=int, default=3, help="NanoSpec: target top-K per prompt position")
+    v.add_argument("--k-ver", type=int, default=3, help="NanoSpec: target top-K per answer position")
+    v.add_argument("--vocab-ablation", default=None, choices=["ctx", "ext", "noasync", "nofill"],
+                   help="NanoSpec ablation (as generate.py's)")
     v.add_argument("--steps", type=int, default=4, help="unrolled depths")
     v.add_argument("--limit", type=int, default=None, help="at most this many records")
     v.add_argument("--engine-tokens", type=int, default=128,

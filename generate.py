@@ -489,7 +489,9 @@ def parse_args(argv=None):
     v.add_argument("--w-max", type=int, default=3072, help="NanoSpec window size (slots)")
     v.add_argument("--k-pre", type=int, default=3, help="NanoSpec target top-K per prompt position")
     v.add_argument("--k-ver", type=int, default=3, help="NanoSpec target top-K per accepted position")
-    v.add_argument("--vocab-ablation", default=None, choices=["ctx", "ext", "noasync"])
+    v.add_argument("--vocab-ablation", default=None, choices=["ctx", "ext", "noasync", "nofill"],
+                   help="NanoSpec without: prompt tokens (ctx), appends (ext), the packed copy (noasync), the head "
+                        "folder's freq.pt in free slots (nofill)")
     return p.parse_args(argv)
 
 

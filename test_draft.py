@@ -23,6 +23,22 @@ def test_draft_kind_errors(draft_env, tmp_path):
     assert dr.detect_draft_kind(write_eagle_head(tmp_path / "e", cfg, version=1)) == "eagle"
 
 
+def test_head_folder_freq_fills_nanospec(draft_env, tmp_path):
+    """A freq.pt in the head folder fills NanoSpec's free slots (most frequent first), through the one place
+    drafters are built; "nofill" and the other vocabularies do without it."""
+    root, path, cfg = draft_env
+    head = write_eagle_head(tmp_path / "h", cfg, version=3)
+    m = load_model(path, dtype=torch.float32)
+    plain = dr.make_drafter(dr.DraftConfig(str(head), "nanospec", 4, 3, 10, w_max=64), m)
+    assert not plain.vocab.has_fill
+    torch.save([17, 3, 99, 3, 250], head / "freq.pt")  # (a repeated id keeps its first rank)
+    d = dr.make_drafter(dr.DraftConfig(str(head), "nanospec", 4, 3, 10, w_max=64), m)
+    assert d.vocab.has_fill and d.vocab.fill_tok[:5].tolist()[:4] == [17, 3, 99, 250]
+    assert not dr.make_drafter(dr.DraftConfig(str(head), "nanospec", 4, 3, 10, w_max=64, ablation="nofill"),
+                               m).vocab.has_fill
+    assert not hasattr(dr.make_drafter(dr.DraftConfig(str(head), "full", 4, 3, 10), m).vocab, "has_fill")
+
+
 def test_cli_draft_mismatch_errors(draft_env, tmp_path, capsys):
     root, path, cfg = draft_env
     other, _ = write_tiny_hf(tmp_path / "other", vocab_size=300)

@@ -44,7 +44,7 @@ def target(path):
 
 
 def make_drafter(kind, tiny, m, vocab_spec="full", topk=4, depth=3, nodes=10, ablation=None, w_max=64, sampling=None,
-                 static=False):
+                 static=False, fill=None):
     path, heads, dpath, root = tiny
     if kind == "ngram":
         return dr.NgramDrafter(k=4, static=static)
@@ -58,7 +58,7 @@ def make_drafter(kind, tiny, m, vocab_spec="full", topk=4, depth=3, nodes=10, ab
     if kind == "model":
         dm = load_model(dpath, dtype=torch.float32)
         return dr.ModelDrafter(dm, make_vocab(vocab_spec, dm.lm_head.weight, w_max=w_max, ablation=ablation,
-                                              max_append=5 * 4), k=4, sampling=sampling)
+                                              max_append=5 * 4, fill=fill), k=4, sampling=sampling)
     if kind == "self":  # the target as its own draft model: every greedy proposal is accepted
         dm = load_model(path, dtype=torch.float32)
         return dr.ModelDrafter(dm, make_vocab("full", dm.lm_head.weight), k=3, sampling=sampling)
@@ -66,7 +66,8 @@ def make_drafter(kind, tiny, m, vocab_spec="full", topk=4, depth=3, nodes=10, ab
     if head.c.version == 3:
         m.aux_layers = head.c.aux_layers
     vocab = make_vocab(vocab_spec, head.lm_weight(), w_max=w_max, ablation=ablation,
-                       max_append=nodes + (depth + 1) * 3, token_to_row=dr.EagleDrafter.token_to_row_map(head))
+                       max_append=nodes + (depth + 1) * 3, token_to_row=dr.EagleDrafter.token_to_row_map(head),
+                       fill=fill)
     return dr.EagleDrafter(head, vocab, topk, depth, nodes)
 
 
@@ -109,15 +110,18 @@ def test_greedy_lossless_across_eos(tiny):
 
 
 @pytest.mark.parametrize("vocab_spec,ablation", [("nanospec", None), ("nanospec", "ctx"), ("nanospec", "ext"),
-                                                 ("nanospec", "noasync"), ("freq", None)])
+                                                 ("nanospec", "noasync"), ("nanospec+fill", None), ("freq", None)])
 @pytest.mark.parametrize("kind", ["eagle2", "eagle3", "eagle3_pruned", "model"])
 def test_greedy_lossless_every_vocab(tiny, tmp_path, vocab_spec, ablation, kind):
     m = target(tiny[0])
     if vocab_spec == "freq":
         torch.save(list(range(255, -1, -3)), tmp_path / "freq.pt")
         vocab_spec = f"freq:{tmp_path / 'freq.pt'}:40"
+    fill = None
+    if vocab_spec == "nanospec+fill":  # free slots score 30 fixed ids (rows of the pruned head too)
+        vocab_spec, fill = "nanospec", list(range(0, 90, 3))
     w_max = 48 if kind == "eagle3_pruned" else 64  # the pruned head has 96 rows
-    eng = Engine(m, drafter=make_drafter(kind, tiny, m, vocab_spec, ablation=ablation, w_max=w_max))
+    eng = Engine(m, drafter=make_drafter(kind, tiny, m, vocab_spec, ablation=ablation, w_max=w_max, fill=fill))
     for p in PROMPTS:
         out, st = eng.generate(p, 30)
         assert out == autoregressive(m, p, 30)

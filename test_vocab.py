@@ -69,6 +69,17 @@ def check_state(v, ref, weight, h=None):
     act = v.token_of >= 0
     if v.rows is not None:
         assert torch.equal(v.rows[act], weight[v.token_of[act]])
+    # fill: a free slot scores its fill token unless the window holds that token (no id scored twice), with
+    # that token's row in place
+    fill = v.fill_tok[:W].tolist()
+    scored = torch.tensor([token_of[s] >= 0 or (fill[s] >= 0 and fill[s] not in active) for s in range(W)])
+    if not v.has_fill:
+        assert torch.equal(scored, act)
+    ids_now = v.ids.clone()
+    assert torch.equal(ids_now[~act & scored], v.fill_tok[:W][~act & scored])
+    assert len(set(ids_now[scored].tolist())) == int(scored.sum())
+    if v.rows is not None:
+        assert torch.equal(v.rows[scored], weight[ids_now[scored]])
     # logits: h @ weight[token].T on active slots, -inf elsewhere, ids map back
     if h is not None:
         scores, ids = v.logits(h)
@@ -76,9 +87,12 @@ def check_state(v, ref, weight, h=None):
         assert ((ids >= 0) & (ids < V)).all()
         assert torch.equal(ids[act], v.token_of[act])
         torch.testing.assert_close(scores[..., act], h @ weight[v.token_of[act]].T)
-        assert torch.isneginf(scores[..., ~act]).all()
+        assert torch.isneginf(scores[..., ~scored]).all() and torch.isfinite(scores[..., scored]).all()
+        torch.testing.assert_close(scores[..., scored], h @ weight[ids[scored]].T)
         probe = torch.arange(V)
-        assert v.contains(probe).tolist() == [t in active for t in range(V)]
+        assert v.contains(probe).tolist() == [t in set(ids[scored].tolist()) for t in range(V)]
+        if not v.has_fill:
+            assert v.contains(probe).tolist() == [t in active for t in range(V)]
 
 
 @st.composite
@@ -132,13 +146,18 @@ def run_ops(v, ref, ops, weight, h):
 
 
 @settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios(), st.sampled_from([None, None, "ctx", "ext", "noasync"]))
-def test_nanospec_matches_reference_window(sc, ablation):
+@given(scenarios(), st.sampled_from([None, None, "ctx", "ext", "noasync", "nofill"]), st.sampled_from([0, 0, 3, 1.0, 1.5]))
+def test_nanospec_matches_reference_window(sc, ablation, n_fill):
+    """The window against a reference, after every reset and update, with and without fill tokens in the free
+    slots (none, 3, W, more than W ids; "nofill" ignores them)."""
     W, V, k_pre, k_ver, ops = sc
     g = torch.Generator().manual_seed(V * 1000 + W)
     weight = torch.randn(V, 8, generator=g)
     h = torch.randn(2, 8, generator=g)
-    v = NanoSpecVocab(weight, W, k_pre, k_ver, ablation=ablation)
+    n_fill = min(V, n_fill if isinstance(n_fill, int) else int(n_fill * W))
+    fill = torch.randperm(V, generator=g)[:n_fill] if n_fill else None
+    v = NanoSpecVocab(weight, W, k_pre, k_ver, ablation=ablation, fill=fill)
+    assert v.has_fill == (fill is not None and ablation != "nofill")
     ref = RefWindow(V, W, k_pre, k_ver)
     check_state(v, ref, weight, h)
     run_ops(v, ref, ops, weight, h)
@@ -170,10 +189,11 @@ def test_long_run_no_drift():
     check_state(v, ref, weight, torch.randn(3, d, generator=g))
 
 
-def test_update_and_logits_trace_fullgraph():
+@pytest.mark.parametrize("fill", [None, list(range(40, 56))])
+def test_update_and_logits_trace_fullgraph(fill):
     V, W, d = 64, 16, 8
     weight = torch.randn(V, d)
-    v_eager, v_comp = NanoSpecVocab(weight, W, 2, 2), NanoSpecVocab(weight, W, 2, 2)
+    v_eager, v_comp = NanoSpecVocab(weight, W, 2, 2, fill=fill), NanoSpecVocab(weight, W, 2, 2, fill=fill)
     for v in (v_eager, v_comp):
         v.reset(torch.arange(5), torch.arange(10).view(5, 2))
     update = torch.compile(v_comp.update, fullgraph=True, backend="eager")
@@ -365,24 +385,26 @@ def test_build_freq_cli_round_trip(tmp_path):
     assert torch.load(out) == [7, 4]
     # token-id records (`eagle_train.py data` output) are counted as ids, next to text corpora
     recs = tmp_path / "r.jsonl"
-    recs.write_text(json.dumps({"ids": [9, 9, 9, 4], "spans": [[1, 4]]}) + "\n")
+    recs.write_text(json.dumps({"ids": [4, 4, 4, 9, 9], "spans": [[3, 5]]}) + "\n")
     vocab.main(["build-freq", "--tokenizer", str(tmp_path / "tokenizer.json"), "--vocab-size", "10",
                 "--corpus", str(txt), str(recs), "--out", str(out)])
-    assert torch.load(out) == [7, 9, 4]  # dog (7) 3 and 9 3 (tie: smaller id first), on (4) 1 + 1
+    # only a record's spans count (the target's answers, not its prompt's three 4s): dog (7) 3, 9 2, on (4) 1
+    assert torch.load(out) == [7, 9, 4]
 
 
 @pytest.mark.skipif(cpu_gemm.kernel() is None, reason="needs x86-64 with AVX2+FMA and a C compiler")
-@pytest.mark.parametrize("W", [48, 50])
-def test_packed_rows_follow_the_window(W, monkeypatch):
+@pytest.mark.parametrize("W,n_fill", [(48, 0), (50, 0), (50, 60)])
+def test_packed_rows_follow_the_window(W, n_fill, monkeypatch):
     """Where cpu_gemm's kernel scores LM heads (bf16 on the CPU), NanoSpec's packed copy holds exactly the rows
-    buffer after every update (W = 50: the sink row shares the last group with real rows), a compiled update
-    writes the same rows, and the scores are F.linear's to bf16 rounding with the same -inf (free) slots.
+    buffer after every update (W = 50: the sink row shares the last group with real rows), also with fill
+    tokens in the free slots, a compiled update writes the same rows, and the scores are F.linear's to bf16 rounding with the same -inf (free) slots.
     FullVocab and FreqVocab score through packed copies too."""
     monkeypatch.setattr(cpu_gemm, "_ON", [True])
     V, d = 300, 64
     g = torch.Generator().manual_seed(W)
     weight = torch.randn(V, d, generator=g).bfloat16()
-    v, vc = NanoSpecVocab(weight, W, 2, 3), NanoSpecVocab(weight, W, 2, 3)
+    fill = torch.randperm(V, generator=g)[:n_fill] if n_fill else None  # (60 > W: the first W are used)
+    v, vc = NanoSpecVocab(weight, W, 2, 3, fill=fill), NanoSpecVocab(weight, W, 2, 3, fill=fill)
     assert v.packed is not None and v.state_bytes() > NanoSpecVocab(weight.float(), W, 2, 3).state_bytes()
     update = torch.compile(vc.update, fullgraph=True, backend="eager")
     logits = torch.compile(vc.logits, fullgraph=True, backend="eager")
@@ -393,6 +415,7 @@ def test_packed_rows_follow_the_window(W, monkeypatch):
     h = torch.randn(5, d, generator=g).bfloat16()
     for x in (v, vc):
         x.reset(torch.randint(0, V, (20,), generator=torch.Generator().manual_seed(0)))
+    more = 0  # steps whose fill tokens scored beside the window's
     for step in range(25):
         args = (torch.randint(0, V, (12,), generator=g), torch.rand(12, generator=g) < 0.8,
                 torch.randint(0, V, (3, 3), generator=g), torch.rand(3, generator=g) < 0.7)
@@ -402,10 +425,15 @@ def test_packed_rows_follow_the_window(W, monkeypatch):
         s, ids = v.logits(h)
         ref = torch.nn.functional.linear(h.float(), v.rows.float(), v.bias.float())
         assert torch.equal(torch.isneginf(s), torch.isneginf(ref)) and torch.isfinite(s).any()
+        if n_fill:  # free slots score their fill tokens (the window's own tokens elsewhere excepted)
+            on = torch.isfinite(s[0])
+            assert torch.equal(v.rows[on], weight[ids[on]]) and int(on.sum()) >= int(v.active_size())
+            more += int(on.sum()) > int(v.active_size())
         fin = torch.isfinite(ref)
         torch.testing.assert_close(s.float()[fin], ref[fin], rtol=0.02, atol=0.05)
         sc, idc = logits(h)
         assert torch.equal(sc, s) and torch.equal(idc, ids)
+    assert more > 0 or not n_fill
     full, freq = FullVocab(weight), FreqVocab(weight, torch.tensor([7, 3, 250, 99]))
     assert full.packed is not None and freq.packed is not None
     for x, rows in ((full, weight), (freq, weight[[7, 3, 250, 99]])):

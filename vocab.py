@@ -212,7 +212,9 @@ def _json_texts(obj, is_text=False):
 
 def corpus_texts(path, id_lists=None):
     """Texts of a .txt (one per non-empty line) or .jsonl corpus. jsonl lines that are already token ids
-    ({"ids": [int, ...]}, e.g. `eagle_train.py data` records) go to id_lists instead, when it is given."""
+    ({"ids": [int, ...]}, e.g. `eagle_train.py data` records) go to id_lists instead, when it is given; a
+    record's "spans" (the target's own answers) are all of it that counts (FR-Spec ranks what the model
+    writes, not the prompts it reads)."""
     is_jsonl = str(path).endswith(".jsonl")
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -221,7 +223,8 @@ def corpus_texts(path, id_lists=None):
                     obj = json.loads(line)
                     ids = obj.get("ids") if isinstance(obj, dict) else None
                     if id_lists is not None and isinstance(ids, list) and all(isinstance(x, int) for x in ids):
-                        id_lists.append(ids)
+                        spans = obj.get("spans")
+                        id_lists.append(ids if not spans else [x for a, b in spans for x in ids[a:b]])
                     else:
                         yield from _json_texts(obj)
             elif line.strip():
@@ -255,7 +258,7 @@ def build_freq_file(tokenizer_path, corpus_paths, out_path, vocab_size=None, bat
 # NanoSpec dynamic window
 # --------------------------------------------------------------------------------------
 
-ABLATIONS = (None, "ctx", "ext", "noasync")
+ABLATIONS = (None, "ctx", "ext", "noasync", "nofill")
 
 
 class NanoSpecVocab:
@@ -270,12 +273,20 @@ class NanoSpecVocab:
       rows [W, d]    LM-head rows of the slot owners, packed (absent for "noasync")
       ids [W], bias [W]   what logits() returns / adds: token_of clamped to 0, and 0 / -inf
       winner [V+1]   int32 scratch for de-duplicating one append
+      fill_tok [W+1] the fill token of each slot (-1 none), fill_slot_ [V+1] its inverse (with fill only)
     The extra last entry of the V- and W-sized tensors is a sink that masked writes go
     to, so every scatter has a static width and no host sync is needed.
 
     Stream order at reset: per prompt position t, the prompt token p_t followed by the
     target's top-k_pre ids at t (interleaved, i.e. time order), so truncating to the last
     W entries keeps the most recent positions complete.
+
+    Fill (a frequency file's ids, most frequent first; FR-Spec's): a free slot s scores fill_tok[s] unless
+    that token is in the window already (it then scores in its own slot), so the W-row GEMM, which spans
+    every slot anyway, scores the most frequent tokens in the slots the window does not use (it holds a few
+    hundred of 3072 on chat text). A token that enters the window takes a free slot as before (its row
+    replaces the fill row); a slot its owner leaves gets its fill row back. No extra GEMM width, two more
+    row gathers per update. "nofill" (or fill=None) is the paper's window alone.
 
     Fewer active rows than a caller's top-k: the extra picks are inactive slots, they
     score -inf and map to token id 0; callers must treat -inf-scored picks as invalid.
@@ -286,7 +297,7 @@ class NanoSpecVocab:
     tensors directly needs wait() first.
     """
 
-    def __init__(self, weight, w_max=3072, k_pre=3, k_ver=3, ablation=None, max_append=None):
+    def __init__(self, weight, w_max=3072, k_pre=3, k_ver=3, ablation=None, max_append=None, fill=None):
         V, d = weight.shape
         if ablation not in ABLATIONS:
             raise ValueError(f"unknown ablation {ablation!r}; choose from {ABLATIONS}")
@@ -318,10 +329,23 @@ class NanoSpecVocab:
                                                                               device=dev))
         self._arange_w = torch.arange(w_max, device=dev)
         self._inf = torch.tensor(float("-inf"), dtype=weight.dtype, device=dev)
+        self.fill_tok = torch.full((w_max + 1,), -1, dtype=torch.long, device=dev)
+        self.fill_slot_ = None  # [V+1] with fill only (an O(V) map the paper's window does without)
+        fill = None if ablation == "nofill" or fill is None else torch.as_tensor(fill, dtype=torch.long).reshape(-1)
+        if fill is not None and fill.numel():
+            self.fill_slot_ = torch.full((V + 1,), -1, dtype=torch.int32, device=dev)
+            if int(fill.min()) < 0 or int(fill.max()) >= V or fill.unique().numel() != fill.numel():
+                raise ValueError(f"fill ids must be distinct ids in [0, {V})")
+            fill = fill[:w_max].to(dev)
+            self.fill_tok[: fill.numel()] = fill
+            self.fill_slot_[fill] = torch.arange(fill.numel(), dtype=torch.int32, device=dev)
+        self.has_fill = fill is not None and fill.numel() > 0
         # Async gather only where it can overlap (CUDA); "noasync" is synchronous by definition.
         self._stream = None if ablation == "noasync" else kernels.copy_stream(dev)
         self._ready = kernels.new_event(dev) if self._stream is not None else None
         self._pending = False
+        if self.has_fill:
+            self._clear()  # fill rows and outputs from the start (before any reset)
 
     # public views without the sink entries
     @property
@@ -400,6 +424,10 @@ class NanoSpecVocab:
         dead_slot = torch.where(died, self.slot_of_[cand].long(), W)
         self.token_of_.index_fill_(0, dead_slot, -1)
         self.slot_of_.index_fill_(0, torch.where(died, cand, V), -1)
+        if self.has_fill and self.rows is not None:  # a freed slot scores its fill token again: its row back
+            # (before the born rows land, which may take the same slot)
+            back = self.fill_tok[dead_slot]                           # [2n] (-1: none, or the sink)
+            self._write_rows(back.clamp(min=0), torch.where(back >= 0, dead_slot, W))
         # k-th born token takes the k-th free slot (ranks by cumsum, O(W), no sort).
         # Enough free slots always exist: distinct tokens in a W-long window <= W.
         free = self.token_of_[:W] < 0                                # [W]
@@ -412,16 +440,29 @@ class NanoSpecVocab:
         self.slot_of_.index_copy_(0, torch.where(born, cand, V), slot.to(torch.int32))
         self.slot_of_[V] = -1
         self.token_of_[W] = -1
-        # logits() outputs, refreshed in place (stable addresses for CUDA graphs).
-        tok = self.token_of_[:W]
-        self.ids.copy_(tok.clamp(min=0))
-        self.bias.copy_(torch.where(tok >= 0, 0.0, self._inf))
+        self._outputs()
         # Gather only the newly active rows, into their slots.
         if self.rows is not None:
-            nb = slot[:n]                                            # born tokens are all in `new`
-            kernels.gather_rows_(self.rows, self.weight, new, torch.where(nb < W, nb, -1))
-            if self.packed is not None:  # the same rows into the packed copy (slot W: its sink)
-                cpu_gemm.pack_rows_(self.packed, self.weight.index_select(0, new.clamp(max=V - 1)), nb)
+            self._write_rows(new, slot[:n])                          # born tokens are all in `new`
+
+    def _write_rows(self, tok, slot):
+        """rows[slot[i]] = weight[tok[i]] (and the packed copy) where slot[i] < W; static shapes."""
+        kernels.gather_rows_(self.rows, self.weight, tok, torch.where(slot < self.W, slot, -1))
+        if self.packed is not None:  # the same rows into the packed copy (slot W: its sink)
+            cpu_gemm.pack_rows_(self.packed, self.weight.index_select(0, tok.clamp(max=self.V - 1)), slot)
+
+    def _outputs(self):
+        # logits() outputs, refreshed in place (stable addresses for CUDA graphs).
+        tok = self.token_of_[: self.W]
+        if not self.has_fill:
+            self.ids.copy_(tok.clamp(min=0))
+            self.bias.copy_(torch.where(tok >= 0, 0.0, self._inf))
+            return
+        ft = self.fill_tok[: self.W]
+        # a free slot scores its fill token unless the window holds it (then its own slot does: no duplicates)
+        fill_on = (tok < 0) & (ft >= 0) & (self.count_[ft.clamp(min=0)] == 0)
+        self.ids.copy_(torch.where(tok >= 0, tok, ft.clamp(min=0)))
+        self.bias.copy_(torch.where((tok >= 0) | fill_on, 0.0, self._inf))
 
     # ---------------------------------------------------------------- sequence start
 
@@ -433,6 +474,11 @@ class NanoSpecVocab:
         self.token_of_.fill_(-1)
         self.ids.zero_()
         self.bias.fill_(float("-inf"))
+        if self.has_fill:  # every slot is free: all score their fill tokens
+            if self.rows is not None:
+                self._write_rows(self.fill_tok[: self.W].clamp(min=0),
+                                 torch.where(self.fill_tok[: self.W] >= 0, self._arange_w, self.W))
+            self._outputs()
 
     def reset(self, prompt_ids, prompt_topk=None):
         """Rebuild the window from the prompt (host-side slicing allowed: not the hot path).
@@ -470,16 +516,23 @@ class NanoSpecVocab:
             self._pending = False
 
     def contains(self, ids):
+        """Which ids the draft scores: the window's, and fill tokens in free slots."""
         self.wait()
-        return self.count_[ids.long()] > 0
+        ids = ids.long()
+        inside = self.count_[ids] > 0
+        if not self.has_fill:
+            return inside
+        s = self.fill_slot_[ids].long()
+        return inside | ((s >= 0) & (self.token_of_[s.clamp(min=0)] < 0))
 
     def active_size(self):
+        """Slots the window's own tokens hold (fill tokens not counted)."""
         self.wait()
         return (self.token_of_[: self.W] >= 0).sum()
 
     def state_bytes(self):
         bufs = [self.ring, self.head, self.count_, self.slot_of_, self.token_of_, self.winner,
-                self.ids, self.bias, self._arange_w, self._inf]
+                self.ids, self.bias, self._arange_w, self._inf, self.fill_tok, self.fill_slot_]
         return nbytes(*bufs, self.rows, self.packed)
 
 
@@ -494,8 +547,9 @@ def nanospec_state_bytes(V, d, w_max=3072, dtype=torch.float16, **kw):
 
 
 def make_vocab(spec, weight, *, w_max=3072, k_pre=3, k_ver=3, ablation=None, eos_ids=(),
-               max_append=None, token_to_row=None):
-    """spec: "full" | "freq:PATH" | "freq:PATH:K" | "nanospec".
+               max_append=None, token_to_row=None, fill=None):
+    """spec: "full" | "freq:PATH" | "freq:PATH:K" | "nanospec". fill: NanoSpec's free-slot tokens (ids, most
+    frequent first), or a frequency file's path.
 
     token_to_row [V_target] (-1 = absent) maps a frequency file's target token ids to the rows of a
     head with a pruned vocabulary (EAGLE-3 d2t); None when rows are token ids."""
@@ -504,7 +558,11 @@ def make_vocab(spec, weight, *, w_max=3072, k_pre=3, k_ver=3, ablation=None, eos
     if spec == "full":
         return FullVocab(weight)
     if spec == "nanospec":
-        return NanoSpecVocab(weight, w_max, k_pre, k_ver, ablation, max_append)
+        if isinstance(fill, (str, os.PathLike)):
+            # the file's ranking as it is (eos comes in with the target's top-k when it is likely); a short
+            # file fills fewer slots
+            fill = load_freq_file(fill, weight.shape[0])[:w_max]
+        return NanoSpecVocab(weight, w_max, k_pre, k_ver, ablation, max_append, fill)
     if spec.startswith("freq:"):
         path, k = spec[len("freq:"):], None
         head, sep, tail = path.rpartition(":")
