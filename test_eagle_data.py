@@ -42,6 +42,16 @@ def test_batched_generation_equals_one_at_a_time(tiny):
         assert o == Engine(m).generate(p, 20)[0]
 
 
+def test_batched_prefill_projects_only_the_last_position(tiny, monkeypatch):
+    """The prefill's LM head sees one row per prompt: all positions would be [B, L, V] (24 GB for 128 prompts
+    of 1,024 tokens in fp32, an OOM kill seen in data generation)."""
+    m = tiny["model"]
+    shapes, real = [], m.lm_head.forward
+    monkeypatch.setattr(m.lm_head, "forward", lambda x: shapes.append(tuple(x.shape)) or real(x))
+    ed.batch_generate(m, [[5, 6, 7, 8, 9, 10], [9, 10]], 3, [0.0, 0.0], [-1])
+    assert shapes and all(s[:-1] in ((2,), (2, 1)) for s in shapes), shapes
+
+
 def test_sampled_rows_draw_from_the_top_candidates(tiny, monkeypatch):
     """Mixed batch: the greedy row is unchanged by its sampled neighbour, and every sampled token is one of
     the CAND most likely tokens of the model at that point (checked by teacher forcing)."""
