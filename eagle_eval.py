@@ -30,6 +30,7 @@ def recall_table(target: Transformer, head, recs: list[dict], steps: int = 4, vo
     K = max(ks)
     a = head.c.args
     W = head.lm_weight()
+    W32 = W.float()
     hits = {w: [[0] * len(ks) for _ in range(steps)] for w in ("full", "vocab")}
     rows, window, n_win = [0] * steps, 0, 0
     saved = target.aux_layers
@@ -48,6 +49,10 @@ def recall_table(target: Transformer, head, recs: list[dict], steps: int = 4, vo
             ver = logits.topk(max(k_pre, k_ver), dim=-1).indices  # [T, k]
             cos, sin = rope_cache(T + steps, a.head_dim, a.rope_theta, a.rope_scaling)
             outs = ttt_forward(head, aux, ids[None], steps, cos.to(dev), sin.to(dev))  # [1, T, d] per depth
+            # the full vocabulary's top-K of every row at once, in fp32 (one GEMM per depth; row by row in bf16
+            # it was most of the time on a CPU without bf16 hardware)
+            fulls = [torch.cat([(o[0, a:a + 256].float() @ W32.T).topk(K, dim=-1).indices
+                                for a in range(0, T, 256)]) for o in outs]  # [T, K] per depth
             voc = vc.make_vocab(vocab, W, w_max=w_max, k_pre=k_pre, k_ver=k_ver, eos_ids=target.args.eos_ids,
                                 ablation=ablation, fill=getattr(head, "fill_path", None) if vocab == "nanospec" else None)
             voc.reset(ids[:s0], ver[:s0, :k_pre])
@@ -64,7 +69,7 @@ def recall_table(target: Transformer, head, recs: list[dict], steps: int = 4, vo
                         break
                     h = outs[i][0, t]  # [d]
                     label = nxt[t + i + 1]
-                    full = torch.nn.functional.linear(h, W).float().topk(K).indices  # [K]
+                    full = fulls[i][t]  # [K]
                     z, vids = voc.logits(h[None])
                     z = z[0].float()
                     top = z.topk(min(K, z.shape[0]))
