@@ -61,7 +61,7 @@ def recall_table(target: Transformer, head, recs: list[dict], steps: int = 4, vo
             # first answer token (s0) is the target's own bonus, so rows start where they predict s0 + 1
             for t in range(s0 - 1, e0 - 2):
                 draft = lvl1 if lvl1 is not None else ver[t, :0]
-                voc.update(draft, torch.ones_like(draft, dtype=torch.bool), ver[t:t + 1, :k_ver],
+                voc.update(draft.clamp(min=0), draft >= 0, ver[t:t + 1, :k_ver],
                            torch.ones(1, dtype=torch.bool, device=dev))
                 window, n_win = window + int(voc.active_size()), n_win + 1
                 for i in range(steps):
@@ -79,7 +79,7 @@ def recall_table(target: Transformer, head, recs: list[dict], steps: int = 4, vo
                         hits["vocab"][i][j] += int((vtop[:k] == label).any())
                     rows[i] += 1
                     if i == 0:
-                        lvl1 = full[:tree_k] if vocab == "full" else vtop[:tree_k].clamp(min=0)
+                        lvl1 = vtop[:tree_k]  # (-1: a pick the vocabulary could not fill, not appended)
     finally:
         target.aux_layers = saved
     rate = lambda w: [[round(h / max(rows[i], 1), 4) for h in hits[w][i]] for i in range(steps)]
