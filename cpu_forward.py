@@ -23,6 +23,7 @@ Used by model.Transformer.forward for batch-1 passes of bf16 CPU models where cp
 (`attach`); other passes (batches, explicit [B, 1, T, S] masks) take the PyTorch path.
 """
 import ctypes
+import hashlib
 import os
 import time
 
@@ -273,6 +274,7 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
     free(xr); free(h); free(y); free(o); free(keys); free(nk); free(sc); free(ef);
 }
 """
+TAG = hashlib.sha256(SOURCE.encode()).hexdigest()[:8]  # keys the per-machine answers about this pass
 
 _LIB = []  # [] not tried yet, [None] unavailable, [fn] built and loaded
 
@@ -320,8 +322,9 @@ ROWS_WORTH = {1: 1.0, 4: 1.8, 16: 2.5}
 
 
 def shape_key(a) -> str:
-    """What a model's per-machine timings depend on besides the machine (cached answers are keyed by it)."""
-    return f"L{a.n_layers} d{a.dim} h{a.n_heads}/{a.n_kv_heads}x{a.head_dim} i{a.intermediate_size} v{a.vocab_size}"
+    """What a model's per-machine timings depend on besides the machine (cached answers are keyed by it), the
+    C pass's source included."""
+    return f"pass {TAG} L{a.n_layers} d{a.dim} h{a.n_heads}/{a.n_kv_heads}x{a.head_dim} i{a.intermediate_size} v{a.vocab_size}"
 
 
 def attach(model):

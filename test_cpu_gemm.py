@@ -18,7 +18,7 @@ def rand(*shape, seed=0):
 @pytest.mark.parametrize("N,K,bias", [(48, 64, False), (50, 64, True), (49, 136, False), (3, 8, True), (1, 16, False)])
 def test_products_match_fp32_to_one_rounding(N, K, bias):
     """Every output is the fp32 product of the bf16 inputs, rounded once: within one bf16 step of it (the
-    sum order differs from a plain fp32 matmul's). N not a multiple of 3 exercises the padded last group."""
+    sum order differs from a plain fp32 matmul's). N not a multiple of 16 exercises the padded last panel."""
     w, b = rand(N, K), rand(N, seed=1) if bias else None
     for M in (1, 2, 3, 4, 5, 9, 13):
         x = rand(M, K, seed=M)
@@ -29,17 +29,30 @@ def test_products_match_fp32_to_one_rounding(N, K, bias):
 
 
 def test_rows_are_invariant_by_construction():
-    """A row's bits do not depend on how many rows share the pass or where it sits (register tiles of 4
-    rows and the 1-row remainder path): the property exact mode needs."""
+    """A row's bits do not depend on how many rows share the pass or where it sits (register tiles of 1-6
+    rows, balanced heights, row blocks of 48): the property exact mode needs."""
     w = rand(96, 576)
     p = cpu_gemm.pack(w)
-    x = rand(23, 576, seed=3)
+    x = rand(101, 576, seed=3)
     full = cpu_gemm.kernel_linear(x, p, 96)
-    for r in (1, 2, 3, 4, 5, 7, 8, 16):
+    for r in (1, 2, 3, 4, 5, 6, 7, 8, 11, 16, 23, 49, 96):
         for o in (0, 1, 5):
             assert torch.equal(cpu_gemm.kernel_linear(x[o:o + r], p, 96), full[o:o + r]), (r, o)
     x3 = x[:12].view(2, 6, 576)  # leading dims are flattened rows
     assert torch.equal(cpu_gemm.kernel_linear(x3, p, 96), full[:12].view(2, 6, 96))
+
+
+def test_pack_layout_round_trips():
+    """unpack(pack(w)) is w, the padded panel included, and pack_rows_ replaces exactly the rows it is given."""
+    w = rand(50, 24)
+    p = cpu_gemm.pack(w)
+    assert p.shape == (4, 24, 16) and torch.equal(cpu_gemm.unpack(p, 50), w)
+    assert not cpu_gemm.unpack(p, 64)[50:].any()  # the zero rows padding the last panel
+    new, slots = rand(3, 24, seed=1), torch.tensor([0, 17, 49])
+    cpu_gemm.pack_rows_(p, new, slots)
+    w[slots] = new
+    assert torch.equal(cpu_gemm.unpack(p, 50), w)
+    assert torch.equal(cpu_gemm.kernel_linear(rand(2, 24, seed=2), p, 50), cpu_gemm.kernel_linear(rand(2, 24, seed=2), cpu_gemm.pack(w), 50))
 
 
 def test_rounds_to_nearest_even_like_torch():

@@ -396,7 +396,7 @@ def test_build_freq_cli_round_trip(tmp_path):
 @pytest.mark.parametrize("W,n_fill", [(48, 0), (50, 0), (50, 60)])
 def test_packed_rows_follow_the_window(W, n_fill, monkeypatch):
     """Where cpu_gemm's kernel scores LM heads (bf16 on the CPU), NanoSpec's packed copy holds exactly the rows
-    buffer after every update (W = 50: the sink row shares the last group with real rows), also with fill
+    buffer after every update (W = 50: the sink row shares the last panel with real rows), also with fill
     tokens in the free slots, a compiled update writes the same rows, and the scores are F.linear's to bf16 rounding with the same -inf (free) slots.
     FullVocab and FreqVocab score through packed copies too."""
     monkeypatch.setattr(cpu_gemm, "_ON", [True])
@@ -410,7 +410,7 @@ def test_packed_rows_follow_the_window(W, n_fill, monkeypatch):
     logits = torch.compile(vc.logits, fullgraph=True, backend="eager")
 
     def unpacked(p):
-        return p.transpose(1, 2).reshape(p.shape[0] * 3, d)[:W]
+        return cpu_gemm.unpack(p, W)
 
     h = torch.randn(5, d, generator=g).bfloat16()
     for x in (v, vc):
