@@ -32,8 +32,14 @@ SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 class Budget:
     def __init__(self, nodes: int, decay: float = 0.8, probe: int = 8, max_gap: int = 64, probe_share: float = 0.05,
-                 settle: int = 2, pass_s: dict | None = None, spent: dict | None = None):
-        self.nodes = nodes
+                 settle: int = 2, pass_s: dict | None = None, spent: dict | None = None,
+                 sizes: list[int] | None = None, start: int | None = None):
+        # sizes: the set to choose from (default: SIZES below nodes, and nodes); its largest is the whole tree;
+        # start: the speculative size tried first (default: the whole tree)
+        self.sizes = sorted(set(sizes)) if sizes else [s for s in SIZES if s < nodes] + [nodes]
+        assert self.sizes[0] == 1, "autoregressive decoding (size 1) is always a choice"
+        nodes = self.nodes = self.sizes[-1]
+        self.start = start if start in self.sizes else nodes
         self.pass_s = pass_s  # {size: seconds} of the target's pass on this machine (Engine.pass_costs), or None
         self.settle = settle  # steps of a size before its time counts (the first ones may pay one-time set-up)
         self.probe_share = probe_share  # while decoding autoregressively: most of the time probes may take
@@ -41,7 +47,6 @@ class Budget:
         # for the request, not per source
         self.spent = {"probe": 0.0, "total": 0.0} if spent is None else spent
         self.probing = False
-        self.sizes = [s for s in SIZES if s < nodes] + [nodes]
         self.decay, self.probe, self.max_gap = decay, probe, max_gap
         self.hits = [0.0] * nodes  # decayed counts per node rank (rank 0 = the root, always "accepted")
         self.trials = [0.0] * nodes
@@ -83,9 +88,9 @@ class Budget:
         return self.tokens(b) / self.seconds(b)
 
     def pick(self) -> int:
-        ends = [s for s in (self.nodes, 1) if self.timed.get(s, 0) < self.settle]
+        ends = [s for s in (self.start, 1) if self.timed.get(s, 0) < self.settle]
         if ends:
-            b = ends[0]  # the whole tree, then autoregressive decoding, settle times each (with settle 2 the
+            b = ends[0]  # the whole tree (or start), then autoregressive decoding, settle times each (with settle 2 the
             # first time of a size, which may pay one-time set-up, is not kept); sizes between are
             # interpolated until chosen
         else:
@@ -158,10 +163,14 @@ class Budgets:
     """One Budget per source of the next step's drafts (the drafter's budget_key): the hybrid's steps where
     prompt lookup has a chain and those where only the EAGLE head drafts accept differently at every size
     (a 4-node step is a chain in one and a small EAGLE tree in the other), so each keeps its own acceptance
-    and step times, and the budget of a step is the one that picked it."""
+    and step times, and the budget of a step is the one that picked it. sizes_of(key), where given (the
+    drafter's budget_sizes), is a source's own set of sizes and start_of(key) the size it tries first: the
+    hybrid's chain steps add the chain alone (prompt lookup's whole draft), which a size set cut for the
+    merged tree would miss, and start there (a merged tree is probed from it, one size up)."""
 
-    def __init__(self, nodes: int, **kw):
+    def __init__(self, nodes: int, sizes_of=None, start_of=None, **kw):
         self.nodes, self.kw, self.of, self.key = nodes, kw, {}, None
+        self.sizes_of, self.start_of = sizes_of, start_of
         self.spent = {"probe": 0.0, "total": 0.0}  # one probe cap for the request (Budget.probe_share)
 
     @property
@@ -171,7 +180,9 @@ class Budgets:
     def pick(self, key) -> int:
         self.key = key
         if key not in self.of:
-            new = self.of[key] = Budget(self.nodes, spent=self.spent, **self.kw)
+            new = self.of[key] = Budget(self.nodes, spent=self.spent,
+                                        sizes=self.sizes_of(key) if self.sizes_of else None,
+                                        start=self.start_of(key) if self.start_of else None, **self.kw)
             # an autoregressive step is the same step whatever drafts the next one: a new source starts with
             # the time the others measured (one timing step fewer for it)
             ar = max(self.of.values(), key=lambda x: x.timed.get(1, 0))

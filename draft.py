@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from budget import SIZES
 from download import resolve_checkpoint
 from eagle import EagleHead, load_eagle, read_keys
 from model import ModelError, Transformer, load_model
@@ -476,6 +477,21 @@ class HybridDrafter:
         for the draft that follows."""
         self.proposal = (len(hist), hist[-1], self.ngram.propose(hist))
         return "ngram" if self.proposal[2] else "eagle"
+
+    def budget_sizes(self, key: str | None = None) -> list[int]:
+        """budget.Budgets' sizes for a source of drafts (None: every size either may verify). Where prompt lookup
+        has a chain, the sizes below the merged tree are the chain alone, so they stop at the whole chain
+        (1 + k nodes, prompt lookup's own largest step: on a CPU it often pays where the merged tree does
+        not); then the merged tree. Without a chain they stop at the EAGLE tree."""
+        e = self.eagle.nodes  # without a chain every size from the EAGLE tree's up drafts the EAGLE tree
+        tree = [s for s in SIZES if s < e] + [e]
+        chain = [s for s in SIZES if s < 1 + self.ngram.k] + [1 + self.ngram.k, self.nodes]
+        return {"ngram": chain, "eagle": tree}.get(key, sorted(set(tree + chain)))
+
+    def budget_start(self, key: str) -> int:
+        """The size a source's budget tries first: the chain alone where there is a chain (as prompt lookup
+        alone does; the merged tree is a probe away), else the EAGLE tree."""
+        return 1 + self.ngram.k if key == "ngram" else self.eagle.nodes
 
     def setup(self, max_seq: int):
         self.eagle.setup(max_seq + self.ngram.k)  # the chain's nodes may pass the tree's slots

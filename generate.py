@@ -297,7 +297,9 @@ class Engine:
         m, d, dev = self.model, self.drafter, self.device
         T, eos = len(prompt), set(m.args.eos_ids)
         S, self.R_ver = self.plan(T, max_new_tokens, d.nodes)
-        pass_s = self.pass_costs(d.nodes) if self.budget else None  # (before the caches: it times passes)
+        sizes_of = getattr(d, "budget_sizes", None)  # a drafter's own size set per source (the hybrid's)
+        # (before the caches: it times passes)
+        pass_s = self.pass_costs(d.nodes, sizes_of() if sizes_of else ()) if self.budget else None
         m.setup_caches(1, S)
         d.setup(S)
         self._check_graphs()
@@ -315,7 +317,8 @@ class Engine:
         t_start = t_step = time.perf_counter()
         # eager CPU steps pay no one-time set-up per shape: one timing step of each end of the budget range
         settle = 1 if dev.type == "cpu" and not self.compiled else 2
-        budget = self.last_budget = Budgets(d.nodes, settle=settle, pass_s=pass_s) if self.budget else None
+        budget = self.last_budget = (Budgets(d.nodes, sizes_of, getattr(d, "budget_start", None), settle=settle,
+                                             pass_s=pass_s) if self.budget else None)
         # nodes to verify; 1 = an autoregressive step (no draft); per source of the next drafts (budget_key)
         b = budget.pick(d.budget_key(prompt + out)) if budget else d.nodes
         with clock("draft"):
@@ -363,14 +366,15 @@ class Engine:
         st.phase_s["lm_head"], st.phase_s["draft"] = lm, st.phase_s["draft"] - lm
         return out, st
 
-    def pass_costs(self, nodes: int) -> dict[int, float] | None:
-        """Seconds of the target's pass at each budget size up to nodes, on this machine (CPU; measured once
-        and cached per machine, model and pass kind in cache_dir()/pass_cost.json; a second or so): budget.py's
-        estimate for the sizes a request has not timed. None on other devices (budget.py interpolates)."""
+    def pass_costs(self, nodes: int, extra=()) -> dict[int, float] | None:
+        """Seconds of the target's pass at each budget size up to nodes and the extra sizes, on this machine
+        (CPU; measured once and cached per machine, model and pass kind in cache_dir()/pass_cost.json; a second
+        or so): budget.py's estimate for the sizes a request has not timed. None on other devices (budget.py
+        interpolates)."""
         m = self.model
         if self.device.type != "cpu":
             return None
-        sizes = [s for s in SIZES if s < nodes] + [nodes]
+        sizes = sorted(set([s for s in SIZES if s < nodes] + [nodes] + list(extra)))
         key = (f"{cpu_gemm.machine_id()} {cpu_forward.shape_key(m.args)} {m.lm_head.weight.dtype} "
                f"{'fused pass' if m.cpu_pass is not None else 'layers'} {'kernel' if cpu_gemm.enabled() else 'torch'}")
         f = cpu_gemm.cache_dir() / "pass_cost.json"

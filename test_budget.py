@@ -172,3 +172,27 @@ def test_sources_share_the_autoregressive_time_and_the_probe_cap():
     assert 0 < probe["probe"] <= 0.05 * probe["total"] + 2 * big, probe  # (each source's start-up is not a probe)
     later = [s for bud in bs.of.values() for s, v in bud.chosen.items() if s > 4 and s != 16]
     assert not later  # the climb from the cheapest size, never straight to the whole tree
+
+
+def test_a_source_chooses_from_its_own_sizes():
+    """Budgets(sizes_of=...): each source picks from its own set (the hybrid's chain steps: the chain alone,
+    1 + k nodes, then the merged tree). A chain accepted to its end and a tree beyond it never accepted: the
+    chain source settles on the whole chain, a size the default set (powers of two, then 26) lacks."""
+    chain = [1, 2, 4, 8, 11, 26]
+    for start_of in (None, lambda key: 11 if key == "ngram" else None):
+        bs = Budgets(26, sizes_of=lambda key: chain if key == "ngram" else None, start_of=start_of, probe=10 ** 9,
+                     settle=1)
+        cost = lambda k: 1.0 + 0.05 * k
+        picks = []
+        for step in range(60):
+            k = bs.pick("ngram")
+            picks.append(k)
+            bs.observe(k, list(range(min(k, 11))), cost(k))
+        assert bs.of["ngram"].sizes == chain and picks[-5:] == [11] * 5
+        assert picks[:2] == ([26, 1] if start_of is None else [11, 1])  # start_of: the size tried first
+        # the merged tree is tried once: first, or (from the chain) next, as its unseen ranks' prior promises
+        # tokens; its trial finds the ranks past the chain never accepted
+        assert picks.count(26) == 1
+        assert bs.pick("eagle") == 26 and bs.of["eagle"].sizes == [1, 2, 4, 8, 16, 26]
+    assert Budget(4, sizes=[4, 2, 1, 2]).sizes == [1, 2, 4] and Budget(1, sizes=[1, 3]).nodes == 3
+    assert Budget(16, start=4).pick() == 4 and Budget(16, start=5).pick() == 16  # (a start off the set: the tree)
