@@ -673,6 +673,24 @@ def test_hybrid_budgets_chain_and_tree_steps_apart(tiny):
     assert set(d.budget_sizes()) == set(d.budget_sizes("ngram") + d.budget_sizes("eagle"))
 
 
+def test_hybrid_head_catches_up_only_when_it_drafts(tiny):
+    """The hybrid's head sees the accepted steps only when it drafts next (or at 64 pending): every head update
+    comes right before an EAGLE draft, chain-alone and autoregressive steps never pay one, and the output is
+    still autoregressive decoding's."""
+    m = target(tiny[0])
+    d = make_drafter("hybrid", tiny, m, "nanospec")
+    events, real_update, real_draft = [], d.eagle.update, d.eagle.draft
+    d.eagle.update = lambda a: events.append("update") or real_update(a)
+    d.eagle.draft = lambda *a, **k: events.append("draft") or real_draft(*a, **k)
+    eng = Engine(m, drafter=d, budget=True)
+    prompt = PROMPTS[1] * 3
+    out, st = eng.generate(prompt, 40)
+    assert out == autoregressive(m, prompt, 40)
+    assert st.extra["chain_only_steps"] > 0 and events.count("draft") > 0
+    assert all(e == "draft" for prev, e in zip(events, events[1:]) if prev == "update"), events
+    assert events.count("update") <= events.count("draft")
+
+
 def test_hybrid_reports_where_accepted_tokens_came_from(tiny):
     m = target(tiny[0])
     eng = Engine(m, drafter=make_drafter("hybrid", tiny, m, "nanospec"))
