@@ -196,3 +196,23 @@ def test_a_source_chooses_from_its_own_sizes():
         assert bs.pick("eagle") == 26 and bs.of["eagle"].sizes == [1, 2, 4, 8, 16, 26]
     assert Budget(4, sizes=[4, 2, 1, 2]).sizes == [1, 2, 4] and Budget(1, sizes=[1, 3]).nodes == 3
     assert Budget(16, start=4).pick() == 4 and Budget(16, start=5).pick() == 16  # (a start off the set: the tree)
+
+
+def test_untried_ranks_count_as_the_deepest_tried_rank():
+    """A rank never tried counts as likely as the deepest tried rank before it (the prior where none was):
+    after a chain whose deep nodes are never accepted, the untried merged tree promises little and is not
+    tried; after a chain accepted to its end it promises as much and is tried once."""
+    chain = [1, 2, 4, 8, 11, 26]
+    for accepted, tries in ((2, 0), (11, 1)):
+        b = Budget(26, sizes=chain, start=11, probe=10 ** 9, settle=1)
+        cost = lambda k: 1.0 + 0.05 * k
+        picks = []
+        for step in range(40):
+            k = b.pick()
+            picks.append(k)
+            b.observe(k, list(range(min(k, accepted))), cost(k))
+        assert picks.count(26) == tries, (accepted, picks)
+        if not tries:
+            assert b.tokens(26) == pytest.approx(b.tokens(11) + 15 * b.p(10))
+    fresh = Budget(8)
+    assert fresh.tokens(8) == pytest.approx(1 + 7 * 0.5)  # nothing tried: the prior
