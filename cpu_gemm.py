@@ -6,7 +6,8 @@ costs several decode steps and speculation cannot pay. This kernel streams the b
 in panels of 16 rows, widens them to fp32 in registers and multiplies each into up to 6 rows of the pass at
 a time (12 accumulators: BLIS's 6 x 16 AVX2 shape), so extra rows cost FMAs, not weight traffic. While a
 panel computes, the next one is prefetched into L2, so the weight stream and the FMAs overlap (measured on
-the AVX2 EPYC, the default model's GEMMs: 22.5 -> 18.5 ms at 1 row, 54 -> 43 ms at 16 rows).
+the AVX2 EPYC, the default model's GEMMs against the earlier 4 x 3 dot-product tiles, alternating: 1.10x at
+1 row, 1.21x at 8, 1.30x at 16; BENCHMARKS.md, session 11).
 
 Row-invariant by construction: every output element is one fp32 FMA chain over k in order, plus the bias,
 whatever the tile, the row count or the row's place in the pass. A token's bits never depend on how many
