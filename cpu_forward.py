@@ -208,6 +208,7 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
     int* keys = malloc(sizeof(int) * T * S);
     long* nk = malloc(sizeof(long) * T);
     float* sc = malloc(sizeof(float) * threads * 4 * (S + 8));
+    uint16_t* xs = malloc(sizeof(uint16_t) * threads * T * hw);  /* gemm_rows' bf16 copies of its input (AVX-512 BF16) */
     const long hb = T * Hkv >= 2 * threads ? (g < 4 ? g : 4) : 1;  /* heads per attention task */
     const long nb = (g + hb - 1) / hb;
     for (long t = 0; t < T; t++) {  /* each row's keys, in slot order, once for all layers and heads */
@@ -233,7 +234,7 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
             rmsnorm(xr, (const uint16_t*)w[W_HID], h + D, 2 * D, T, D, eps);
             kin = 2 * D;
         } else rmsnorm(xr, (const uint16_t*)w[W_IN], h, D, T, D, eps);
-        gemm_rows(h, T, kin, (const uint16_t*)w[W_QKV], (const uint16_t*)w[B_QKV], NQKV, 0, y);  /* [T, q | k | v] */
+        gemm_rows(h, T, kin, (const uint16_t*)w[W_QKV], (const uint16_t*)w[B_QKV], NQKV, 0, y, xs);  /* [T, q | k | v] */
         #pragma omp for schedule(static)
         for (long t = 0; t < T; t++) {
             float* r = y + t * NQKV;
@@ -260,18 +261,18 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
             attend(qs, Kc + j * S * hd, Vc + j * S * hd, keys + t * S, nk[t], hd, scale, ss, os, G);
             for (int i = 0; i < G; i++) for (long d = 0; d < hd; d++) os[i][d] = rbf(os[i][d]);
         }
-        gemm_rows(h, T, Q, (const uint16_t*)w[W_O], 0, D, 0, o);
+        gemm_rows(h, T, Q, (const uint16_t*)w[W_O], 0, D, 0, o, xs);
         #pragma omp for schedule(static)
         for (long i = 0; i < T * D; i++) xr[i] = rbf(xr[i] + o[i]);
         rmsnorm(xr, (const uint16_t*)w[W_POST], h, D, T, D, eps);
-        gemm_rows(h, T, D, (const uint16_t*)w[W_GU], 0, 2 * I, 0, y);  /* [T, gate | up] */
+        gemm_rows(h, T, D, (const uint16_t*)w[W_GU], 0, 2 * I, 0, y, xs);  /* [T, gate | up] */
         silu_mul(y, h, T, I);
-        gemm_rows(h, T, I, (const uint16_t*)w[W_DOWN], 0, D, 0, o);
+        gemm_rows(h, T, I, (const uint16_t*)w[W_DOWN], 0, D, 0, o, xs);
         #pragma omp for schedule(static)
         for (long i = 0; i < T * D; i++) xr[i] = rbf(xr[i] + o[i]);
     }
     for (long i = 0; i < T * D; i++) x[i] = to_bf16(xr[i]);
-    free(xr); free(h); free(y); free(o); free(keys); free(nk); free(sc); free(ef);
+    free(xr); free(h); free(y); free(o); free(keys); free(nk); free(sc); free(ef); free(xs);
 }
 """
 TAG = hashlib.sha256(SOURCE.encode()).hexdigest()[:8]  # keys the per-machine answers about this pass

@@ -1,18 +1,24 @@
-"""The CPU linear layer for bf16 weights: a small AVX2/FMA kernel, built with the system C compiler on first use.
+"""The CPU linear layer for bf16 weights: a small kernel built with the system C compiler on first use, in one
+of two variants chosen by the CPU's flags: AVX-512 BF16 dot products where the CPU has them (Zen 4, Cooper
+Lake, Sapphire Rapids and later), else AVX2/FMA (NANOSPEC_CPU_ISA=avx2 forces the portable one).
 
 Why: on CPUs without a bf16 dot-product instruction (AVX2, plain AVX-512) torch's bf16 GEMM costs about the
-same per row at any row count (measured: 16 rows = 7x one row on an AVX2 EPYC), so verifying a draft tree
-costs several decode steps and speculation cannot pay. This kernel streams the bf16 weights once per pass
-in panels of 16 rows, widens them to fp32 in registers and multiplies each into up to 6 rows of the pass at
-a time (12 accumulators: BLIS's 6 x 16 AVX2 shape), so extra rows cost FMAs, not weight traffic. While a
-panel computes, the next one is prefetched into L2, so the weight stream and the FMAs overlap (measured on
-the AVX2 EPYC, the default model's GEMMs against the earlier 4 x 3 dot-product tiles, alternating: 1.10x at
-1 row, 1.21x at 8, 1.30x at 16; BENCHMARKS.md, session 11).
+same per row at any row count (measured: 16 rows = 7x one row on an AVX2 EPYC), and on an AVX-512 BF16 EPYC
+its one-row path is twice as slow as this kernel, so verifying a draft tree costs several decode steps and
+speculation cannot pay. This kernel streams the bf16 weights once per pass in panels, and multiplies each
+panel into several rows of the pass at a time, so extra rows cost multiply-adds, not weight traffic:
+- AVX2: panels of 16 rows, widened to fp32 in registers, into up to 6 rows at a time (12 accumulators:
+  BLIS's 6 x 16 AVX2 shape); while a panel computes, the next one is prefetched into L2 (measured on the
+  AVX2 EPYC, the default model's GEMMs against the earlier 4 x 3 dot-product tiles, alternating: 1.10x at 1
+  row, 1.21x at 8, 1.30x at 16; BENCHMARKS.md, session 11).
+- AVX-512 BF16: panels of 64 rows, pairs of k side by side, into up to 6 rows at a time with vdpbf16ps (24
+  accumulators); each instruction does 32 multiply-adds, 4x an AVX2 FMA (BENCHMARKS.md, session 12).
 
-Row-invariant by construction: every output element is one fp32 FMA chain over k in order, plus the bias,
-whatever the tile, the row count or the row's place in the pass. A token's bits never depend on how many
-tokens share its pass, which is what exact mode needs (exact.py then finds that every pass size agrees).
-Products of bf16 values are exact in fp32; the sum is rounded to bf16 once, round-to-nearest-even.
+Row-invariant by construction: every output element is one fp32 chain over k in order (FMAs, or dot
+products of k pairs), plus the bias, whatever the tile, the row count or the row's place in the pass. A
+token's bits never depend on how many tokens share its pass, which is what exact mode needs (exact.py then
+finds that every pass size agrees). The sum is rounded to bf16 once, round-to-nearest-even. The two variants
+round differently from each other, but a machine only ever runs one.
 
 `linear(x, w, b)` uses the kernel where `enabled()` says it pays on this machine (a timing check of the
 model's shapes, run once per machine and cached, see `choose`), else `F.linear`. NANOSPEC_CPU_GEMM=torch
@@ -33,8 +39,9 @@ from torch import Tensor
 
 ENV = "NANOSPEC_CPU_GEMM"  # auto (default) | kernel | torch
 
-SOURCE = r"""
+COMMON = r"""
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 
 static inline __m256 load_bf16(const uint16_t* p) {  /* 8 bf16 -> 8 fp32 (bf16 = the high half of fp32) */
@@ -50,6 +57,51 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's 
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+/* the 16 outputs of one register of accumulators: + bias, rounded to bf16 once, into y (or yf: fp32 holding
+   the bf16 value); columns from N on are the zero rows padding the last panel and are not written */
+static inline void store16(const float* out, const uint16_t* b, uint16_t* y, float* yf, long N, long m, long n0) {
+    for (long c = 0; c < 16 && n0 + c < N; c++) {
+        long n = n0 + c;
+        float s = out[c];
+        if (b) { uint32_t u = (uint32_t)b[n] << 16; float bf; __builtin_memcpy(&bf, &u, 4); s += bf; }
+        uint16_t r = to_bf16(s);
+        if (yf) { uint32_t u = (uint32_t)r << 16; __builtin_memcpy(yf + m * N + n, &u, 4); }
+        else y[m * N + n] = r;
+    }
+}
+/* a register tile: rows m.. m + height of x (row stride kx, in the kernel's units) times packed panel p, the
+   next panel prefetched through pf where not 0 (tiles[height] for height 1..MTMAX) */
+typedef void (*tile_fn)(const void* x, long kx, const uint16_t* P, const uint16_t* b, uint16_t* y, float* yf, long N,
+                        long m, long p, const char* pf);
+
+/* y[M, N] (bf16; or yf, fp32 holding bf16 values) = x[M, K] @ W[N, K]^T (+ b[N]) through a kernel's tiles, over
+   packed panels of `panel` weight rows (panel x K bf16 each). Work-shared over the threads of the enclosing parallel
+   region (serial outside one): each thread takes whole panels. The rows are cut into ceil(rows / mtmax) tiles
+   of nearly equal height (8 rows with mtmax 6: 4 + 4, not 6 + 2), as each tile's chains must be many enough to
+   hide the latency; row blocks of 48 keep a block's x in L2 while the panels stream. The first tile of each
+   panel is handed the next one, to prefetch into L2 while it computes where that pays (the later tiles find
+   their panel in cache and give the hardware prefetcher no misses to follow). Row-invariant by construction
+   when each tile computes every output the same way whatever its height. */
+static void tiled(const tile_fn* tiles, long mtmax, long panel, const void* x, long kx, long M, long K,
+                  const uint16_t* P, const uint16_t* b, long N, uint16_t* y, float* yf) {
+    const long NP = (N + panel - 1) / panel;
+    for (long mb = 0; mb < M; mb += 48) {
+        long mend = mb + 48 < M ? mb + 48 : M, rows = mend - mb, nt = (rows + mtmax - 1) / mtmax;
+        #pragma omp for schedule(static)
+        for (long p = 0; p < NP; p++) {
+            long m = mb;
+            for (long t = 0; t < nt; t++) {
+                long h = (mend - m) / (nt - t) + ((mend - m) % (nt - t) != 0);
+                tiles[h](x, kx, P, b, y, yf, N, m, p, t == 0 && p + 1 < NP ? (const char*)(P + (p + 1) * panel * K) : 0);
+                m += h;
+            }
+        }
+    }
+}
+"""
+
+# The AVX2/FMA kernel: any x86-64 of the last decade.
+GEMM_AVX2 = r"""
 /* MT rows of x times the 16 weight rows of packed panel p (P[p][k][16], see pack()): a panel's K x 16
    weights are one contiguous stream, read from memory once per pass and from L1/L2 once per MT rows. Each
    k's 16 bf16 values sit interleaved [n0, n8, n1, n9, ...], so one 32-byte load becomes the two fp32 vectors
@@ -77,44 +129,21 @@ static inline __attribute__((always_inline)) void tile(const float* x, long K, c
     __m256 acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
     float out[6][16];  /* the accumulators leave the registers once, in a loop the compiler unrolls */
     for (int i = 0; i < MT; i++) { _mm256_storeu_ps(out[i], acc[i][0]); _mm256_storeu_ps(out[i] + 8, acc[i][1]); }
-    long nn = N - p * 16 < 16 ? N - p * 16 : 16;  /* the zero rows padding the last panel are not written */
-    for (int i = 0; i < MT; i++) for (long c = 0; c < nn; c++) {
-        long n = p * 16 + c;
-        float s = out[i][c];
-        if (b) { uint32_t u = (uint32_t)b[n] << 16; float bf; __builtin_memcpy(&bf, &u, 4); s += bf; }
-        uint16_t r = to_bf16(s);
-        if (yf) { uint32_t u = (uint32_t)r << 16; __builtin_memcpy(yf + (m0 + i) * N + n, &u, 4); }  /* fp32 holding the bf16 value */
-        else y[(m0 + i) * N + n] = r;
-    }
+    for (int i = 0; i < MT; i++) store16(out[i], b, y, yf, N, m0 + i, p * 16);
 }
-#define TILE(MT) static void t##MT(const float* x, long K, const uint16_t* P, const uint16_t* b, uint16_t* y, float* yf, \
-        long N, long m, long p, const char* pf) { tile(x, K, P, b, y, yf, N, m, p, pf, MT); }
+#define TILE(MT) static void t##MT(const void* x, long K, const uint16_t* P, const uint16_t* b, uint16_t* y, float* yf, \
+        long N, long m, long p, const char* pf) { tile((const float*)x, K, P, b, y, yf, N, m, p, pf, MT); }
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
-typedef void (*tile_fn)(const float*, long, const uint16_t*, const uint16_t*, uint16_t*, float*, long, long, long, const char*);
 static const tile_fn tiles[7] = {0, t1, t2, t3, t4, t5, t6};
 
-/* y[M, N] (bf16; or yf, fp32 holding bf16 values) = xf[M, K] @ W[N, K]^T (+ b[N]); xf fp32, b bf16; P: W packed
-   by pack(). Work-shared over the threads of the enclosing parallel region (serial outside one). Every output
-   is one fp32 FMA chain over k in order, plus the bias, rounded once: the same whatever the tile, the row
-   count or the row's place in the pass (row-invariant, as exact mode needs). The rows are cut into
-   ceil(M / 6) tiles of nearly equal height (8 rows: 4 + 4, not 6 + 2), as each tile's FMA chains must be
-   many enough to hide the FMA latency; row blocks of 48 keep a block's x in L2 while the panels stream. */
-static void gemm_rows(const float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N, uint16_t* y, float* yf) {
-    const long NP = (N + 15) / 16;
-    for (long mb = 0; mb < M; mb += 48) {
-        long mend = mb + 48 < M ? mb + 48 : M, rows = mend - mb, nt = (rows + 5) / 6;
-        #pragma omp for schedule(static)
-        for (long p = 0; p < NP; p++) {
-            long m = mb;
-            for (long t = 0; t < nt; t++) {
-                long h = (mend - m) / (nt - t) + ((mend - m) % (nt - t) != 0);
-                /* the first tile prefetches the next panel into L2 while it computes, so memory and FMAs overlap
-                   (the later tiles find their panel in cache and give the hardware prefetcher no misses to follow) */
-                tiles[h](xf, K, P, b, y, yf, N, m, p, t == 0 && p + 1 < NP ? (const char*)(P + (p + 1) * 16 * K) : 0);
-                m += h;
-            }
-        }
-    }
+/* y[M, N] (bf16; or yf, fp32 holding bf16 values) = xf[M, K] @ W[N, K]^T (+ b[N]); xf fp32 holding bf16
+   values, b bf16; P: W packed by pack(); xs: scratch the AVX-512 BF16 kernel needs (unused here). Every
+   output is one fp32 FMA chain over k in order, plus the bias, rounded once: the same whatever the tile, the
+   row count or the row's place in the pass (row-invariant, as exact mode needs). Tiles of up to 6 rows. */
+static void gemm_rows(const float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N, uint16_t* y,
+                      float* yf, uint16_t* xs) {
+    (void)xs;
+    tiled(tiles, 6, 16, xf, K, M, K, P, b, N, y, yf);
 }
 
 /* y[M, N] = x[M, K] @ W[N, K]^T (+ b[N]); x, b, y bf16; P: W packed by pack(); xf: fp32 scratch [M, K] */
@@ -122,10 +151,100 @@ void linear_bf16(const uint16_t* x, float* xf, long M, long K, const uint16_t* P
                  uint16_t* y, int threads) {
     for (long i = 0; i < M * K; i++) { uint32_t u = (uint32_t)x[i] << 16; __builtin_memcpy(xf + i, &u, 4); }
     #pragma omp parallel num_threads(threads)
-    gemm_rows(xf, M, K, P, b, N, y, 0);
+    gemm_rows(xf, M, K, P, b, N, y, 0, 0);
 }
 """
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+# The AVX-512 BF16 kernel (Zen 4 and later, Cooper Lake, Sapphire Rapids and later): vdpbf16ps multiplies
+# pairs of bf16 values and adds both products into an fp32 lane, 32 multiply-adds per instruction against
+# the AVX2 kernel's 8 per FMA, and the weights need no widening.
+GEMM_AVX512BF16 = r"""
+#ifndef NV
+#define NV 4
+#endif
+/* MT (<= 6) rows of x times the 64 weight rows of packed panel p (P[p][k/2][64][2]: for each pair of k, each
+   weight row's two bf16 values side by side, so one 64-byte load is 16 rows' pairs). x: bf16 pairs, K2 = K / 2
+   per row; one 32-bit broadcast per row and pair. Each output is one chain of vdpbf16ps over the pairs in
+   order; 4 x MT independent chains hide its latency (24 accumulators of the 32 registers), one row's 4
+   included. No software prefetch: the hardware prefetcher follows the one contiguous panel stream (measured
+   on Zen 4, the default model's GEMMs, alternating: next-panel prefetches were 0-5% slower, and 16-row tiles
+   of 16-row panels that read each panel once per 16 rows were 5-15% slower at 1-4 rows, between 20% faster
+   and 15% slower at 16, as this shared machine's memory speed moved). */
+static inline __attribute__((always_inline)) void tile(const uint32_t* x, long K2, const uint16_t* P, const uint16_t* b,
+        uint16_t* y, float* yf, long N, long m0, long p, const int MT) {
+    __m512 acc[6][NV];  /* in registers: the loops over it are unrolled (MT and NV are constants) */
+    for (int i = 0; i < MT; i++) for (int v = 0; v < NV; v++) acc[i][v] = _mm512_setzero_ps();
+    const uint32_t* x0 = x + m0 * K2;
+    const __m512i* w = (const __m512i*)(P + p * 32 * NV * K2);
+    #pragma GCC unroll 2
+    for (long k = 0; k < K2; k++) {
+        __m512bh wv[NV];
+        for (int v = 0; v < NV; v++) wv[v] = (__m512bh)_mm512_loadu_si512(w + NV * k + v);
+        for (int i = 0; i < MT; i++) {
+            __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x0[i * K2 + k]);
+            for (int v = 0; v < NV; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], xb, wv[v]);
+        }
+    }
+    float out[16];
+    for (int i = 0; i < MT; i++) for (int v = 0; v < NV; v++) {
+        _mm512_storeu_ps(out, acc[i][v]);
+        store16(out, b, y, yf, N, m0 + i, (p * NV + v) * 16);
+    }
+}
+#define TILE(MT) static void t##MT(const void* x, long K2, const uint16_t* P, const uint16_t* b, uint16_t* y, \
+        float* yf, long N, long m, long p, const char* pf) { (void)pf; tile((const uint32_t*)x, K2, P, b, y, yf, N, m, p, MT); }
+TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
+static const tile_fn tiles[7] = {0, t1, t2, t3, t4, t5, t6};
+
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ b), x as bf16 pairs, in tiles of up to 6 rows over panels of 64. Row-invariant
+   by construction: every output is one chain of vdpbf16ps over the k pairs in order, plus the bias, rounded
+   once, whatever the tile, the row count or the row's place in the pass. */
+static void gemm_pairs(const uint32_t* x, long M, long K, const uint16_t* P, const uint16_t* b, long N, uint16_t* y,
+                       float* yf) {
+    tiled(tiles, 6, 16 * NV, x, K / 2, M, K, P, b, N, y, yf);
+}
+
+/* the fused pass's interface (cpu_forward.py): xf [M, K] fp32 holding bf16 values, made bf16 (exact) in xs
+   [threads, M, K] first */
+static void gemm_rows(const float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N, uint16_t* y,
+                      float* yf, uint16_t* xs) {
+    uint16_t* mine = xs + omp_get_thread_num() * M * K;  /* each thread its own copy: no barrier before the GEMM */
+    for (long i = 0; i < M * K; i++) mine[i] = to_bf16(xf[i]);
+    gemm_pairs((const uint32_t*)mine, M, K, P, b, N, y, yf);
+}
+
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ b[N]); x, b, y bf16 (x 4-byte aligned: K is even); xf unused */
+void linear_bf16(const uint16_t* x, float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N,
+                 uint16_t* y, int threads) {
+    (void)xf;
+    #pragma omp parallel num_threads(threads)
+    gemm_pairs((const uint32_t*)x, M, K, P, b, N, y, 0);
+}
+"""
+ISA_ENV = "NANOSPEC_CPU_ISA"  # auto (default): the best kernel this CPU runs | avx2: the portable one
+
+
+def cpu_flags() -> set[str]:
+    try:
+        return set(next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration, IndexError):
+        return set()
+
+
+def pick_isa() -> str:
+    """'avx512bf16' where the CPU has AVX-512 BF16 dot products (and NANOSPEC_CPU_ISA does not say avx2), else
+    'avx2'. Decided from the CPU's flags, not timed: a bf16 dot product does twice an FMA's work per lane."""
+    want = os.environ.get(ISA_ENV, "auto")
+    if want not in ("auto", "avx2"):
+        raise ValueError(f"{ISA_ENV} must be auto or avx2, got {want!r}")
+    return "avx512bf16" if want == "auto" and {"avx512f", "avx512_bf16"} <= cpu_flags() else "avx2"
+
+
+ISA = pick_isa()
+SOURCE = COMMON + (GEMM_AVX512BF16 if ISA == "avx512bf16" else GEMM_AVX2)
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"] + (["-mavx512f", "-mavx512bf16"] if ISA == "avx512bf16" else [])
+# the packed layout (pack()): panels of PANEL weight rows, KB consecutive k of a row side by side
+PANEL, KB = (64, 2) if ISA == "avx512bf16" else (16, 1)
 
 
 def cache_dir() -> Path:
@@ -176,33 +295,37 @@ def load(source: str, stem: str):
         return None
 
 
-# where column c of a 16-row panel sits among a k's 16 values: [n0, n8, n1, n9, ...] (see tile())
-_PLACE = torch.tensor([2 * c if c < 8 else 2 * (c - 8) + 1 for c in range(16)])
+# where (weight row c of a panel, k offset j) sits among a k group's PANEL * KB values: AVX2 [n0, n8, n1, n9, ...]
+# (one k; see its tile()), AVX-512 BF16 [n0k0, n0k1, n1k0, n1k1, ...] (a pair of k)
+_PLACE = (torch.tensor([2 * c if c < 8 else 2 * (c - 8) + 1 for c in range(16)]) if ISA == "avx2"
+          else torch.arange(PANEL * KB))
 
 
 def pack(w: Tensor) -> Tensor:
-    """w [N, K] bf16 -> [ceil(N / 16), K, 16]: panels of 16 weight rows, k-major, each k's 16 values
-    interleaved for the kernel's widening, so a panel is one contiguous stream (the last panel is padded with
-    zero rows)."""
+    """w [N, K] bf16 -> [ceil(N / PANEL), K / KB, PANEL * KB]: panels of PANEL weight rows, k-major in groups of
+    KB, each group's values placed for the kernel's loads, so a panel is one contiguous stream (the last panel
+    is padded with zero rows)."""
     N, K = w.shape
-    P = -(-N // 16)
-    wp = torch.cat([w, w.new_zeros(P * 16 - N, K)]) if P * 16 > N else w
-    out = wp.new_empty(P, K, 16)
-    out[:, :, _PLACE] = wp.reshape(P, 16, K).transpose(1, 2)
+    P = -(-N // PANEL)
+    wp = torch.cat([w, w.new_zeros(P * PANEL - N, K)]) if P * PANEL > N else w
+    out = wp.new_empty(P, K // KB, PANEL * KB)
+    out[:, :, _PLACE] = wp.reshape(P, PANEL, K // KB, KB).permute(0, 2, 1, 3).reshape(P, K // KB, PANEL * KB)
     return out
 
 
 def unpack(packed: Tensor, N: int) -> Tensor:
     """pack()'s inverse: the [N, K] matrix a packed copy holds."""
-    P, K, _ = packed.shape
-    return packed[:, :, _PLACE].transpose(1, 2).reshape(P * 16, K)[:N]
+    P, G, _ = packed.shape
+    return packed[:, :, _PLACE].view(P, G, PANEL, KB).permute(0, 2, 1, 3).reshape(P * PANEL, G * KB)[:N]
 
 
 def pack_rows_(packed: Tensor, rows: Tensor, slots: Tensor):
     """Row slots[i] of the matrix that packed = pack(W) holds becomes rows[i] (rows [n, K], slots [n]), in
     place: a packed copy follows a buffer whose rows change (vocab.NanoSpecVocab). Static shapes, no sync."""
     slots = slots.long()
-    packed[slots // 16, :, _PLACE.to(slots.device)[slots % 16]] = rows  # [n, K] per (panel, place)
+    n, K = rows.shape
+    place = _PLACE.to(slots.device).view(PANEL, KB)[slots % PANEL]  # [n, KB]: where each of a row's k offsets sits
+    packed[(slots // PANEL)[:, None], :, place] = rows.view(n, K // KB, KB).transpose(1, 2)  # [n, KB, K / KB]
 
 
 def kernel_linear(x: Tensor, packed: Tensor, N: int, b: Tensor | None = None) -> Tensor:
@@ -210,8 +333,8 @@ def kernel_linear(x: Tensor, packed: Tensor, N: int, b: Tensor | None = None) ->
     K = x.shape[-1]
     x2 = x.reshape(-1, K).contiguous()
     y = torch.empty(x2.shape[0], N, dtype=torch.bfloat16)
-    xf = torch.empty(x2.shape[0], K)
-    kernel()(x2.data_ptr(), xf.data_ptr(), x2.shape[0], K, packed.data_ptr(), 0 if b is None else b.data_ptr(), N,
+    xf = torch.empty(x2.shape[0], K) if ISA == "avx2" else None  # the AVX2 kernel widens x into it
+    kernel()(x2.data_ptr(), 0 if xf is None else xf.data_ptr(), x2.shape[0], K, packed.data_ptr(), 0 if b is None else b.data_ptr(), N,
              y.data_ptr(), torch.get_num_threads())
     return y.view(*x.shape[:-1], N)
 
@@ -298,7 +421,7 @@ def machine_id() -> str:
     except (OSError, StopIteration):
         pass
     return (f"{cpu} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | "
-            f"{torch.get_num_threads()} threads | kernel {hashlib.sha256(SOURCE.encode()).hexdigest()[:8]}")
+            f"{torch.get_num_threads()} threads | kernel {ISA} {hashlib.sha256(SOURCE.encode()).hexdigest()[:8]}")
 
 
 def read_json(path: Path) -> dict:

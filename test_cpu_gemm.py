@@ -1,5 +1,8 @@
 """The CPU bf16 linear kernel: right products, row-invariant bits, torch's rounding, compile, the machine's choice."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,10 +18,12 @@ def rand(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
-@pytest.mark.parametrize("N,K,bias", [(48, 64, False), (50, 64, True), (49, 136, False), (3, 8, True), (1, 16, False)])
+@pytest.mark.parametrize("N,K,bias", [(48, 64, False), (50, 64, True), (49, 136, False), (3, 8, True), (1, 16, False),
+                                      (130, 64, True)])
 def test_products_match_fp32_to_one_rounding(N, K, bias):
     """Every output is the fp32 product of the bf16 inputs, rounded once: within one bf16 step of it (the
-    sum order differs from a plain fp32 matmul's). N not a multiple of 16 exercises the padded last panel."""
+    sum order differs from a plain fp32 matmul's). N not a multiple of the panel (16 or 64 rows) exercises the
+    padded last panel."""
     w, b = rand(N, K), rand(N, seed=1) if bias else None
     for M in (1, 2, 3, 4, 5, 9, 13):
         x = rand(M, K, seed=M)
@@ -44,15 +49,17 @@ def test_rows_are_invariant_by_construction():
 
 def test_pack_layout_round_trips():
     """unpack(pack(w)) is w, the padded panel included, and pack_rows_ replaces exactly the rows it is given."""
-    w = rand(50, 24)
+    P, KB = cpu_gemm.PANEL, cpu_gemm.KB
+    N = P + P // 2 + 2  # two panels, the second padded
+    w = rand(N, 24)
     p = cpu_gemm.pack(w)
-    assert p.shape == (4, 24, 16) and torch.equal(cpu_gemm.unpack(p, 50), w)
-    assert not cpu_gemm.unpack(p, 64)[50:].any()  # the zero rows padding the last panel
-    new, slots = rand(3, 24, seed=1), torch.tensor([0, 17, 49])
+    assert p.shape == (2, 24 // KB, P * KB) and torch.equal(cpu_gemm.unpack(p, N), w)
+    assert not cpu_gemm.unpack(p, 2 * P)[N:].any()  # the zero rows padding the last panel
+    new, slots = rand(3, 24, seed=1), torch.tensor([0, P + 5, N - 1])
     cpu_gemm.pack_rows_(p, new, slots)
     w[slots] = new
-    assert torch.equal(cpu_gemm.unpack(p, 50), w)
-    assert torch.equal(cpu_gemm.kernel_linear(rand(2, 24, seed=2), p, 50), cpu_gemm.kernel_linear(rand(2, 24, seed=2), cpu_gemm.pack(w), 50))
+    assert torch.equal(cpu_gemm.unpack(p, N), w)
+    assert torch.equal(cpu_gemm.kernel_linear(rand(2, 24, seed=2), p, N), cpu_gemm.kernel_linear(rand(2, 24, seed=2), cpu_gemm.pack(w), N))
 
 
 def test_rounds_to_nearest_even_like_torch():
@@ -123,3 +130,31 @@ def test_the_timing_check_runs():
     before = cpu_gemm.enabled()
     assert cpu_gemm._faster({(48, 64): 2}, (1, 4), 1) in (True, False)
     assert cpu_gemm.enabled() == before
+
+
+def test_isa_choice(monkeypatch):
+    """The variant follows the CPU's flags; NANOSPEC_CPU_ISA=avx2 forces the portable one; anything else is an
+    error."""
+    monkeypatch.delenv(cpu_gemm.ISA_ENV, raising=False)
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512_bf16"})
+    assert cpu_gemm.pick_isa() == "avx512bf16"
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+    assert cpu_gemm.pick_isa() == "avx2"
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512_bf16"})
+    monkeypatch.setenv(cpu_gemm.ISA_ENV, "avx2")
+    assert cpu_gemm.pick_isa() == "avx2"
+    monkeypatch.setenv(cpu_gemm.ISA_ENV, "amx")
+    with pytest.raises(ValueError, match="auto or avx2"):
+        cpu_gemm.pick_isa()
+    assert cpu_gemm.ISA in cpu_gemm.machine_id()  # answers timed with one variant are not reused by the other
+
+
+@pytest.mark.skipif(cpu_gemm.ISA == "avx2", reason="this process already tests the AVX2 kernel")
+def test_the_portable_kernel_too(tmp_path):
+    """On an AVX-512 BF16 CPU the AVX2 kernel (what AVX2-only CPUs run) passes this file's and the fused pass's
+    tests too, in a process of its own (the variant is fixed at import)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, cpu_gemm.ISA_ENV: "avx2", "NANOSPEC_CACHE": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not portable",
+                        "test_cpu_gemm.py", "test_cpu_forward.py"], cwd=here, env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
