@@ -69,30 +69,34 @@ static inline void store16(const float* out, const uint16_t* b, uint16_t* y, flo
         else y[m * N + n] = r;
     }
 }
-/* a register tile: rows m.. m + height of x (row stride kx, in the kernel's units) times packed panel p, the
-   next panel prefetched through pf where not 0 (tiles[height] for height 1..MTMAX) */
+/* a register tile: rows m.. m + height of x (row stride kx, in the kernel's units) times packed panel p; where
+   pf is not 0 it prefetches the next panel's 64-byte lines [l0, l1) (tiles[height] for height 1..mtmax) */
 typedef void (*tile_fn)(const void* x, long kx, const uint16_t* P, const uint16_t* b, uint16_t* y, float* yf, long N,
-                        long m, long p, const char* pf);
+                        long m, long p, const char* pf, long l0, long l1);
 
 /* y[M, N] (bf16; or yf, fp32 holding bf16 values) = x[M, K] @ W[N, K]^T (+ b[N]) through a kernel's tiles, over
    packed panels of `panel` weight rows (panel x K bf16 each). Work-shared over the threads of the enclosing parallel
    region (serial outside one): each thread takes whole panels. The rows are cut into ceil(rows / mtmax) tiles
    of nearly equal height (8 rows with mtmax 6: 4 + 4, not 6 + 2), as each tile's chains must be many enough to
-   hide the latency; row blocks of 48 keep a block's x in L2 while the panels stream. The first tile of each
-   panel is handed the next one, to prefetch into L2 while it computes where that pays (the later tiles find
-   their panel in cache and give the hardware prefetcher no misses to follow). Row-invariant by construction
-   when each tile computes every output the same way whatever its height. */
-static void tiled(const tile_fn* tiles, long mtmax, long panel, const void* x, long kx, long M, long K,
+   hide the latency; row blocks of 48 keep a block's x in L2 while the panels stream. While a panel computes,
+   the next one is prefetched into L2, so memory and arithmetic overlap: all of it by the first tile (spread = 0),
+   or, where the row block has several tiles, a share by each (spread = 1; a lone tile streams its panel with
+   the hardware prefetcher). The later tiles find their panel in cache and give the hardware prefetcher no
+   misses to follow. Row-invariant by construction when each tile computes every output the same way whatever
+   its height. */
+static void tiled(const tile_fn* tiles, long mtmax, long panel, int spread, const void* x, long kx, long M, long K,
                   const uint16_t* P, const uint16_t* b, long N, uint16_t* y, float* yf) {
-    const long NP = (N + panel - 1) / panel;
+    const long NP = (N + panel - 1) / panel, L = panel * K / 32;  /* 64-byte lines per panel */
     for (long mb = 0; mb < M; mb += 48) {
         long mend = mb + 48 < M ? mb + 48 : M, rows = mend - mb, nt = (rows + mtmax - 1) / mtmax;
         #pragma omp for schedule(static)
         for (long p = 0; p < NP; p++) {
+            const char* next = p + 1 < NP ? (const char*)(P + (p + 1) * panel * K) : 0;
             long m = mb;
             for (long t = 0; t < nt; t++) {
                 long h = (mend - m) / (nt - t) + ((mend - m) % (nt - t) != 0);
-                tiles[h](x, kx, P, b, y, yf, N, m, p, t == 0 && p + 1 < NP ? (const char*)(P + (p + 1) * panel * K) : 0);
+                long l0 = spread ? L * t / nt : 0, l1 = spread ? (nt > 1 ? L * (t + 1) / nt : 0) : (t == 0 ? L : 0);
+                tiles[h](x, kx, P, b, y, yf, N, m, p, l1 > l0 ? next : 0, l0, l1);
                 m += h;
             }
         }
@@ -132,7 +136,7 @@ static inline __attribute__((always_inline)) void tile(const float* x, long K, c
     for (int i = 0; i < MT; i++) store16(out[i], b, y, yf, N, m0 + i, p * 16);
 }
 #define TILE(MT) static void t##MT(const void* x, long K, const uint16_t* P, const uint16_t* b, uint16_t* y, float* yf, \
-        long N, long m, long p, const char* pf) { tile((const float*)x, K, P, b, y, yf, N, m, p, pf, MT); }
+        long N, long m, long p, const char* pf, long l0, long l1) { (void)l0; (void)l1; tile((const float*)x, K, P, b, y, yf, N, m, p, pf, MT); }
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 static const tile_fn tiles[7] = {0, t1, t2, t3, t4, t5, t6};
 
@@ -143,7 +147,7 @@ static const tile_fn tiles[7] = {0, t1, t2, t3, t4, t5, t6};
 static void gemm_rows(const float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N, uint16_t* y,
                       float* yf, uint16_t* xs) {
     (void)xs;
-    tiled(tiles, 6, 16, xf, K, M, K, P, b, N, y, yf);
+    tiled(tiles, 6, 16, 0, xf, K, M, K, P, b, N, y, yf);
 }
 
 /* y[M, N] = x[M, K] @ W[N, K]^T (+ b[N]); x, b, y bf16; P: W packed by pack(); xf: fp32 scratch [M, K] */
@@ -166,18 +170,22 @@ GEMM_AVX512BF16 = r"""
    weight row's two bf16 values side by side, so one 64-byte load is 16 rows' pairs). x: bf16 pairs, K2 = K / 2
    per row; one 32-bit broadcast per row and pair. Each output is one chain of vdpbf16ps over the pairs in
    order; 4 x MT independent chains hide its latency (24 accumulators of the 32 registers), one row's 4
-   included. No software prefetch: the hardware prefetcher follows the one contiguous panel stream (measured
-   on Zen 4, the default model's GEMMs, alternating: next-panel prefetches were 0-5% slower, and 16-row tiles
-   of 16-row panels that read each panel once per 16 rows were 5-15% slower at 1-4 rows, between 20% faster
-   and 15% slower at 16, as this shared machine's memory speed moved). */
+   included. A pass of one tile (up to 6 rows) leaves its panel stream to the hardware prefetcher; in larger
+   passes each tile prefetches a share of the next panel (tiled(), spread): measured on Zen 4, the default
+   model's GEMMs, alternating in one process, 12-15% faster at 12-16 rows than no prefetch, the same at 1, 8,
+   26 and 48 rows, where prefetching the whole next panel from the one-row tile was 7-12% slower. 16-row tiles
+   of 16-row panels, which read each panel once per 16 rows, were 5-15% slower at 1-4 rows and between 20%
+   faster and 15% slower at 16, as this shared machine's memory speed moved. */
 static inline __attribute__((always_inline)) void tile(const uint32_t* x, long K2, const uint16_t* P, const uint16_t* b,
-        uint16_t* y, float* yf, long N, long m0, long p, const int MT) {
+        uint16_t* y, float* yf, long N, long m0, long p, const char* pf, long l0, long l1, const int MT) {
     __m512 acc[6][NV];  /* in registers: the loops over it are unrolled (MT and NV are constants) */
     for (int i = 0; i < MT; i++) for (int v = 0; v < NV; v++) acc[i][v] = _mm512_setzero_ps();
     const uint32_t* x0 = x + m0 * K2;
     const __m512i* w = (const __m512i*)(P + p * 32 * NV * K2);
     #pragma GCC unroll 2
     for (long k = 0; k < K2; k++) {
+        if (pf)  /* this tile's share of the next panel, spread evenly over its k loop */
+            for (long l = l0 + k * (l1 - l0) / K2; l < l0 + (k + 1) * (l1 - l0) / K2; l++) _mm_prefetch(pf + l * 64, _MM_HINT_T1);
         __m512bh wv[NV];
         for (int v = 0; v < NV; v++) wv[v] = (__m512bh)_mm512_loadu_si512(w + NV * k + v);
         for (int i = 0; i < MT; i++) {
@@ -192,7 +200,7 @@ static inline __attribute__((always_inline)) void tile(const uint32_t* x, long K
     }
 }
 #define TILE(MT) static void t##MT(const void* x, long K2, const uint16_t* P, const uint16_t* b, uint16_t* y, \
-        float* yf, long N, long m, long p, const char* pf) { (void)pf; tile((const uint32_t*)x, K2, P, b, y, yf, N, m, p, MT); }
+        float* yf, long N, long m, long p, const char* pf, long l0, long l1) { tile((const uint32_t*)x, K2, P, b, y, yf, N, m, p, pf, l0, l1, MT); }
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 static const tile_fn tiles[7] = {0, t1, t2, t3, t4, t5, t6};
 
@@ -201,7 +209,7 @@ static const tile_fn tiles[7] = {0, t1, t2, t3, t4, t5, t6};
    once, whatever the tile, the row count or the row's place in the pass. */
 static void gemm_pairs(const uint32_t* x, long M, long K, const uint16_t* P, const uint16_t* b, long N, uint16_t* y,
                        float* yf) {
-    tiled(tiles, 6, 16 * NV, x, K / 2, M, K, P, b, N, y, yf);
+    tiled(tiles, 6, 16 * NV, 1, x, K / 2, M, K, P, b, N, y, yf);
 }
 
 /* the fused pass's interface (cpu_forward.py): xf [M, K] fp32 holding bf16 values, made bf16 (exact) in xs
