@@ -10,7 +10,8 @@ q/k/v and gate/up fused into one packed weight each (gpt-fast's wqkv; loaded fro
 Exact by construction: every step works on each row alone, in an order that does not depend on the pass.
 The GEMMs are cpu_gemm's (row-invariant). Attention reads, for each query row, exactly the keys its mask
 allows, in increasing slot order, one dot product per key (one FMA chain over the head dimension, a fixed
-horizontal sum), then a two-pass softmax in that order. Tree nodes come after their ancestors (draft.Tree),
+horizontal sum; in the AVX-512 BF16 build one vdpbf16ps chain over its pairs, 1.1-1.2x faster verification
+passes of 11-26 rows at 300-1,000 keys on Zen 4), then a two-pass softmax in that order. Tree nodes come after their ancestors (draft.Tree),
 so a node sees the prefix and then its ancestors in the same order and with the same values as the
 autoregressive token at its position sees them. A token's bits therefore never depend on how many rows
 share its pass or where its keys sit, and exact mode needs neither padding nor model.exact_attention.
@@ -123,13 +124,70 @@ static inline __attribute__((always_inline)) void pv(const float* const* p, cons
     for (int h = 0; h < G; h++) for (int c = 0; c < CB; c++) _mm256_storeu_ps(out[h] + c0 + 8 * c, o[h][c]);
 }
 
+#ifdef __AVX512BF16__
+/* The AVX-512 BF16 build (cpu_gemm.ISA): the same two loops with 16-lane registers. Each (query, key) score is
+   one chain of vdpbf16ps over the head dimension's pairs in order (q is bf16-exact: RoPE rounds it to bf16),
+   then a fixed reduction; 32 multiply-adds per instruction against 8 per AVX2 FMA. hd % 32 == 0. */
+static inline __attribute__((always_inline)) void dots512(const uint32_t* const* qb, const uint16_t* K, const int* ks,
+        long hd, float scale, float* const* s, long j0, const int G, const int MK) {
+    __m512 acc[4][4];
+    const uint16_t* kr[4];
+    for (int i = 0; i < MK; i++) kr[i] = K + (long)ks[j0 + i] * hd;
+    for (int h = 0; h < G; h++) for (int i = 0; i < MK; i++) acc[h][i] = _mm512_setzero_ps();
+    for (long c = 0; c < hd; c += 32) {
+        __m512bh kv[4];
+        for (int i = 0; i < MK; i++) kv[i] = (__m512bh)_mm512_loadu_si512(kr[i] + c);
+        for (int h = 0; h < G; h++) {
+            __m512bh qv = (__m512bh)_mm512_loadu_si512(qb[h] + c / 2);
+            for (int i = 0; i < MK; i++) acc[h][i] = _mm512_dpbf16_ps(acc[h][i], qv, kv[i]);
+        }
+    }
+    for (int h = 0; h < G; h++) for (int i = 0; i < MK; i++) s[h][j0 + i] = _mm512_reduce_add_ps(acc[h][i]) * scale;
+}
+
+/* pv() with 16-lane blocks: one FMA per key into each accumulator, in key order. hd % 16 == 0. */
+static inline __attribute__((always_inline)) void pv512(const float* const* p, const uint16_t* V, const int* ks, long n,
+        long hd, long c0, float* const* out, const int G, const int CB) {
+    __m512 o[4][4];
+    for (int h = 0; h < G; h++) for (int c = 0; c < CB; c++) o[h][c] = _mm512_setzero_ps();
+    for (long j = 0; j < n; j++) {
+        const uint16_t* vr = V + (long)ks[j] * hd + c0;
+        __m512 v[4];
+        for (int c = 0; c < CB; c++)
+            v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(vr + 16 * c))), 16));
+        for (int h = 0; h < G; h++) {
+            __m512 pj = _mm512_set1_ps(p[h][j]);
+            for (int c = 0; c < CB; c++) o[h][c] = _mm512_fmadd_ps(pj, v[c], o[h][c]);
+        }
+    }
+    for (int h = 0; h < G; h++) for (int c = 0; c < CB; c++) _mm512_storeu_ps(out[h] + c0 + 16 * c, o[h][c]);
+}
+#endif
+
 /* G (<= 4) heads sharing one KV head, one row: softmax(q K^T * scale) V over the keys ks[0..n) (cache slots,
    increasing), fp32; s: G scratch rows of n + 8 */
 static inline __attribute__((always_inline)) void attend_g(const float* const* q, const uint16_t* K, const uint16_t* V,
         const int* ks, long n, long hd, float scale, float* const* s, float* const* out, const int G) {
     long j = 0;
-    for (; j + 4 <= n; j += 4) dots(q, K, ks, hd, scale, s, j, G, 4);
-    for (; j < n; j++) dots(q, K, ks, hd, scale, s, j, G, 1);
+#ifdef __AVX512BF16__
+    const int wide = hd % 32 == 0;
+    if (wide) {
+        uint32_t qbuf[4][128];  /* each head's q as bf16 pairs (hd <= 256) */
+        const uint32_t* qb[4];
+        for (int h = 0; h < G; h++) {
+            for (long d = 0; d < hd; d += 2) qbuf[h][d / 2] = (uint32_t)to_bf16(q[h][d]) | (uint32_t)to_bf16(q[h][d + 1]) << 16;
+            qb[h] = qbuf[h];
+        }
+        for (; j + 4 <= n; j += 4) dots512(qb, K, ks, hd, scale, s, j, G, 4);
+        for (; j < n; j++) dots512(qb, K, ks, hd, scale, s, j, G, 1);
+    }
+#else
+    const int wide = 0;
+#endif
+    if (!wide) {
+        for (; j + 4 <= n; j += 4) dots(q, K, ks, hd, scale, s, j, G, 4);
+        for (; j < n; j++) dots(q, K, ks, hd, scale, s, j, G, 1);
+    }
     float inv[4];
     for (int h = 0; h < G; h++) {
         float m = -INFINITY, *sh = s[h];
@@ -145,6 +203,12 @@ static inline __attribute__((always_inline)) void attend_g(const float* const* q
     }
     const float* const* p = (const float* const*)s;
     long c0 = 0;
+#ifdef __AVX512BF16__
+    if (wide) {
+        if (G <= 3) for (; c0 + 64 <= hd; c0 += 64) pv512(p, V, ks, n, hd, c0, out, G, 4);
+        for (; c0 + 32 <= hd; c0 += 32) pv512(p, V, ks, n, hd, c0, out, G, 2);
+    }
+#endif
     if (G <= 3) for (; c0 + 32 <= hd; c0 += 32) pv(p, V, ks, n, hd, c0, out, G, 4);
     for (; c0 + 16 <= hd; c0 += 16) pv(p, V, ks, n, hd, c0, out, G, 2);
     for (; c0 < hd; c0 += 8) pv(p, V, ks, n, hd, c0, out, G, 1);
