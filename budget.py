@@ -106,7 +106,7 @@ class Budget:
             b = best = max(self.sizes, key=self.rate)
             if best > 1:
                 self.gap = self.probe
-            due = self.steps - self.last_probe >= self.gap
+            due = self.steps - self.last_probe >= self.gap and len(self.sizes) > 1  # (sizes [1]: nothing to draft)
             if due and best == 1 and self.probe_s > self.probe_share * self.total_s:
                 due = False  # hopeless text: probes stay under probe_share of the request's time
             if due:  # re-measure what the current choice does not

@@ -399,6 +399,13 @@ class ModelDrafter(VocabDrafter):
         self.observe(a, a.next_tokens())
 
 
+def match_key(n: int, chain: list[int]) -> str:
+    """The budget source of a prompt-lookup step (budget.Budgets): chains found by a longer suffix match are
+    right more often (a one-token match is a guess), so each match length keeps its own acceptance and sizes,
+    and steps without a chain (a root alone) do not count as misses of the chains' nodes."""
+    return f"ngram{n}" if chain else "ngram0"
+
+
 class NgramDrafter:
     """Prompt lookup: the longest suffix (nmax..nmin tokens) seen earlier in prompt + output proposes
     the tokens that followed it. It searches a host-side token list (as llama.cpp's lookup does), so its
@@ -419,7 +426,12 @@ class NgramDrafter:
         self.static = static
 
     def budget_key(self, hist: list[int]) -> str:
-        return "ngram"
+        return match_key(*self.match(hist))
+
+    def budget_sizes(self, key: str | None = None) -> list[int]:
+        """budget.Budgets' sizes for a source: without a chain (ngram0) there is nothing to verify but the root,
+        so autoregressive decoding; else every size up to the whole chain."""
+        return [1] if key == "ngram0" else [s for s in SIZES if s < self.nodes] + [self.nodes]
 
     def setup(self, max_seq):
         pass
@@ -427,13 +439,19 @@ class NgramDrafter:
     def prefill(self, p: Prefill):
         self.hist = p.tokens.tolist()
 
-    def propose(self, hist: list[int]) -> list[int]:
+    def match(self, hist: list[int]) -> tuple[int, list[int]]:
+        """(n, chain): the longest suffix of hist, nmax..nmin tokens, seen earlier in it, and the tokens that
+        followed its most recent occurrence (up to k); (0, []) where none is."""
         for n in range(min(self.nmax, len(hist) - 1), self.nmin - 1, -1):
             suffix = hist[-n:]
             for s in range(len(hist) - n - 1, -1, -1):  # most recent earlier occurrence first
                 if hist[s:s + n] == suffix:
-                    return hist[s + n:s + n + self.k]
-        return []
+                    return n, hist[s + n:s + n + self.k]
+        return 0, []
+
+    def propose(self, hist: list[int]) -> list[int]:
+        return self.match(hist)[1]
+
 
     def draft(self, root: Tensor, n: Tensor, budget: int | None = None) -> Tree:
         r = int(root)
@@ -472,11 +490,12 @@ class HybridDrafter:
         self.depth = max(eagle.depth, ngram.k)
 
     def budget_key(self, hist: list[int]) -> str:
-        """ngram where prompt lookup has a chain after hist (the next root last), else eagle: below the whole
-        tree the two draft differently, so budget.Budgets keeps their statistics apart. The proposal is kept
-        for the draft that follows."""
-        self.proposal = (len(hist), hist[-1], self.ngram.propose(hist))
-        return "ngram" if self.proposal[2] else "eagle"
+        """ngram<n> where prompt lookup has a chain after hist (the next root last), found by an n-token suffix
+        match (match_key), else eagle: below the whole tree the two draft differently, so budget.Budgets keeps
+        their statistics apart. The proposal is kept for the draft that follows."""
+        n, chain = self.ngram.match(hist)
+        self.proposal = (len(hist), hist[-1], chain)
+        return match_key(n, chain) if chain else "eagle"
 
     def budget_sizes(self, key: str | None = None) -> list[int]:
         """budget.Budgets' sizes for a source of drafts (None: every size either may verify). Where prompt lookup
@@ -486,12 +505,12 @@ class HybridDrafter:
         e = self.eagle.nodes  # without a chain every size from the EAGLE tree's up drafts the EAGLE tree
         tree = [s for s in SIZES if s < e] + [e]
         chain = [s for s in SIZES if s < 1 + self.ngram.k] + [1 + self.ngram.k, self.nodes]
-        return {"ngram": chain, "eagle": tree}.get(key, sorted(set(tree + chain)))
+        return sorted(set(tree + chain)) if key is None else chain if key.startswith("ngram") else tree
 
     def budget_start(self, key: str) -> int:
         """The size a source's budget tries first: the chain alone where there is a chain (as prompt lookup
         alone does; the merged tree is a probe away), else the EAGLE tree."""
-        return 1 + self.ngram.k if key == "ngram" else self.eagle.nodes
+        return 1 + self.ngram.k if key.startswith("ngram") else self.eagle.nodes
 
     def setup(self, max_seq: int):
         self.eagle.setup(max_seq + self.ngram.k)  # the chain's nodes may pass the tree's slots

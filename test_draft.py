@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import draft as dr
+from budget import Budget
 from conftest import load_head, write_eagle_head, write_tiny_hf
 from generate import Engine, main
 from model import ModelError, load_model
@@ -135,6 +136,20 @@ def test_ngram_proposals():
     assert d.propose([1, 2, 3, 4, 9, 2, 3]) == [4, 9, 2]  # longest suffix [2, 3] -> what followed it
     assert d.propose([5, 6, 7]) == []
     assert d.propose([1, 2, 1, 3, 1]) == [3, 1]  # most recent earlier occurrence of [1]
+
+
+def test_ngram_budget_sources_by_match_length():
+    """Each suffix-match length is a budget source of its own (a one-token match is right less often than a
+    three-token one), and a step without a chain is autoregressive decoding: its only size is 1."""
+    d = dr.NgramDrafter(k=3, nmin=1, nmax=3)
+    assert d.match([1, 2, 3, 4, 1, 2, 3]) == (3, [4, 1, 2]) and d.budget_key([1, 2, 3, 4, 1, 2, 3]) == "ngram3"
+    assert d.match([1, 2, 3, 4, 9, 2, 3]) == (2, [4, 9, 2]) and d.budget_key([1, 2, 3, 4, 9, 2, 3]) == "ngram2"
+    assert d.budget_key([1, 2, 1, 3, 1]) == "ngram1" and d.budget_key([5, 6, 7]) == "ngram0"
+    assert d.budget_sizes("ngram0") == [1] and d.budget_sizes("ngram2") == [1, 2, 4]
+    b = Budget(4, sizes=d.budget_sizes("ngram0"), settle=1)
+    for _ in range(100):  # nothing to draft: it never probes a speculative size
+        assert b.pick() == 1
+        b.observe(1, [0], 0.01)
 
 
 @pytest.mark.parametrize("version,spec", [(3, "full"), (3, "nanospec"), (1, "full"), (1, "nanospec")])

@@ -652,25 +652,28 @@ def test_hybrid_budgets_chain_and_tree_steps_apart(tiny):
     still autoregressive decoding's."""
     m = target(tiny[0])
     d = make_drafter("hybrid", tiny, m, "nanospec")
-    real, calls = d.ngram.propose, []
-    d.ngram.propose = lambda hist: calls.append(len(hist)) or (real(hist) if len(hist) % 2 else [])
+    real, calls = d.ngram.match, []
+    d.ngram.match = lambda hist: calls.append(len(hist)) or (real(hist) if len(hist) % 2 else (0, []))
     eng = Engine(m, drafter=d, budget=True)
     out, st = eng.generate(PROMPTS[1] * 3, 40)
     assert out == autoregressive(m, PROMPTS[1] * 3, 40)
     srcs = st.extra["budget_sources"]
-    assert set(srcs) == {"ngram", "eagle"} and abs(sum(x["share"] for x in srcs.values()) - 1) < 1e-3
+    chains = [s for s in srcs if s != "eagle"]  # one source per suffix-match length (draft.match_key)
+    assert "eagle" in srcs and chains and set(chains) <= {"ngram1", "ngram2", "ngram3"}
+    assert abs(sum(x["share"] for x in srcs.values()) - 1) < 1e-3
     assert sum(st.extra["budget_hist"].values()) == sum(sum(x["budget_hist"].values()) for x in srcs.values())
     assert len(calls) == len(set(calls))  # one proposal per step: the draft took budget_key's
     # each source picks from the drafter's sizes for it: the chain steps stop at the whole chain, then the
     # merged tree; the engine timed the passes of both sets
     k = d.ngram.k
     chain_sizes = [s for s in (1, 2, 4, 8) if s <= k] + [1 + k, d.nodes]
-    assert eng.last_budget.of["ngram"].sizes == d.budget_sizes("ngram") == chain_sizes
+    for c in chains:
+        assert eng.last_budget.of[c].sizes == d.budget_sizes(c) == chain_sizes
+        assert eng.last_budget.of[c].start == 1 + k and str(1 + k) in srcs[c]["budget_curve"]
     assert eng.last_budget.of["eagle"].sizes == d.budget_sizes("eagle") and 1 + k not in d.budget_sizes("eagle")
     assert d.budget_sizes("eagle")[-1] == d.eagle.nodes  # (no chain: sizes past the EAGLE tree draft the same)
-    assert eng.last_budget.of["ngram"].start == 1 + k and eng.last_budget.of["eagle"].start == d.eagle.nodes
-    assert str(1 + k) in srcs["ngram"]["budget_curve"]
-    assert set(d.budget_sizes()) == set(d.budget_sizes("ngram") + d.budget_sizes("eagle"))
+    assert eng.last_budget.of["eagle"].start == d.eagle.nodes
+    assert set(d.budget_sizes()) == set(d.budget_sizes("ngram1") + d.budget_sizes("eagle"))
 
 
 def test_hybrid_head_catches_up_only_when_it_drafts(tiny):
