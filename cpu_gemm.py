@@ -316,9 +316,11 @@ def pack(w: Tensor) -> Tensor:
     N, K = w.shape
     P = -(-N // PANEL)
     wp = torch.cat([w, w.new_zeros(P * PANEL - N, K)]) if P * PANEL > N else w
-    out = wp.new_empty(P, K // KB, PANEL * KB)
-    out[:, :, _PLACE] = wp.reshape(P, PANEL, K // KB, KB).permute(0, 2, 1, 3).reshape(P, K // KB, PANEL * KB)
-    return out
+    # one strided copy (an index by _PLACE was 10x slower): AVX2 interleaves each panel's two halves of 8 rows;
+    # AVX-512 BF16 puts each row's pair of k side by side, a transpose of 32-bit pairs
+    if ISA == "avx2":
+        return wp.reshape(P, 2, 8, K).permute(0, 3, 2, 1).reshape(P, K, 16)
+    return wp.view(torch.int32).reshape(P, PANEL, K // 2).transpose(1, 2).contiguous().view(w.dtype).reshape(P, K // 2, PANEL * 2)
 
 
 def unpack(packed: Tensor, N: int) -> Tensor:
@@ -327,13 +329,17 @@ def unpack(packed: Tensor, N: int) -> Tensor:
     return packed[:, :, _PLACE].view(P, G, PANEL, KB).permute(0, 2, 1, 3).reshape(P * PANEL, G * KB)[:N]
 
 
+_SLOT = _PLACE.view(PANEL, KB)[:, 0] // KB  # where weight row c of a panel sits among a k group's PANEL slots
+
+
 def pack_rows_(packed: Tensor, rows: Tensor, slots: Tensor):
     """Row slots[i] of the matrix that packed = pack(W) holds becomes rows[i] (rows [n, K], slots [n]), in
     place: a packed copy follows a buffer whose rows change (vocab.NanoSpecVocab). Static shapes, no sync."""
     slots = slots.long()
     n, K = rows.shape
-    place = _PLACE.to(slots.device).view(PANEL, KB)[slots % PANEL]  # [n, KB]: where each of a row's k offsets sits
-    packed[(slots // PANEL)[:, None], :, place] = rows.view(n, K // KB, KB).transpose(1, 2)  # [n, KB, K / KB]
+    P, G, _ = packed.shape
+    # one index pair per row, each k group's KB values one contiguous copy (3x faster than indexing every value)
+    packed.view(P, G, PANEL, KB)[slots // PANEL, :, _SLOT.to(slots.device)[slots % PANEL]] = rows.view(n, G, KB)
 
 
 def kernel_linear(x: Tensor, packed: Tensor, N: int, b: Tensor | None = None) -> Tensor:

@@ -9,7 +9,10 @@ not yet in the cache):
     nodes, depth                 most tokens one verification carries (root included); deepest tree level
     graphable                    False when draft/update read host values (prompt lookup): run them eagerly
     setup(max_seq)               before a request whose target cache has max_seq slots
+    prompt_logits                True when prefill() reads the target's logits at every prompt position
+                                 (NanoSpec's top-K_pre); else the engine projects only the last one
     prefill(p: Prefill)          the target's prefill: prompt, first token, logits, hidden and aux states
+    budget_key(hist) -> str      which budget.Budgets source the next step's drafts belong to
     draft(root, n, budget=None) -> Tree
                                  static shapes, no host sync (graphable drafters); budget: the engine will
                                  verify at most this prefix of the tree (budget.py), so a drafter may skip
@@ -61,7 +64,8 @@ class Prefill:
     """What the target's prefill hands a drafter."""
     tokens: Tensor  # [T] the prompt
     first: Tensor  # [1] the first generated token
-    logits: Tensor  # [T, V] target logits at every prompt position
+    logits: Tensor  # [T, V] target logits at every prompt position where the drafter's prompt_logits asks, else
+    # [1, V] the last one (a [T, V] LM head costs a fifth of a 200-token CPU prefill)
     hidden: Tensor  # [1, T, d] target final hidden states
     aux: Tensor | None  # [1, T, 3d] EAGLE-3 aux states (model.aux_layers), None when the target has none
 
@@ -154,6 +158,10 @@ class VocabDrafter:
     correctly from a CUDA graph and cost no host sync)."""
 
     graphable = True
+
+    @property
+    def prompt_logits(self) -> bool:
+        return self.vocab.k_pre > 0  # NanoSpec's window starts with the target's top-k_pre at each prompt position
 
     def rows_of(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """target token ids -> (vocab rows, valid); identity unless the head has a pruned vocabulary."""
@@ -413,6 +421,7 @@ class NgramDrafter:
     that costs nothing, on CUDA two tiny copies after the step's sync."""
 
     graphable = False
+    prompt_logits = False
 
     def __init__(self, k=10, nmin=1, nmax=3, static=False):
         if not 1 <= nmin <= nmax:
@@ -486,6 +495,7 @@ class HybridDrafter:
     def __init__(self, eagle: EagleDrafter, ngram: NgramDrafter):
         self.eagle, self.ngram = eagle, ngram
         self.vocab = eagle.vocab
+        self.prompt_logits = eagle.prompt_logits
         self.nodes = eagle.nodes + ngram.k
         self.depth = max(eagle.depth, ngram.k)
 
