@@ -150,6 +150,13 @@ class Budget:
     def total_s(self) -> float:
         return self.spent["total"]
 
+    def carry(self, old: "Budget"):
+        """Start from what the same source measured in an earlier request (Budgets' memory): its acceptance per
+        node rank and its step times, so the whole tree and autoregressive decoding need not be timed again
+        before the first choice; the probes start afresh and re-measure what this request does differently."""
+        self.hits, self.trials = list(old.hits), list(old.trials)
+        self.time, self.timed = dict(old.time), dict(old.timed)
+
     def time_step(self, b: int, seconds: float):
         """Only the step time of size b (no acceptance): what observe() keeps of a step's time."""
         d = self.decay
@@ -177,10 +184,13 @@ class Budgets:
     hybrid's chain steps add the chain alone (prompt lookup's whole draft), which a size set cut for the
     merged tree would miss, and start there (a merged tree is probed from it, one size up)."""
 
-    def __init__(self, nodes: int, sizes_of=None, start_of=None, **kw):
+    def __init__(self, nodes: int, sizes_of=None, start_of=None, memory: dict | None = None, **kw):
         self.nodes, self.kw, self.of, self.key = nodes, kw, {}, None
         self.sizes_of, self.start_of = sizes_of, start_of
         self.spent = {"probe": 0.0, "total": 0.0}  # one probe cap for the request (Budget.probe_share)
+        # {source: Budget} of the engine's earlier requests (keep() adds this one's): a source starts from its
+        # last state instead of paying a whole-tree step and an autoregressive one to learn it again
+        self.memory = memory
 
     @property
     def settle(self) -> int:
@@ -192,12 +202,20 @@ class Budgets:
             new = self.of[key] = Budget(self.nodes, spent=self.spent,
                                         sizes=self.sizes_of(key) if self.sizes_of else None,
                                         start=self.start_of(key) if self.start_of else None, **self.kw)
+            old = (self.memory or {}).get(key)
+            if old is not None and old.sizes == new.sizes:
+                new.carry(old)
             # an autoregressive step is the same step whatever drafts the next one: a new source starts with
             # the time the others measured (one timing step fewer for it)
             ar = max(self.of.values(), key=lambda x: x.timed.get(1, 0))
-            if ar is not new and ar.timed.get(1, 0):
-                new.time[1], new.timed[1] = ar.time[1], ar.timed[1]
+            if ar is not new and ar.timed.get(1, 0):  # (this request's time: fresher than a carried one)
+                new.time[1], new.timed[1] = ar.time[1], max(ar.timed[1], new.timed.get(1, 0))
         return self.of[key].pick()
+
+    def keep(self):
+        """The request is over: its sources' states are what the next request of the engine starts from."""
+        if self.memory is not None:
+            self.memory.update(self.of)
 
     def observe(self, b: int, accepted: list[int], seconds: float):
         self.of[self.key].observe(b, accepted, seconds)

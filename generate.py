@@ -116,6 +116,7 @@ class Engine:
                  max_seq: int = 4096, backend: str = "inductor", exact: bool | None = None, budget: bool = False):
         self.model = model
         self.budget = budget  # fit the verified tree size to this machine and request each step (budget.py)
+        self.budget_memory = {}  # each budget source's state at the end of the last request that used it
         self.sampling = sampling
         self.drafter = drafter
         self.device = model.lm_head.weight.device
@@ -329,7 +330,7 @@ class Engine:
         # eager CPU steps pay no one-time set-up per shape: one timing step of each end of the budget range
         settle = 1 if dev.type == "cpu" and not self.compiled else 2
         budget = self.last_budget = (Budgets(d.nodes, sizes_of, getattr(d, "budget_start", None), settle=settle,
-                                             pass_s=pass_s) if self.budget else None)
+                                             pass_s=pass_s, memory=self.budget_memory) if self.budget else None)
         # nodes to verify; 1 = an autoregressive step (no draft); per source of the next drafts (budget_key)
         b = budget.pick(d.budget_key(prompt + out)) if budget else d.nodes
         with clock("draft"):
@@ -372,6 +373,8 @@ class Engine:
                 on_tokens(emitted)
         sync(dev)
         st.decode_s, st.new_tokens = time.perf_counter() - t_start, len(out)
+        if budget:
+            budget.keep()
         st.extra.update(d.stats(), **(budget.stats() if budget else {}))
         lm = st.extra.pop("lm_head_s", 0.0)  # drafting time spent in the LM head (eager only)
         st.phase_s["lm_head"], st.phase_s["draft"] = lm, st.phase_s["draft"] - lm

@@ -216,3 +216,31 @@ def test_untried_ranks_count_as_the_deepest_tried_rank():
             assert b.tokens(26) == pytest.approx(b.tokens(11) + 15 * b.p(10))
     fresh = Budget(8)
     assert fresh.tokens(8) == pytest.approx(1 + 7 * 0.5)  # nothing tried: the prior
+
+
+def test_a_source_starts_from_the_engines_last_request():
+    """With memory (the engine's), a source's next request starts from its last state: no whole-tree or
+    autoregressive timing steps before the first choice, which is the size the carried acceptance and times
+    favour; without memory (or for a source with other sizes) each request times both ends first."""
+    cost = {1: 1.0, 2: 1.05, 4: 1.2, 8: 1.6, 16: 2.6}
+    mem = {}
+
+    def request(memory, key="ngram", steps=30, nodes=16):
+        bs = Budgets(nodes, memory=memory, settle=1, probe=10 ** 9)
+        picks = []
+        for _ in range(steps):
+            k = bs.pick(key)
+            picks.append(k)
+            bs.observe(k, [0, 1, 2, 3], cost[k])  # nodes 1-3 always accepted, deeper ones never
+        bs.keep()
+        return picks, bs
+
+    first, _ = request(mem)
+    assert first[:2] == [16, 1] and set(mem) == {"ngram"}
+    second, bs = request(mem)
+    assert second[0] == 4 and set(second) == {4}  # 4 tokens / 1.2 s: the best rate, chosen at once
+    assert bs.of["ngram"].hits == mem["ngram"].hits and bs.of["ngram"] is mem["ngram"]
+    fresh, _ = request(None)
+    assert fresh[:2] == [16, 1]
+    other, _ = request(mem, nodes=8)  # other sizes (another tree): nothing carried
+    assert other[:2] == [8, 1]
