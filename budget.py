@@ -150,11 +150,14 @@ class Budget:
     def total_s(self) -> float:
         return self.spent["total"]
 
-    def carry(self, old: "Budget"):
-        """Start from what the same source measured in an earlier request (Budgets' memory): its acceptance per
-        node rank and its step times, so the whole tree and autoregressive decoding need not be timed again
-        before the first choice; the probes start afresh and re-measure what this request does differently."""
-        self.hits, self.trials = list(old.hits), list(old.trials)
+    def carry(self, old: "Budget", weight: float | None = None):
+        """Start from what the same source measured in an earlier request (Budgets' memory), or a sibling source
+        with the same sizes in this one: its acceptance per node rank and its step times, so the whole tree and
+        autoregressive decoding need not be timed again before the first choice; the probes start afresh and
+        re-measure what this request does differently. weight: the acceptance counts as this many steps at
+        most (a sibling's is a guess its own steps soon override)."""
+        f = 1.0 if weight is None else weight / max(max(old.trials), weight)
+        self.hits, self.trials = [h * f for h in old.hits], [t * f for t in old.trials]
         self.time, self.timed = dict(old.time), dict(old.timed)
 
     def time_step(self, b: int, seconds: float):
@@ -205,6 +208,13 @@ class Budgets:
             old = (self.memory or {}).get(key)
             if old is not None and old.sizes == new.sizes:
                 new.carry(old)
+            else:  # new to the engine: start from a sibling with the same sizes that speculates (prompt lookup's
+                # other match lengths), weighed as one step, instead of a whole-tree step per source (four
+                # sources: a tenth of a short answer's time); its first step is then at most as large
+                sibs = [x for x in self.of.values() if x is not new and x.sizes == new.sizes and x.steps
+                        and x.timed.get(1, 0) and max(x.sizes, key=x.rate) > 1]
+                if sibs:
+                    new.carry(max(sibs, key=lambda x: x.steps), weight=1.0)
             # an autoregressive step is the same step whatever drafts the next one: a new source starts with
             # the time the others measured (one timing step fewer for it)
             ar = max(self.of.values(), key=lambda x: x.timed.get(1, 0))

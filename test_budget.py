@@ -244,3 +244,22 @@ def test_a_source_starts_from_the_engines_last_request():
     assert fresh[:2] == [16, 1]
     other, _ = request(mem, nodes=8)  # other sizes (another tree): nothing carried
     assert other[:2] == [8, 1]
+
+
+def test_a_new_source_starts_from_a_speculating_sibling():
+    """A source new to the engine takes a sibling's state (same sizes, speculating), weighed as one step, instead
+    of its own whole-tree step; a sibling that decodes autoregressively is not copied (the new source may
+    differ: it times its ends as usual)."""
+    cost = {1: 1.0, 2: 1.05, 4: 1.2, 8: 1.6, 16: 2.6}
+    bs = Budgets(16, settle=1, probe=10 ** 9)
+    for _ in range(20):
+        k = bs.pick("ngram3")
+        bs.observe(k, [0, 1, 2, 3], cost[k])
+    assert bs.pick("ngram1") == 4  # the sibling's best, no whole-tree step first
+    n1, n3 = bs.of["ngram1"], bs.of["ngram3"]
+    assert max(n1.trials) == pytest.approx(1.0) and n1.p(2) == pytest.approx(n3.p(2), rel=0.05)
+    hopeless = Budgets(16, settle=1, probe=10 ** 9)
+    for _ in range(20):
+        k = hopeless.pick("ngram3")
+        hopeless.observe(k, [0], cost[k])
+    assert hopeless.pick("ngram1") == 16  # nothing to copy from a sibling that does not speculate
