@@ -62,6 +62,27 @@ def test_pack_layout_round_trips():
     assert torch.equal(cpu_gemm.kernel_linear(rand(2, 24, seed=2), p, N), cpu_gemm.kernel_linear(rand(2, 24, seed=2), cpu_gemm.pack(w), N))
 
 
+def test_write_rows_is_a_gather_and_pack_rows():
+    """write_rows_ (NanoSpec's row writes, one C call) leaves the rows buffer and its packed copy as the torch
+    gather and pack_rows_ do: entries whose slot is out of range (-1, the sink W) or whose token is not a row
+    of the weight are skipped; it runs traced too."""
+    P = cpu_gemm.PANEL
+    W, V = P + 3, 40  # the packed copy has the sink row W, in a second panel
+    weight = rand(V, 24, seed=3)
+    for step, compiled in enumerate((False, True)):
+        rows = rand(W, 24, seed=4)
+        packed = cpu_gemm.pack(torch.cat([rows, rows.new_zeros(1, 24)]))
+        tok = torch.tensor([5, 7, 39, V, 2, 11, -1])
+        slots = torch.tensor([0, P + 2, W - 1, 4, -1, W, 3])
+        write = torch.compile(cpu_gemm.write_rows_, fullgraph=True, backend="eager") if compiled else cpu_gemm.write_rows_
+        if not write(rows, packed, weight, tok, slots):
+            pytest.skip("the C code is not built here")
+        want = rand(W, 24, seed=4)
+        want[[0, P + 2, W - 1]] = weight[[5, 7, 39]]
+        assert torch.equal(rows, want), step
+        assert torch.equal(cpu_gemm.unpack(packed, W), want) and not cpu_gemm.unpack(packed, W + 1)[W].any(), step
+
+
 def test_rounds_to_nearest_even_like_torch():
     """y = a + b for bf16 a, b (weights 1, 1, 0, ...): the kernel's float -> bf16 matches torch's, ties,
     overflow to inf and NaN included."""

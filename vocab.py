@@ -447,6 +447,8 @@ class NanoSpecVocab:
 
     def _write_rows(self, tok, slot):
         """rows[slot[i]] = weight[tok[i]] (and the packed copy) where slot[i] < W; static shapes."""
+        if self.packed is not None and cpu_gemm.write_rows_(self.rows, self.packed, self.weight, tok, slot):
+            return  # both copies in one C call
         kernels.gather_rows_(self.rows, self.weight, tok, torch.where(slot < self.W, slot, -1))
         if self.packed is not None:  # the same rows into the packed copy (slot W: its sink)
             cpu_gemm.pack_rows_(self.packed, self.weight.index_select(0, tok.clamp(max=self.V - 1)), slot)
