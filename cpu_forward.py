@@ -341,20 +341,13 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
 """
 TAG = hashlib.sha256(SOURCE.encode()).hexdigest()[:8]  # keys the per-machine answers about this pass
 
-_LIB = []  # [] not tried yet, [None] unavailable, [fn] built and loaded
-
-
 def kernel():
     """The loaded C function, or None where cpu_gemm's kernel cannot be built here."""
-    if not _LIB:
-        lib = cpu_gemm.load(SOURCE, "cpu_forward") if cpu_gemm.kernel() is not None else None
-        fn = lib.stack_bf16 if lib is not None else None
-        if fn is not None:
-            p, i = ctypes.c_void_p, ctypes.c_long
-            fn.argtypes = [p, i, i, i, i, i, i, ctypes.c_float, i, i, p, p, p, p, p, p, p, p, i, p, ctypes.c_int]
-            fn.restype = None
-        _LIB.append(fn)
-    return _LIB[0]
+    if cpu_gemm.kernel() is None:
+        return None
+    P, I = cpu_gemm.P_, cpu_gemm.I_
+    return cpu_gemm.c_function(SOURCE, "cpu_forward", "stack_bf16", (P, I, I, I, I, I, I, ctypes.c_float, I, I, P,
+                                                                     P, P, P, P, P, P, P, I, P, ctypes.c_int))
 
 
 ENV = "NANOSPEC_CPU_FORWARD"  # on (default) | off: off keeps the PyTorch layers (with cpu_gemm's GEMMs)

@@ -281,19 +281,27 @@ def cpu_supported() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-_LIB = []  # [] not tried yet, [None] unavailable, [fn] built and loaded
+P_, I_ = ctypes.c_void_p, ctypes.c_long  # the C functions' pointer and long arguments
+
+
+_FNS = {}  # (stem, name) -> the loaded function or None (a plain dict: torch.compile traces through it)
+
+
+def c_function(source: str, stem: str, name: str, argtypes: tuple):
+    """Function `name` of C source built by load() (once per process), its argument types set; None where it
+    cannot be built (not x86 with AVX2+FMA, no C compiler)."""
+    if (stem, name) not in _FNS:
+        lib = load(source, stem)
+        fn = None if lib is None else getattr(lib, name)
+        if fn is not None:
+            fn.argtypes, fn.restype = list(argtypes), None
+        _FNS[stem, name] = fn
+    return _FNS[stem, name]
 
 
 def kernel():
-    """The loaded C function, or None (not x86 with AVX2+FMA, or no C compiler). Built once, cached on disk."""
-    if not _LIB:
-        lib = load(SOURCE, "cpu_gemm")
-        fn = lib.linear_bf16 if lib is not None else None
-        if fn is not None:
-            p, i = ctypes.c_void_p, ctypes.c_long
-            fn.argtypes, fn.restype = [p, p, i, i, p, p, i, p, ctypes.c_int], None
-        _LIB.append(fn)
-    return _LIB[0]
+    """The GEMM's C function, or None (not x86 with AVX2+FMA, or no C compiler). Built once, cached on disk."""
+    return c_function(SOURCE, "cpu_gemm", "linear_bf16", (P_, P_, I_, I_, P_, P_, I_, P_, ctypes.c_int))
 
 
 def load(source: str, stem: str):
@@ -359,17 +367,9 @@ def pack_rows_(packed: Tensor, rows: Tensor, slots: Tensor):
 
 
 def _rows_writer():
-    if not _WRITER:
-        lib = load(SOURCE, "cpu_gemm")
-        fn = lib.write_rows if lib is not None else None
-        if fn is not None:
-            p, i = ctypes.c_void_p, ctypes.c_long
-            fn.argtypes, fn.restype = [p, p, p, i, p, p, i, i, i, i, i, p], None
-        _WRITER.append(fn)
-    return _WRITER[0]
+    return c_function(SOURCE, "cpu_gemm", "write_rows", (P_, P_, P_, I_, P_, P_, I_, I_, I_, I_, I_, P_))
 
 
-_WRITER = []
 _SLOT64 = _SLOT.long().contiguous()
 
 

@@ -87,18 +87,10 @@ void argmax_rows(const void* x, int bf16, long M, long V, int64_t* out, int thre
         out[m] = bf16 ? row_bf16((const uint16_t*)x + m * V, V) : row_f32((const float*)x + m * V, V);
 }
 """
-_ARGMAX = []  # [] not tried yet, [None] unavailable (not x86 with AVX2, no C compiler), [fn]
-
-
 def _argmax_fn():
-    if not _ARGMAX:
-        lib = cpu_gemm.load(ARGMAX_SOURCE, "argmax")
-        fn = lib.argmax_rows if lib is not None else None
-        if fn is not None:
-            p, i = ctypes.c_void_p, ctypes.c_long
-            fn.argtypes, fn.restype = [p, ctypes.c_int, i, i, p, ctypes.c_int], None
-        _ARGMAX.append(fn)
-    return _ARGMAX[0]
+    """The C loop, or None where it cannot be built (not x86 with AVX2, no C compiler)."""
+    return cpu_gemm.c_function(ARGMAX_SOURCE, "argmax", "argmax_rows",
+                               (cpu_gemm.P_, ctypes.c_int, cpu_gemm.I_, cpu_gemm.I_, cpu_gemm.P_, ctypes.c_int))
 
 
 def _argmax_c(x: Tensor) -> Tensor:
