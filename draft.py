@@ -450,7 +450,27 @@ class NgramDrafter:
 
     def match(self, hist: list[int]) -> tuple[int, list[int]]:
         """(n, chain): the longest suffix of hist, nmax..nmin tokens, seen earlier in it, and the tokens that
-        followed its most recent occurrence (up to k); (0, []) where none is."""
+        followed its most recent occurrence (up to k); (0, []) where none is. Why an index: a scan of the whole
+        history per step cost 0.24 ms at 600 tokens and 0.6 ms at 1,500 in Python (5% of a CPU decode step, and
+        it grows with the text); an n-gram -> last start map, extended by the tokens added since the last call,
+        costs microseconds (as llama.cpp's lookup keeps one)."""
+        seen = getattr(self, "_seen", None)
+        if seen is None or len(hist) < len(seen) or hist[:len(seen)] != seen:  # another text: index it afresh
+            seen = self._seen = []
+            self._last = {n: {} for n in range(self.nmin, self.nmax + 1)}
+        L, m = len(hist), len(seen)
+        for n, last in self._last.items():  # every n-gram that starts before the suffix's own start, L - n
+            for s in range(max(m - n, 0), L - n):
+                last[tuple(hist[s:s + n])] = s  # later starts overwrite: the most recent occurrence
+        seen.extend(hist[m:])
+        for n in range(min(self.nmax, L - 1), self.nmin - 1, -1):
+            s = self._last[n].get(tuple(hist[L - n:]))
+            if s is not None:
+                return n, hist[s + n:s + n + self.k]
+        return 0, []
+
+    def match_scan(self, hist: list[int]) -> tuple[int, list[int]]:
+        """match() by scanning the history (its reference, for the tests)."""
         for n in range(min(self.nmax, len(hist) - 1), self.nmin - 1, -1):
             suffix = hist[-n:]
             for s in range(len(hist) - n - 1, -1, -1):  # most recent earlier occurrence first

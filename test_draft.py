@@ -138,6 +138,25 @@ def test_ngram_proposals():
     assert d.propose([1, 2, 1, 3, 1]) == [3, 1]  # most recent earlier occurrence of [1]
 
 
+def test_ngram_index_matches_the_scan():
+    """match() through its n-gram index finds what a scan of the history finds, as the history grows step by
+    step (the index extended) and when another text starts (the index rebuilt), repeats and short texts included."""
+    import random
+    rng, hits = random.Random(1), 0
+    for trial in range(200):
+        d = dr.NgramDrafter(rng.choice([2, 3, 10]), rng.choice([1, 2]), 3)
+        V = rng.choice([3, 5, 20])
+        hist = [rng.randrange(V) for _ in range(rng.randrange(0, 5))]
+        for step in range(30):
+            if rng.random() < 0.05:  # a new request
+                hist = [rng.randrange(V) for _ in range(rng.randrange(0, 8))]
+            hist = hist + [rng.randrange(V) for _ in range(rng.randrange(1, 4))]
+            got = d.match(hist)
+            assert got == d.match_scan(hist), (trial, hist)
+            hits += got[0] > 0
+    assert hits > 1000  # most steps have a chain (the small vocabularies repeat)
+
+
 def test_ngram_budget_sources_by_match_length():
     """Each suffix-match length is a budget source of its own (a one-token match is right less often than a
     three-token one), and a step without a chain is autoregressive decoding: its only size is 1."""
