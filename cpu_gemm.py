@@ -391,20 +391,21 @@ def _(rows, packed, weight, tok, slots):
     return None
 
 
-def write_rows_(rows: Tensor, packed: Tensor, weight: Tensor, tok: Tensor, slots: Tensor) -> bool:
+def writes_rows(rows: Tensor, packed: Tensor | None, weight: Tensor) -> bool:
+    """Whether write_rows_ serves these tensors here (decided once, before any tracing: it builds the C code)."""
+    return (packed is not None and rows.is_contiguous() and weight.is_contiguous() and packed.is_contiguous()
+            and rows.dtype == weight.dtype == packed.dtype == torch.bfloat16 and rows.device.type == "cpu"
+            and _rows_writer() is not None)
+
+
+def write_rows_(rows: Tensor, packed: Tensor, weight: Tensor, tok: Tensor, slots: Tensor):
     """rows[slots[i]] = weight[tok[i]] for 0 <= slots[i] < len(rows), and the same rows into packed = pack(rows)'s
     copy, in one C call (NanoSpec's window update: two torch scatters and a gather cost 0.5 ms a step on the
-    AVX2 EPYC); False (nothing written) where the C code is not here or the tensors are not its case."""
-    if not (rows.is_contiguous() and weight.is_contiguous() and packed.is_contiguous() and rows.dtype == weight.dtype
-            == packed.dtype == torch.bfloat16 and rows.device.type == "cpu"
-            and not (weight.requires_grad and torch.is_grad_enabled())
-            and _rows_writer() is not None):
-        return False
+    AVX2 EPYC); for tensors writes_rows() accepts."""
     if torch.compiler.is_compiling():
         torch.ops.nanospec.write_rows_(rows, packed, weight, tok, slots)
     else:
         _write_rows_c(rows, packed, weight, tok, slots)  # eager: skip the custom-op dispatch (0.1 ms a call)
-    return True
 
 
 def kernel_linear(x: Tensor, packed: Tensor, N: int, b: Tensor | None = None) -> Tensor:

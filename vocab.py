@@ -327,6 +327,8 @@ class NanoSpecVocab:
         # that masked writes go to (the kernel never scores it)
         self.packed = None if self.rows is None else packed_copy(torch.zeros(w_max + 1, d, dtype=weight.dtype,
                                                                               device=dev))
+        # the row writes in one C call where it serves (bf16 CPU: cpu_gemm.write_rows_)
+        self.c_rows = self.rows is not None and cpu_gemm.writes_rows(self.rows, self.packed, weight)
         self._arange_w = torch.arange(w_max, device=dev)
         self._inf = torch.tensor(float("-inf"), dtype=weight.dtype, device=dev)
         self.fill_tok = torch.full((w_max + 1,), -1, dtype=torch.long, device=dev)
@@ -447,8 +449,9 @@ class NanoSpecVocab:
 
     def _write_rows(self, tok, slot):
         """rows[slot[i]] = weight[tok[i]] (and the packed copy) where slot[i] < W; static shapes."""
-        if self.packed is not None and cpu_gemm.write_rows_(self.rows, self.packed, self.weight, tok, slot):
-            return  # both copies in one C call
+        if self.c_rows and self.packed is not None:  # (reset() rebuilds the packed copy once, after)
+            cpu_gemm.write_rows_(self.rows, self.packed, self.weight, tok, slot)  # both copies in one C call
+            return
         kernels.gather_rows_(self.rows, self.weight, tok, torch.where(slot < self.W, slot, -1))
         if self.packed is not None:  # the same rows into the packed copy (slot W: its sink)
             cpu_gemm.pack_rows_(self.packed, self.weight.index_select(0, tok.clamp(max=self.V - 1)), slot)
