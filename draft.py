@@ -9,8 +9,9 @@ not yet in the cache):
     nodes, depth                 most tokens one verification carries (root included); deepest tree level
     graphable                    False when draft/update read host values (prompt lookup): run them eagerly
     setup(max_seq)               before a request whose target cache has max_seq slots
-    prompt_logits                True when prefill() reads the target's logits at every prompt position
-                                 (NanoSpec's top-K_pre); else the engine projects only the last one
+    prompt_logits                how many of the last prompt positions' target logits prefill() reads (NanoSpec's
+                                 top-K_pre: as many as its window holds); 0: only the last one, which every
+                                 prefill projects
     prefill(p: Prefill)          the target's prefill: prompt, first token, logits, hidden and aux states
     budget_key(hist) -> str      which budget.Budgets source the next step's drafts belong to
     draft(root, n, budget=None) -> Tree
@@ -64,8 +65,8 @@ class Prefill:
     """What the target's prefill hands a drafter."""
     tokens: Tensor  # [T] the prompt
     first: Tensor  # [1] the first generated token
-    logits: Tensor  # [T, V] target logits at every prompt position where the drafter's prompt_logits asks, else
-    # [1, V] the last one (a [T, V] LM head costs a fifth of a 200-token CPU prefill)
+    logits: Tensor  # [R, V] target logits at the last R prompt positions, R = min(T, the drafter's prompt_logits)
+    # or 1 (a [T, V] LM head costs a fifth of a 200-token CPU prefill)
     hidden: Tensor  # [1, T, d] target final hidden states
     aux: Tensor | None  # [1, T, 3d] EAGLE-3 aux states (model.aux_layers), None when the target has none
 
@@ -160,8 +161,12 @@ class VocabDrafter:
     graphable = True
 
     @property
-    def prompt_logits(self) -> bool:
-        return self.vocab.k_pre > 0  # NanoSpec's window starts with the target's top-k_pre at each prompt position
+    def prompt_logits(self) -> int:
+        # NanoSpec's window starts with the target's top-k_pre at each prompt position, 1 + k_pre entries a
+        # position: only the last ceil(W / (1 + k_pre)) positions can be in it (a 900-token prompt's LM head
+        # over every position cost 0.35 s on the AVX2 EPYC, the longest prompts more than their decoding)
+        k = self.vocab.k_pre
+        return 0 if k == 0 else -(-self.vocab.W // (1 + k))
 
     def rows_of(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """target token ids -> (vocab rows, valid); identity unless the head has a pruned vocabulary."""
@@ -173,8 +178,10 @@ class VocabDrafter:
             self.metrics = torch.zeros(5, dtype=torch.long, device=dev)  # hits, emitted, active sum, max, steps
         self.metrics.zero_()
         self.lm_head_s = 0.0
-        rows, _ = self.rows_of(p.tokens)
-        top, _ = self.rows_of(torch.topk(p.logits, self.vocab.k_pre, dim=-1).indices)  # [T, k_pre] (k_pre 0: none)
+        top, _ = self.rows_of(torch.topk(p.logits, self.vocab.k_pre, dim=-1).indices)  # [R, k_pre] (k_pre 0: none)
+        # the last R prompt positions, each with its top-k_pre (the window keeps the newest entries: with R
+        # = prompt_logits the same window as from every position)
+        rows, _ = self.rows_of(p.tokens[p.tokens.shape[0] - top.shape[0]:])
         self.vocab.reset(rows, top)
 
     def observe(self, a: Accepted, nxt: Tensor):
@@ -421,7 +428,7 @@ class NgramDrafter:
     that costs nothing, on CUDA two tiny copies after the step's sync."""
 
     graphable = False
-    prompt_logits = False
+    prompt_logits = 0
 
     def __init__(self, k=10, nmin=1, nmax=3, static=False):
         if not 1 <= nmin <= nmax:

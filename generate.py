@@ -230,16 +230,17 @@ class Engine:
                              return_hidden=True, recent=recent, attn_rows=max(self.R_ver.attn, R))
         return logits[0, :N], hid[:, :N], (aux[:, :N] if aux is not None else None)
 
-    def _prefill(self, ptoks: Tensor, every: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-        """The target's pass over the prompt [T] -> (logits [T, V] where every, else [1, V] the last position's;
-        hidden [1, T, d]; aux). The last position's logits are their own one-row projection either way, so the
-        first token has the same bits in every mode; the other rows are projected only when a drafter reads
-        them (an LM head over 200 prompt rows costs a fifth of the prefill on a CPU)."""
+    def _prefill(self, ptoks: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The target's pass over the prompt [T] -> (logits [R, V] of the last R = min(T, rows) positions, at
+        least the last one; hidden [1, T, d]; aux). The last position's logits are their own one-row projection
+        either way, so the first token has the same bits in every mode; the other rows are projected only when
+        a drafter reads them (an LM head over 200 prompt rows costs a fifth of the prefill on a CPU)."""
         T = ptoks.shape[0]
         _, hid, aux = self.model(ptoks[None], torch.arange(T, device=ptoks.device), return_hidden=True,
                                  compute_logits=False)
         last = self.model.lm_head(hid[0, -1:])  # [1, V]
-        return (torch.cat([self.model.lm_head(hid[0, :-1]), last]) if every else last), hid, aux
+        R = min(T, rows)
+        return (torch.cat([self.model.lm_head(hid[0, T - R:-1]), last]) if R > 1 else last), hid, aux
 
     def warmup(self):
         """One tiny prefill + decode so one-time kernel set-up (oneDNN, cuBLAS) is not billed to the first prompt."""
@@ -262,7 +263,7 @@ class Engine:
         m.setup_caches(1, S)
         st = Stats(extra=dict(exact=self.exact))
         t0 = time.perf_counter()
-        logits = self._prefill(torch.tensor(prompt, device=dev), False)[0][-1:]
+        logits = self._prefill(torch.tensor(prompt, device=dev), 0)[0]
         tok = sample(logits, self.sampling)  # [1]
         out = [int(tok)]
         st.prefill_s = time.perf_counter() - t0

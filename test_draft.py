@@ -120,6 +120,28 @@ def test_long_catch_up_chain_fits_the_window():
     assert torch.equal(ds[0].vocab.count, ds[1].vocab.count)
 
 
+@pytest.mark.parametrize("k_pre,W", [(3, 64), (3, 66), (1, 7), (2, 180)])
+def test_prompt_logits_cover_the_window(k_pre, W):
+    """The engine projects only the last prompt_logits prompt positions (NanoSpec: as many as the window holds,
+    1 + k_pre entries a position), and the window is the one every position's logits give, prompts shorter
+    than that included (W = 180)."""
+    V, T = 200, 50
+    g = torch.Generator().manual_seed(W)
+    toks, logits, weight = torch.randint(0, V, (T,), generator=g), torch.randn(T, V, generator=g), torch.randn(V, 8, generator=g)
+    ds = []
+    for rows in (T, None):
+        d = dr.VocabDrafter()
+        d.vocab = make_vocab("nanospec", weight, w_max=W, k_pre=k_pre, k_ver=3)
+        R = min(T, d.prompt_logits) if rows is None else rows
+        assert rows is not None or R * (1 + k_pre) >= min(W, T * (1 + k_pre)) and (R < T) == (W < T * (1 + k_pre))
+        d.reset_vocab(dr.Prefill(toks, toks[-1:], logits[T - R:], None, None))
+        ds.append(d.vocab)
+    for name in ("ring", "head", "count_", "slot_of_", "token_of_", "ids", "bias", "rows"):
+        assert torch.equal(getattr(ds[0], name), getattr(ds[1], name)), name
+    d.vocab = make_vocab("full", weight)
+    assert d.prompt_logits == 0
+
+
 def test_ngram_history_tracks_the_sequence():
     d = dr.NgramDrafter(k=3, nmin=1, nmax=2)
     p = torch.tensor([1, 2, 3, 1, 2])
