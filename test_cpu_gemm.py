@@ -99,6 +99,13 @@ def test_rounds_to_nearest_even_like_torch():
     y = cpu_gemm.kernel_linear(x, cpu_gemm.pack(w), 3)[:, 0]
     ref = (a.float() + b.float()).bfloat16()
     assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y[~ref.isnan()], ref[~ref.isnan()])
+    # whole registers of 16 outputs (the vector epilogue) and a tail of 3, with a bias added before the rounding
+    w = torch.zeros(35, 8, dtype=torch.bfloat16)
+    w[:, :2] = 1
+    bias = (torch.randn(35, generator=g) * 10).bfloat16()
+    y = cpu_gemm.kernel_linear(x, cpu_gemm.pack(w), 35, bias)
+    ref = ((a.float() + b.float())[:, None] + bias.float()).bfloat16()
+    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y[~ref.isnan()], ref[~ref.isnan()])
 
 
 def test_linear_module_and_compile(monkeypatch):
