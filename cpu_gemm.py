@@ -57,8 +57,6 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's 
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
-/* the 16 outputs of one register of accumulators: + bias, rounded to bf16 once, into y (or yf: fp32 holding
-   the bf16 value); columns from N on are the zero rows padding the last panel and are not written */
 /* 8 fp32 -> 8 bf16 (in the low half of each 32-bit lane): to_bf16's arithmetic, lane by lane */
 static inline __m256i round8(__m256 s) {
     const __m256i u = _mm256_castps_si256(s), one = _mm256_set1_epi32(1);
@@ -66,9 +64,11 @@ static inline __m256i round8(__m256 s) {
     __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
     return _mm256_blendv_epi8(_mm256_srli_epi32(r, 16), _mm256_set1_epi32(0x7fc0), nan);
 }
+/* the 16 outputs of one register of accumulators: + bias, rounded to bf16 once, into y (or yf: fp32 holding
+   the bf16 value); columns from N on are the zero rows padding the last panel and are not written */
 static inline void store16(const float* out, const uint16_t* b, uint16_t* y, float* yf, long N, long m, long n0) {
-    if (n0 + 16 <= N) {  /* a whole register pair: the same adds and rounding in vectors (a GEMM's epilogue one
-                            value at a time cost a sixth of a 16-row pass) */
+    if (n0 + 16 <= N) {  /* a whole register pair: the same adds and rounding in vectors (one value at a time,
+                            the LM head's epilogue cost about a third of its time at K = 576) */
         __m256 s0 = _mm256_loadu_ps(out), s1 = _mm256_loadu_ps(out + 8);
         if (b) { s0 = _mm256_add_ps(s0, load_bf16(b + n0)); s1 = _mm256_add_ps(s1, load_bf16(b + n0 + 8)); }
         __m256i r0 = round8(s0), r1 = round8(s1);
@@ -92,7 +92,7 @@ static inline void store16(const float* out, const uint16_t* b, uint16_t* y, flo
 }
 /* rows[slot[i]] = W[tok[i]] and the same row into the packed copy P (pack()'s layout: panels of `panel` rows, k
    in groups of kb, row c of a panel at place[c] among a group's panel slots), for every i with 0 <= slot[i] <
-   nslots and tok[i] a row of W (the others are skipped: masked entries); rows may be 0 */
+   nslots and tok[i] a row of W (the others are skipped: masked entries) */
 void write_rows(uint16_t* rows, uint16_t* P, const uint16_t* W, long V, const int64_t* tok, const int64_t* slot,
                 long n, long nslots, long K, long panel, long kb, const int64_t* place) {
     const long G = K / kb;
@@ -100,7 +100,7 @@ void write_rows(uint16_t* rows, uint16_t* P, const uint16_t* W, long V, const in
         long s = slot[i], t = tok[i];
         if (s < 0 || s >= nslots || t < 0 || t >= V) continue;
         const uint16_t* src = W + t * K;
-        if (rows) __builtin_memcpy(rows + s * K, src, K * 2);
+        __builtin_memcpy(rows + s * K, src, K * 2);
         uint16_t* dst = P + (s / panel) * G * panel * kb + place[s % panel] * kb;
         for (long g = 0; g < G; g++)
             for (long j = 0; j < kb; j++) dst[g * panel * kb + j] = src[g * kb + j];
@@ -374,7 +374,8 @@ def unpack(packed: Tensor, N: int) -> Tensor:
     return packed[:, :, _PLACE].view(P, G, PANEL, KB).permute(0, 2, 1, 3).reshape(P * PANEL, G * KB)[:N]
 
 
-_SLOT = _PLACE.view(PANEL, KB)[:, 0] // KB  # where weight row c of a panel sits among a k group's PANEL slots
+# where weight row c of a panel sits among a k group's PANEL slots (contiguous int64: write_rows reads it too)
+_SLOT = (_PLACE.view(PANEL, KB)[:, 0] // KB).contiguous()
 
 
 def pack_rows_(packed: Tensor, rows: Tensor, slots: Tensor):
@@ -391,15 +392,11 @@ def _rows_writer():
     return c_function(SOURCE, "cpu_gemm", "write_rows", (P_, P_, P_, I_, P_, P_, I_, I_, I_, I_, I_, P_))
 
 
-_SLOT64 = _SLOT.long().contiguous()
-
-
-def _write_rows_c(rows: Tensor | None, packed: Tensor, weight: Tensor, tok: Tensor, slots: Tensor):
+def _write_rows_c(rows: Tensor, packed: Tensor, weight: Tensor, tok: Tensor, slots: Tensor):
     tok, slots = tok.long().contiguous(), slots.long().contiguous()
     V, K = weight.shape
-    _rows_writer()(0 if rows is None else rows.data_ptr(), packed.data_ptr(), weight.data_ptr(), V, tok.data_ptr(),
-                   slots.data_ptr(), tok.numel(), packed.shape[0] * PANEL if rows is None else rows.shape[0], K,
-                   PANEL, KB, _SLOT64.data_ptr())
+    _rows_writer()(rows.data_ptr(), packed.data_ptr(), weight.data_ptr(), V, tok.data_ptr(), slots.data_ptr(),
+                   tok.numel(), rows.shape[0], K, PANEL, KB, _SLOT.data_ptr())
 
 
 @torch.library.custom_op("nanospec::write_rows_", mutates_args=("rows", "packed"))

@@ -522,9 +522,12 @@ class HybridDrafter:
     def __init__(self, eagle: EagleDrafter, ngram: NgramDrafter):
         self.eagle, self.ngram = eagle, ngram
         self.vocab = eagle.vocab
-        self.prompt_logits = eagle.prompt_logits
         self.nodes = eagle.nodes + ngram.k
         self.depth = max(eagle.depth, ngram.k)
+
+    @property
+    def prompt_logits(self) -> int:
+        return self.eagle.prompt_logits  # (prompt lookup reads no logits)
 
     def budget_key(self, hist: list[int]) -> str:
         """ngram<n> where prompt lookup has a chain after hist (the next root last), found by an n-token suffix

@@ -51,13 +51,8 @@ def logits_to_probs(logits: Tensor, s: Sampling) -> Tensor:
 # the AVX2 EPYC: 108 us per 49,152-entry bf16 row, 27 us in fp32), so the greedy check of a 16-node
 # verification cost 1.7 ms (5% of the pass) and every autoregressive token 0.2 ms; two AVX2 sweeps per row
 # (the largest value, then its first index) take microseconds.
-ARGMAX_SOURCE = r"""
-#include <immintrin.h>
-#include <stdint.h>
+ARGMAX_SOURCE = cpu_gemm.COMMON + r"""
 #include <math.h>
-static inline __m256 ld_bf16(const uint16_t* p) {  /* 8 bf16 -> 8 fp32 (bf16 = the high half of fp32) */
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
 static inline float sc_bf16(const uint16_t* p) { uint32_t u = (uint32_t)*p << 16; float f; __builtin_memcpy(&f, &u, 4); return f; }
 static inline __m256 ld_f32(const float* p) { return _mm256_loadu_ps(p); }
 static inline float sc_f32(const float* p) { return *p; }
@@ -78,7 +73,7 @@ static long NAME(const T* r, long V) { \
     for (; i < V; i++) { float v = SL(r + i); if (nan ? v != v : v == m) return i; } \
     return 0; \
 }
-ROW(row_bf16, uint16_t, ld_bf16, sc_bf16)
+ROW(row_bf16, uint16_t, load_bf16, sc_bf16)  /* (load_bf16: cpu_gemm.COMMON's) */
 ROW(row_f32, float, ld_f32, sc_f32)
 /* out[m] = argmax of row m of x [M, V] (bf16 or fp32), rows over the threads */
 void argmax_rows(const void* x, int bf16, long M, long V, int64_t* out, int threads) {
