@@ -165,6 +165,12 @@ def median_ms(fn, iters: int = 15) -> float:
     return statistics.median(ts) * 1000
 
 
+def fmt_ms(ms: float) -> str:
+    """A table cell of milliseconds: one decimal, or three significant digits below 10 ms, so a short but measured
+    time never prints as 0.0 (a tiny model's attention on a fast CPU)."""
+    return f"{ms:.1f}" if abs(ms) >= 10 else f"{ms:.3g}"
+
+
 def read_bandwidth_gbs() -> float:
     """This machine's memory read bandwidth: summing a 1 GiB tensor (far larger than any CPU cache)."""
     x = torch.ones(256 * 1024 * 1024)
@@ -201,7 +207,7 @@ def profile(model, name: str, dtype: str, ctx: int, rows_list: list[int]):
             xs = [(p, N, torch.randn(T, K, generator=g).bfloat16()) for p, N, K in fused.gemms]
             head = torch.randn(1, T, a.dim, generator=g).bfloat16()
             gemms = median_ms(lambda: [cpu_gemm.kernel_linear(x, p, N) for p, N, x in xs] + [model.lm_head(head)])
-            print(f"| {T} | {whole:.1f} | {gemms:.1f} | (in the fused pass) | {whole - gemms:.1f} | {whole / floor:.1f}x |")
+            print(f"| {T} | {fmt_ms(whole)} | {fmt_ms(gemms)} | (in the fused pass) | {fmt_ms(whole - gemms)} | {whole / floor:.1f}x |")
             continue
         xs = {m: torch.randn(1, T, m.in_features, generator=g).to(dev, m.weight.dtype) for m in linears}
         gemms = median_ms(lambda: [m(x) for m, x in xs.items()])
@@ -209,7 +215,7 @@ def profile(model, name: str, dtype: str, ctx: int, rows_list: list[int]):
         mask = model.causal_mask(pos)
         attn = median_ms(lambda: [torch.nn.functional.scaled_dot_product_attention(
             q, kv.k, kv.v, attn_mask=mask, enable_gqa=a.n_kv_heads != a.n_heads) for _ in model.layers])
-        print(f"| {T} | {whole:.1f} | {gemms:.1f} | {attn:.1f} | {whole - gemms - attn:.1f} | {whole / floor:.1f}x |")
+        print(f"| {T} | {fmt_ms(whole)} | {fmt_ms(gemms)} | {fmt_ms(attn)} | {fmt_ms(whole - gemms - attn)} | {whole / floor:.1f}x |")
 
 
 if __name__ == "__main__":
