@@ -219,10 +219,14 @@ static inline __attribute__((always_inline)) void tile(const uint32_t* x, long K
     for (int i = 0; i < MT; i++) for (int v = 0; v < NV; v++) acc[i][v] = _mm512_setzero_ps();
     const uint32_t* x0 = x + m0 * K2;
     const __m512i* w = (const __m512i*)(P + p * 32 * NV * K2);
+    long due = 0, l = l0;
     #pragma GCC unroll 2
     for (long k = 0; k < K2; k++) {
-        if (pf)  /* this tile's share of the next panel, spread evenly over its k loop */
-            for (long l = l0 + k * (l1 - l0) / K2; l < l0 + (k + 1) * (l1 - l0) / K2; l++) _mm_prefetch(pf + l * 64, _MM_HINT_T1);
+        /* this tile's share of the next panel, spread evenly over its k loop by a running remainder (two integer
+           divisions per k had cost 12-16% of 26- and 60-row passes, measured on Zen 5), into L1 (T0: 3-13% faster
+           than L2 at 16-26 rows there) */
+        if (pf)
+            for (due += l1 - l0; due >= K2; due -= K2, l++) _mm_prefetch(pf + l * 64, _MM_HINT_T0);
         __m512bh wv[NV];
         for (int v = 0; v < NV; v++) wv[v] = (__m512bh)_mm512_loadu_si512(w + NV * k + v);
         for (int i = 0; i < MT; i++) {
