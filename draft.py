@@ -22,7 +22,7 @@ not yet in the cache):
     stats() -> dict              the request's metrics: LM-head time, vocabulary coverage and active size
 """
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -69,6 +69,8 @@ class Prefill:
     # or 1 (a [T, V] LM head costs a fifth of a 200-token CPU prefill)
     hidden: Tensor  # [1, T, d] target final hidden states
     aux: Tensor | None  # [1, T, 3d] EAGLE-3 aux states (model.aux_layers), None when the target has none
+    top: Tensor | None = None  # [R, k_pre] the top-k of those logits where a drafter took them itself (logits
+    # then holds the last row only: HybridDrafter's late head)
 
 
 @dataclass
@@ -178,7 +180,8 @@ class VocabDrafter:
             self.metrics = torch.zeros(5, dtype=torch.long, device=dev)  # hits, emitted, active sum, max, steps
         self.metrics.zero_()
         self.lm_head_s = 0.0
-        top, _ = self.rows_of(torch.topk(p.logits, self.vocab.k_pre, dim=-1).indices)  # [R, k_pre] (k_pre 0: none)
+        top = p.top if p.top is not None else torch.topk(p.logits, self.vocab.k_pre, dim=-1).indices
+        top, _ = self.rows_of(top)  # [R, k_pre] (k_pre 0: none)
         # the last R prompt positions, each with its top-k_pre (the window keeps the newest entries: with R
         # = prompt_logits the same window as from every position)
         rows, _ = self.rows_of(p.tokens[p.tokens.shape[0] - top.shape[0]:])
@@ -515,19 +518,35 @@ class HybridDrafter:
     other tree nodes best first; parents still come before children. A budget below the whole tree gets the
     chain alone, or where there is no chain an EAGLE tree drafted for that budget (EagleDrafter.shape_for).
     It is one tree verified once, so the output is the target's as for any tree. Both drafters learn from every step (NanoSpec's window sees the
-    chain's tokens too). Reads host values (the chain search): graphable = False."""
+    chain's tokens too). Reads host values (the chain search): graphable = False.
+
+    The head starts late: given the target's LM head (`project`), the hybrid keeps the prefill and runs the
+    head's pass over the prompt, the prompt logits NanoSpec's window starts from and the window's reset only
+    when the head first drafts, then catches up on the steps since. A request whose steps all verify chains
+    or decode autoregressively never pays for them (on Spec-Bench they made the hybrid's prefill 1.5x prompt
+    lookup's). The head then holds the same state as after an eager prefill and the same updates."""
 
     graphable = False
+    # accepted steps the head has not seen, kept as one chain of their accepted positions (draft.chained) while
+    # its prefill waits; past this many tokens it catches up (their target logits: 98 KB a token here, V * 2
+    # bytes in general)
+    MAX_PENDING_TOKENS = 512
+    # a late head projects the prompt's rows in chunks, each reduced to its top-k at once: [768, 49152] logits
+    # in one piece (75 MB) outgrow the caches, and the LM head then ran 4x slower per row (measured on Zen 5:
+    # 187 ms for 766 rows, 17 ms for 256; chunked with their top-k, 79-89 ms for 766 in chunks of 64-256)
+    PROJECT_ROWS = 128
 
-    def __init__(self, eagle: EagleDrafter, ngram: NgramDrafter):
+    def __init__(self, eagle: EagleDrafter, ngram: NgramDrafter, project=None):
         self.eagle, self.ngram = eagle, ngram
         self.vocab = eagle.vocab
         self.nodes = eagle.nodes + ngram.k
         self.depth = max(eagle.depth, ngram.k)
+        self.project = project  # the target's LM head (hidden [.., d] -> logits): the head's prefill may wait
 
     @property
     def prompt_logits(self) -> int:
-        return self.eagle.prompt_logits  # (prompt lookup reads no logits)
+        # (prompt lookup reads no logits; a head that starts late projects its own from the prefill's hidden)
+        return 0 if self.project is not None else self.eagle.prompt_logits
 
     def budget_key(self, hist: list[int]) -> str:
         """ngram<n> where prompt lookup has a chain after hist (the next root last), found by an n-token suffix
@@ -557,7 +576,9 @@ class HybridDrafter:
         self.ngram.setup(max_seq)
 
     def prefill(self, p: Prefill):
-        self.eagle.prefill(p)
+        self.deferred = p if self.project is not None else None  # the head's prefill, until it first drafts
+        if self.deferred is None:
+            self.eagle.prefill(p)
         self.ngram.prefill(p)
         self.accepted = dict(ngram=0, eagle=0, both=0)  # accepted draft tokens by who proposed them
         self.source = []
@@ -626,15 +647,28 @@ class HybridDrafter:
         # alone, which needs no head, and one update over many steps costs about what one over a single step
         # does (measured: 7% faster decoding on 10 Spec-Bench requests than updating after each EAGLE draft)
         if len(self.pending) >= 64:
-            self._catch_up()
+            if self.deferred is None or int(self.pending[0].L) >= self.MAX_PENDING_TOKENS:
+                self._catch_up()
+            else:  # keep only the accepted positions (chained) while the head's prefill waits
+                self.pending = [chained(self.pending)]
 
     def _catch_up(self):
+        if self.deferred is not None:
+            p, self.deferred = self.deferred, None
+            T, R = p.tokens.shape[0], min(p.tokens.shape[0], self.eagle.prompt_logits)
+            if R > 1:  # the rows the window reads, projected now; the last one as the engine's prefill gave it
+                k, hid, c = self.eagle.vocab.k_pre, p.hidden[0, T - R:-1], self.PROJECT_ROWS
+                top = [torch.topk(self.project(hid[i:i + c]), k, dim=-1).indices for i in range(0, R - 1, c)]
+                p = replace(p, top=torch.cat(top + [torch.topk(p.logits[-1:], k, dim=-1).indices]))
+            self.eagle.prefill(p)
         if self.pending:
             steps, self.pending = self.pending, []
             self.eagle.update(steps[0] if len(steps) == 1 else chained(steps))
 
     def stats(self) -> dict:
-        d = self.eagle.stats()
+        # a head that never drafted in this request has no vocabulary metrics of it (nor time in its LM head)
+        d = self.eagle.stats() if self.deferred is None else dict(lm_head_s=0.0)
+        d["head_started"] = self.deferred is None
         d["chain_only_steps"] = self.skipped
         total = sum(self.accepted.values())
         if total:
@@ -736,7 +770,8 @@ def make_drafter(c: DraftConfig, target: Transformer, sampling: Sampling | None 
         if c.ngram is False:
             return EagleDrafter(head, eagle_vocab(c, head, target), topk, depth, nodes)
         ngram = NgramDrafter(c.spec_k or 10, c.ngram_min, c.ngram_max, static=c.static)
-        return HybridDrafter(EagleDrafter(head, eagle_vocab(c, head, target, ngram.k), topk, depth, nodes), ngram)
+        return HybridDrafter(EagleDrafter(head, eagle_vocab(c, head, target, ngram.k), topk, depth, nodes), ngram,
+                             target.lm_head)
     if c.ngram:
         raise ValueError("--ngram merges prompt lookup into an EAGLE head's tree; this --draft is a draft model")
     dm = load_model(path, dtype=dtype, device=dev)

@@ -44,7 +44,7 @@ def target(path):
 
 
 def make_drafter(kind, tiny, m, vocab_spec="full", topk=4, depth=3, nodes=10, ablation=None, w_max=64, sampling=None,
-                 static=False, fill=None):
+                 static=False, fill=None, late_head=True):
     path, heads, dpath, root = tiny
     if kind == "ngram":
         return dr.NgramDrafter(k=4, static=static)
@@ -54,7 +54,8 @@ def make_drafter(kind, tiny, m, vocab_spec="full", topk=4, depth=3, nodes=10, ab
         ng = dr.NgramDrafter(k=4)
         vocab = make_vocab(vocab_spec, head.lm_weight(), w_max=w_max, ablation=ablation,
                            max_append=dr.append_width(nodes + ng.k, max(depth, ng.k), 3))
-        return dr.HybridDrafter(dr.EagleDrafter(head, vocab, topk, depth, nodes), ng)
+        # late_head: the head's prefill waits until it first drafts (the target's LM head given, as draft.make_drafter)
+        return dr.HybridDrafter(dr.EagleDrafter(head, vocab, topk, depth, nodes), ng, m.lm_head if late_head else None)
     if kind == "model":
         dm = load_model(dpath, dtype=torch.float32)
         return dr.ModelDrafter(dm, make_vocab(vocab_spec, dm.lm_head.weight, w_max=w_max, ablation=ablation,
@@ -569,7 +570,7 @@ def test_hybrid_tree_merges_the_chain(tiny):
     """The prompt-lookup chain follows the EAGLE tree where they agree and hangs its rest below: every tree
     node is kept once, the chain is one root-to-leaf path, parents come first, masks are the closure."""
     m = target(tiny[0])
-    d = make_drafter("hybrid", tiny, m, "nanospec")
+    d = make_drafter("hybrid", tiny, m, "nanospec", late_head=False)  # (its head drafts alone first)
     tok, n = prefilled(m, [d], PROMPTS[2])
     with torch.no_grad():
         t = d.eagle.draft(tok, n)
@@ -692,6 +693,69 @@ def test_hybrid_head_catches_up_only_when_it_drafts(tiny):
     assert st.extra["chain_only_steps"] > 0 and events.count("draft") > 0
     assert all(e == "draft" for prev, e in zip(events, events[1:]) if prev == "update"), events
     assert events.count("update") <= events.count("draft")
+
+
+class Autoregressive(Budget):
+    """Never speculates: every step is a one-row pass."""
+
+    def pick(self):
+        self.chosen[1] = self.chosen.get(1, 0) + 1
+        return 1
+
+
+def test_hybrid_head_starts_late_and_drafts_as_if_it_had_not(tiny, monkeypatch):
+    """The hybrid's head waits for its first draft (its pass over the prompt, the prompt logits NanoSpec's
+    window starts from, the window's reset), then catches up: under a budget that mixes chain-alone,
+    autoregressive and whole-tree steps every EAGLE tree it drafts equals an eagerly prefilled head's, and the
+    engine's prefill projects one logit row for it, not the window's. A request that never drafts with the head
+    never runs it. Outputs are autoregressive decoding's."""
+    monkeypatch.setattr(budget_module, "Budget", Cycle)
+    monkeypatch.setattr(dr.HybridDrafter, "PROJECT_ROWS", 3)
+    m = target(tiny[0])
+    prompt = PROMPTS[1] * 3
+    ref = autoregressive(m, prompt, 40)
+    trees, prefills = {}, {}
+    for late in (True, False):
+        d = make_drafter("hybrid", tiny, m, "nanospec", late_head=late)
+        got, pre = trees.setdefault(late, []), prefills.setdefault(late, [])
+        draft, prefill = d.eagle.draft, d.eagle.prefill
+        d.eagle.draft = lambda *a, f=draft, got=got, **k: (t := f(*a, **k), got.append(t.tokens.tolist()))[0]
+        k = d.eagle.vocab.k_pre  # the prompt's top-k the window starts from (late: in chunks of 3 rows)
+        d.eagle.prefill = lambda p, f=prefill, pre=pre: (pre.append(
+            p.top if p.top is not None else torch.topk(p.logits, k, dim=-1).indices), f(p))[1]
+        assert d.prompt_logits == (0 if late else d.eagle.prompt_logits)
+        out, st = Engine(m, drafter=d, budget=True).generate(prompt, 40)
+        assert out == ref and st.extra["head_started"]
+    assert trees[True] == trees[False] and len(trees[True]) > 2
+    assert len(prefills[True]) == len(prefills[False]) == 1
+    assert prefills[True][0].shape[0] > 6 and torch.equal(prefills[True][0], prefills[False][0])  # projected later
+    monkeypatch.setattr(budget_module, "Budget", Autoregressive)
+    d = make_drafter("hybrid", tiny, m, "nanospec")
+    d.eagle.prefill = lambda p: pytest.fail("the head ran without drafting")
+    out, st = Engine(m, drafter=d, budget=True).generate(prompt, 40)
+    assert out == ref and not st.extra["head_started"] and "vocab_coverage" not in st.extra
+
+
+def test_hybrid_head_waiting_keeps_only_the_accepted_positions(tiny):
+    """While the head waits, the steps it has not seen are folded every 64 into one chain of their accepted
+    positions (draft.chained: the target logits of the path rows, not of whole trees); its first draft then
+    equals an eagerly prefilled head's that caught up at 64."""
+    m = target(tiny[0])
+    late, eager = (make_drafter("hybrid", tiny, m, "nanospec", late_head=f) for f in (True, False))
+    tok, n = prefilled(m, [late, eager], PROMPTS[0])
+    with torch.no_grad():
+        for _ in range(70):  # one-token steps, as the engine hands autoregressive runs over
+            logits, hid, aux = m(tok[None], n.view(1), return_hidden=True)
+            nxt = logits[0, -1].argmax()
+            acc = dr.Accepted(dr.chain_tree(tok), torch.zeros(1, dtype=torch.long), torch.tensor(1), nxt, logits[0],
+                              hid, aux, n)
+            for d in (late, eager):
+                d.update(acc)
+            tok, n = nxt.view(1), n + 1
+        assert len(late.pending) == 7 and int(late.pending[0].L) == 64 and late.pending[0].logits.shape[0] == 64
+        assert len(eager.pending) == 6 and late.deferred is not None
+        assert torch.equal(late.draft(tok, n).tokens, eager.draft(tok, n).tokens)
+    assert late.deferred is None and not late.pending
 
 
 def test_hybrid_reports_where_accepted_tokens_came_from(tiny):
