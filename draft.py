@@ -22,7 +22,7 @@ not yet in the cache):
     stats() -> dict              the request's metrics: LM-head time, vocabulary coverage and active size
 """
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -69,8 +69,6 @@ class Prefill:
     # or 1 (a [T, V] LM head costs a fifth of a 200-token CPU prefill)
     hidden: Tensor  # [1, T, d] target final hidden states
     aux: Tensor | None  # [1, T, 3d] EAGLE-3 aux states (model.aux_layers), None when the target has none
-    top: Tensor | None = None  # [R, k_pre] the top-k of those logits where a drafter took them itself (logits
-    # then holds the last row only: HybridDrafter's late head)
 
 
 @dataclass
@@ -161,14 +159,33 @@ class VocabDrafter:
     correctly from a CUDA graph and cost no host sync)."""
 
     graphable = True
+    project = None  # the target's LM head (hidden [.., d] -> logits), given by make_drafter: see prompt_topk
+    # prompt_topk's chunks: [768, 49152] logits in one piece (75 MB) outgrow the caches, and one LM head then
+    # top-k over them cost 135 ms on Zen 5 where 128-row chunks, each reduced to its top-k at once, cost 100
+    PROJECT_ROWS = 128
 
     @property
-    def prompt_logits(self) -> int:
+    def window_rows(self) -> int:
         # NanoSpec's window starts with the target's top-k_pre at each prompt position, 1 + k_pre entries a
         # position: only the last ceil(W / (1 + k_pre)) positions can be in it (a 900-token prompt's LM head
         # over every position cost 0.35 s on the AVX2 EPYC, the longest prompts more than their decoding)
         k = self.vocab.k_pre
         return 0 if k == 0 else -(-self.vocab.W // (1 + k))
+
+    @property
+    def prompt_logits(self) -> int:
+        return 0 if self.project is not None else self.window_rows  # (with the LM head: prompt_topk projects)
+
+    def prompt_topk(self, p: Prefill) -> Tensor:
+        """[R, k_pre] the target's top-k_pre at the last R = min(T, window_rows) prompt positions (at least the
+        last): from p.logits, or with the target's LM head projected here from p.hidden, in chunks."""
+        k, T = self.vocab.k_pre, p.tokens.shape[0]
+        R = min(T, self.window_rows)
+        if self.project is None or R <= 1:
+            return torch.topk(p.logits, k, dim=-1).indices
+        hid, c = p.hidden[0, T - R:-1], self.PROJECT_ROWS
+        top = [torch.topk(self.project(hid[i:i + c]), k, dim=-1).indices for i in range(0, R - 1, c)]
+        return torch.cat(top + [torch.topk(p.logits[-1:], k, dim=-1).indices])  # the last row as the engine's
 
     def rows_of(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """target token ids -> (vocab rows, valid); identity unless the head has a pruned vocabulary."""
@@ -180,8 +197,7 @@ class VocabDrafter:
             self.metrics = torch.zeros(5, dtype=torch.long, device=dev)  # hits, emitted, active sum, max, steps
         self.metrics.zero_()
         self.lm_head_s = 0.0
-        top = p.top if p.top is not None else torch.topk(p.logits, self.vocab.k_pre, dim=-1).indices
-        top, _ = self.rows_of(top)  # [R, k_pre] (k_pre 0: none)
+        top, _ = self.rows_of(self.prompt_topk(p))  # [R, k_pre] (k_pre 0: none)
         # the last R prompt positions, each with its top-k_pre (the window keeps the newest entries: with R
         # = prompt_logits the same window as from every position)
         rows, _ = self.rows_of(p.tokens[p.tokens.shape[0] - top.shape[0]:])
@@ -225,9 +241,9 @@ class EagleDrafter(VocabDrafter):
 
     Draft position i holds the pair (target feature f_i, token x_{i+1}); its output predicts x_{i+2}."""
 
-    def __init__(self, head: EagleHead, vocab, topk=10, depth=5, nodes=60):
+    def __init__(self, head: EagleHead, vocab, topk=10, depth=5, nodes=60, project=None):
         check_tree_budget(topk, depth, nodes)
-        self.head, self.vocab = head, vocab
+        self.head, self.vocab, self.project = head, vocab, project
         self.topk, self.depth, self.nodes = topk, depth, nodes
         self.lm_head_s = 0.0  # wall time inside vocab.logits (accurate on CPU; on CUDA only when synced)
         # row <-> token maps for heads with a pruned vocabulary (EAGLE-3 d2t); identity otherwise
@@ -520,9 +536,10 @@ class HybridDrafter:
     It is one tree verified once, so the output is the target's as for any tree. Both drafters learn from every step (NanoSpec's window sees the
     chain's tokens too). Reads host values (the chain search): graphable = False.
 
-    The head starts late: given the target's LM head (`project`), the hybrid keeps the prefill and runs the
-    head's pass over the prompt, the prompt logits NanoSpec's window starts from and the window's reset only
-    when the head first drafts, then catches up on the steps since. A request whose steps all verify chains
+    The head starts late where it projects its prompt rows itself (its `project`, the target's LM head, as
+    make_drafter gives it: VocabDrafter.prompt_topk): the hybrid keeps the prefill and runs the head's pass
+    over the prompt, the prompt's top-k NanoSpec's window starts from and the window's reset only when the
+    head first drafts, then catches up on the steps since. A request whose steps all verify chains
     or decode autoregressively never pays for them (on Spec-Bench they made the hybrid's prefill 1.5x prompt
     lookup's). The head then holds the same state as after an eager prefill and the same updates."""
 
@@ -531,22 +548,16 @@ class HybridDrafter:
     # its prefill waits; past this many tokens it catches up (their target logits: 98 KB a token here, V * 2
     # bytes in general)
     MAX_PENDING_TOKENS = 512
-    # a late head projects the prompt's rows in chunks, each reduced to its top-k at once: [768, 49152] logits
-    # in one piece (75 MB) outgrow the caches, and the LM head then ran 4x slower per row (measured on Zen 5:
-    # 187 ms for 766 rows, 17 ms for 256; chunked with their top-k, 79-89 ms for 766 in chunks of 64-256)
-    PROJECT_ROWS = 128
 
-    def __init__(self, eagle: EagleDrafter, ngram: NgramDrafter, project=None):
+    def __init__(self, eagle: EagleDrafter, ngram: NgramDrafter):
         self.eagle, self.ngram = eagle, ngram
         self.vocab = eagle.vocab
         self.nodes = eagle.nodes + ngram.k
         self.depth = max(eagle.depth, ngram.k)
-        self.project = project  # the target's LM head (hidden [.., d] -> logits): the head's prefill may wait
 
     @property
     def prompt_logits(self) -> int:
-        # (prompt lookup reads no logits; a head that starts late projects its own from the prefill's hidden)
-        return 0 if self.project is not None else self.eagle.prompt_logits
+        return self.eagle.prompt_logits  # (prompt lookup reads no logits)
 
     def budget_key(self, hist: list[int]) -> str:
         """ngram<n> where prompt lookup has a chain after hist (the next root last), found by an n-token suffix
@@ -576,7 +587,7 @@ class HybridDrafter:
         self.ngram.setup(max_seq)
 
     def prefill(self, p: Prefill):
-        self.deferred = p if self.project is not None else None  # the head's prefill, until it first drafts
+        self.deferred = p if self.eagle.project is not None else None  # the head's prefill, until it first drafts
         if self.deferred is None:
             self.eagle.prefill(p)
         self.ngram.prefill(p)
@@ -655,11 +666,6 @@ class HybridDrafter:
     def _catch_up(self):
         if self.deferred is not None:
             p, self.deferred = self.deferred, None
-            T, R = p.tokens.shape[0], min(p.tokens.shape[0], self.eagle.prompt_logits)
-            if R > 1:  # the rows the window reads, projected now; the last one as the engine's prefill gave it
-                k, hid, c = self.eagle.vocab.k_pre, p.hidden[0, T - R:-1], self.PROJECT_ROWS
-                top = [torch.topk(self.project(hid[i:i + c]), k, dim=-1).indices for i in range(0, R - 1, c)]
-                p = replace(p, top=torch.cat(top + [torch.topk(p.logits[-1:], k, dim=-1).indices]))
             self.eagle.prefill(p)
         if self.pending:
             steps, self.pending = self.pending, []
@@ -768,10 +774,10 @@ def make_drafter(c: DraftConfig, target: Transformer, sampling: Sampling | None 
             target.aux_layers = head.c.aux_layers
         topk, depth, nodes = c.tree(dev)
         if c.ngram is False:
-            return EagleDrafter(head, eagle_vocab(c, head, target), topk, depth, nodes)
+            return EagleDrafter(head, eagle_vocab(c, head, target), topk, depth, nodes, target.lm_head)
         ngram = NgramDrafter(c.spec_k or 10, c.ngram_min, c.ngram_max, static=c.static)
-        return HybridDrafter(EagleDrafter(head, eagle_vocab(c, head, target, ngram.k), topk, depth, nodes), ngram,
-                             target.lm_head)
+        return HybridDrafter(EagleDrafter(head, eagle_vocab(c, head, target, ngram.k), topk, depth, nodes,
+                                          target.lm_head), ngram)
     if c.ngram:
         raise ValueError("--ngram merges prompt lookup into an EAGLE head's tree; this --draft is a draft model")
     dm = load_model(path, dtype=dtype, device=dev)

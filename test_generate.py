@@ -55,7 +55,7 @@ def make_drafter(kind, tiny, m, vocab_spec="full", topk=4, depth=3, nodes=10, ab
         vocab = make_vocab(vocab_spec, head.lm_weight(), w_max=w_max, ablation=ablation,
                            max_append=dr.append_width(nodes + ng.k, max(depth, ng.k), 3))
         # late_head: the head's prefill waits until it first drafts (the target's LM head given, as draft.make_drafter)
-        return dr.HybridDrafter(dr.EagleDrafter(head, vocab, topk, depth, nodes), ng, m.lm_head if late_head else None)
+        return dr.HybridDrafter(dr.EagleDrafter(head, vocab, topk, depth, nodes, m.lm_head if late_head else None), ng)
     if kind == "model":
         dm = load_model(dpath, dtype=torch.float32)
         return dr.ModelDrafter(dm, make_vocab(vocab_spec, dm.lm_head.weight, w_max=w_max, ablation=ablation,
@@ -710,7 +710,7 @@ def test_hybrid_head_starts_late_and_drafts_as_if_it_had_not(tiny, monkeypatch):
     engine's prefill projects one logit row for it, not the window's. A request that never drafts with the head
     never runs it. Outputs are autoregressive decoding's."""
     monkeypatch.setattr(budget_module, "Budget", Cycle)
-    monkeypatch.setattr(dr.HybridDrafter, "PROJECT_ROWS", 3)
+    monkeypatch.setattr(dr.VocabDrafter, "PROJECT_ROWS", 3)
     m = target(tiny[0])
     prompt = PROMPTS[1] * 3
     ref = autoregressive(m, prompt, 40)
@@ -718,11 +718,10 @@ def test_hybrid_head_starts_late_and_drafts_as_if_it_had_not(tiny, monkeypatch):
     for late in (True, False):
         d = make_drafter("hybrid", tiny, m, "nanospec", late_head=late)
         got, pre = trees.setdefault(late, []), prefills.setdefault(late, [])
-        draft, prefill = d.eagle.draft, d.eagle.prefill
+        draft = d.eagle.draft
         d.eagle.draft = lambda *a, f=draft, got=got, **k: (t := f(*a, **k), got.append(t.tokens.tolist()))[0]
-        k = d.eagle.vocab.k_pre  # the prompt's top-k the window starts from (late: in chunks of 3 rows)
-        d.eagle.prefill = lambda p, f=prefill, pre=pre: (pre.append(
-            p.top if p.top is not None else torch.topk(p.logits, k, dim=-1).indices), f(p))[1]
+        reset = d.eagle.vocab.reset  # the prompt's top-k the window starts from (late: projected in 3-row chunks)
+        d.eagle.vocab.reset = lambda rows, top, f=reset, pre=pre: (pre.append(top.clone()), f(rows, top))[1]
         assert d.prompt_logits == (0 if late else d.eagle.prompt_logits)
         out, st = Engine(m, drafter=d, budget=True).generate(prompt, 40)
         assert out == ref and st.extra["head_started"]
@@ -734,6 +733,30 @@ def test_hybrid_head_starts_late_and_drafts_as_if_it_had_not(tiny, monkeypatch):
     d.eagle.prefill = lambda p: pytest.fail("the head ran without drafting")
     out, st = Engine(m, drafter=d, budget=True).generate(prompt, 40)
     assert out == ref and not st.extra["head_started"] and "vocab_coverage" not in st.extra
+
+
+def test_eagle_takes_the_prompts_top_k_itself_as_from_the_engines_logits(tiny, monkeypatch):
+    """An EAGLE drafter given the target's LM head (as make_drafter gives it) projects the prompt rows NanoSpec's
+    window starts from itself, in chunks each reduced to its top-k, from the prefill's hidden states: the
+    engine's prefill then projects one row, and the window, the trees and the output are those from the
+    engine's [R, V] prompt logits."""
+    monkeypatch.setattr(dr.VocabDrafter, "PROJECT_ROWS", 3)
+    m = target(tiny[0])
+    prompt = PROMPTS[1] * 3
+    ref = autoregressive(m, prompt, 24)
+    tops, trees = [], []
+    for project in (m.lm_head, None):
+        d = make_drafter("eagle3", tiny, m, "nanospec")
+        d.project = project
+        assert d.prompt_logits == (0 if project is not None else d.window_rows) and d.window_rows > 6
+        reset, draft, got = d.vocab.reset, d.draft, []
+        d.vocab.reset = lambda rows, top, f=reset: (tops.append(top.clone()), f(rows, top))[1]
+        d.draft = lambda *a, f=draft, **k: (t := f(*a, **k), got.append(t.tokens.tolist()))[0]
+        out, _ = Engine(m, drafter=d).generate(prompt, 24)
+        assert out == ref
+        trees.append(got)
+    assert tops[0].shape[0] == min(len(prompt), d.window_rows) and torch.equal(tops[0], tops[1])
+    assert trees[0] == trees[1] and len(trees[0]) > 2
 
 
 def test_hybrid_head_waiting_keeps_only_the_accepted_positions(tiny):
