@@ -26,6 +26,12 @@ it. That is the fallback's way back: when the text becomes predictable again, th
 autoregressive decoding keeps winning, the probes thin out (the gap doubles up to max_gap steps) and take at
 most `probe_share` (5%) of the request's time, so hopeless text (high temperature, novel content) loses at
 most that much to them, by construction rather than by a tuned gap.
+
+A draft that first pays a one-time set-up (the hybrid's EAGLE head, which starts late: draft.HybridDrafter)
+waits for it as in ski rental: the request decodes autoregressively instead until the steps held back would
+have saved, by the budget's own estimates, as much as the set-up costs; then it drafts. So a head that gains
+little per step never starts in a request too short to pay it back (on Spec-Bench its start cost more than a
+whole 256-token answer's gain), and one that gains much starts after a few steps.
 """
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -129,6 +135,21 @@ class Budget:
         self.chosen[b] = self.chosen.get(b, 0) + 1
         return b
 
+    def instead(self, b: int, new: int):
+        """The step pick() chose b for takes size `new` (Budgets' wait for a set-up)."""
+        self.chosen[b] -= 1
+        if not self.chosen[b]:
+            del self.chosen[b]
+        self.chosen[new] = self.chosen.get(new, 0) + 1
+        self.probing = False
+
+    def saving(self) -> float:
+        """Seconds the best speculative size saves in one step against autoregressive decoding of its tokens
+        (0 where none is estimated to pay, or before an autoregressive step is timed)."""
+        if not self.timed.get(1, 0) or len(self.sizes) == 1:
+            return 0.0
+        return max(0.0, max(self.tokens(s) * self.seconds(1) - self.seconds(s) for s in self.sizes[1:]))
+
     def observe(self, b: int, accepted: list[int], seconds: float):
         """A step verified the first b nodes, accepted these node indices (root first) and took seconds."""
         self.steps += 1
@@ -187,9 +208,12 @@ class Budgets:
     hybrid's chain steps add the chain alone (prompt lookup's whole draft), which a size set cut for the
     merged tree would miss, and start there (a merged tree is probed from it, one size up)."""
 
-    def __init__(self, nodes: int, sizes_of=None, start_of=None, memory: dict | None = None, **kw):
+    def __init__(self, nodes: int, sizes_of=None, start_of=None, memory: dict | None = None, setup_of=None, **kw):
         self.nodes, self.kw, self.of, self.key = nodes, kw, {}, None
         self.sizes_of, self.start_of = sizes_of, start_of
+        # setup_of(key, b): seconds a draft of b nodes for that source pays once first (the drafter's
+        # budget_setup), 0 for none; held_back: what the steps that waited for one would have saved
+        self.setup_of, self.held_back = setup_of, 0.0
         self.spent = {"probe": 0.0, "total": 0.0}  # one probe cap for the request (Budget.probe_share)
         # {source: Budget} of the engine's earlier requests (keep() adds this one's): a source starts from its
         # last state instead of paying a whole-tree step and an autoregressive one to learn it again
@@ -220,7 +244,15 @@ class Budgets:
             ar = max(self.of.values(), key=lambda x: x.timed.get(1, 0))
             if ar is not new and ar.timed.get(1, 0):  # (this request's time: fresher than a carried one)
                 new.time[1], new.timed[1] = ar.time[1], max(ar.timed[1], new.timed.get(1, 0))
-        return self.of[key].pick()
+        bud = self.of[key]
+        b = bud.pick()
+        setup = self.setup_of(key, b) if self.setup_of is not None and b > 1 else 0.0
+        if setup > 0:  # ski rental (module doc): decode autoregressively until waiting has cost the set-up
+            self.held_back += bud.saving()
+            if self.held_back < setup:
+                bud.instead(b, 1)
+                b = 1
+        return b
 
     def keep(self):
         """The request is over: its sources' states are what the next request of the engine starts from."""

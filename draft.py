@@ -554,6 +554,7 @@ class HybridDrafter:
         self.vocab = eagle.vocab
         self.nodes = eagle.nodes + ngram.k
         self.depth = max(eagle.depth, ngram.k)
+        self.start_rate = 0.0  # seconds per waiting token of this drafter's last head start (0: none yet)
 
     @property
     def prompt_logits(self) -> int:
@@ -582,6 +583,22 @@ class HybridDrafter:
         alone does; the merged tree is a probe away), else the EAGLE tree."""
         return 1 + self.ngram.k if key.startswith("ngram") else self.eagle.nodes
 
+    def budget_setup(self, key: str, b: int) -> float:
+        """Seconds a draft of b nodes for this source pays once first (budget.Budgets waits for it): the late
+        head's start where the draft needs the head (an EAGLE tree: b > 1 without a chain, or the merged tree),
+        estimated as the last start's seconds per token times the tokens now waiting (its head pass, the
+        prompt's top-k and the catch-up grow with them). 0 once the head has started, and before this
+        drafter's first start (nothing measured yet: that start measures it)."""
+        if self.deferred is None or b <= 1 or (key.startswith("ngram") and b < self.nodes):
+            return 0.0
+        return self.start_rate * self.waiting
+
+    def setup_paid(self) -> float:
+        """Seconds of head starts since the last call: the engine keeps them out of the steps' times (a start
+        is paid once; billed to one budget size it would make that size look slow in later requests too)."""
+        s, self.start_s = self.start_s, 0.0
+        return s
+
     def setup(self, max_seq: int):
         self.eagle.setup(max_seq + self.ngram.k)  # the chain's nodes may pass the tree's slots
         self.ngram.setup(max_seq)
@@ -595,6 +612,9 @@ class HybridDrafter:
         self.source = []
         self.skipped = 0  # steps that verified only the chain, so the EAGLE tree was not drafted
         self.pending = []  # the accepted steps the head has not seen: it catches up when it drafts next
+        self.waiting = p.tokens.shape[0]  # tokens a start would run the head over (prompt + accepted since)
+        self.start_s = 0.0  # seconds of the head's start, until the engine takes them (setup_paid)
+        self.head_start_s = 0.0
         self.proposal = (-1, -1, [])  # (history length, root, chain) of budget_key's proposal
 
     @torch.no_grad()
@@ -654,6 +674,7 @@ class HybridDrafter:
         self.source = []  # (autoregressive steps verify no drafted node)
         self.ngram.update(a)
         self.pending.append(a)
+        self.waiting += int(a.L)
         # the head catches up in one update when it drafts next, or at 64 steps: the next step may be a chain
         # alone, which needs no head, and one update over many steps costs about what one over a single step
         # does (measured: 7% faster decoding on 10 Spec-Bench requests than updating after each EAGLE draft)
@@ -664,17 +685,22 @@ class HybridDrafter:
                 self.pending = [chained(self.pending)]
 
     def _catch_up(self):
+        t0 = time.perf_counter() if self.deferred is not None else None
         if self.deferred is not None:
             p, self.deferred = self.deferred, None
             self.eagle.prefill(p)
         if self.pending:
             steps, self.pending = self.pending, []
             self.eagle.update(steps[0] if len(steps) == 1 else chained(steps))
+        if t0 is not None:  # the start: what budget_setup estimates the next request's by
+            self.start_s = self.head_start_s = time.perf_counter() - t0
+            self.start_rate = self.start_s / self.waiting
 
     def stats(self) -> dict:
         # a head that never drafted in this request has no vocabulary metrics of it (nor time in its LM head)
         d = self.eagle.stats() if self.deferred is None else dict(lm_head_s=0.0)
         d["head_started"] = self.deferred is None
+        d["head_start_s"] = round(self.head_start_s, 4)
         d["chain_only_steps"] = self.skipped
         total = sum(self.accepted.values())
         if total:

@@ -331,7 +331,9 @@ class Engine:
         # eager CPU steps pay no one-time set-up per shape: one timing step of each end of the budget range
         settle = 1 if dev.type == "cpu" and not self.compiled else 2
         budget = self.last_budget = (Budgets(d.nodes, sizes_of, getattr(d, "budget_start", None), settle=settle,
-                                             pass_s=pass_s, memory=self.budget_memory) if self.budget else None)
+                                             pass_s=pass_s, memory=self.budget_memory,
+                                             setup_of=getattr(d, "budget_setup", None)) if self.budget else None)
+        paid = getattr(d, "setup_paid", lambda: 0.0)  # one-time set-up inside a step's draft (the hybrid's head)
         # nodes to verify; 1 = an autoregressive step (no draft); per source of the next drafts (budget_key)
         b = budget.pick(d.budget_key(prompt + out)) if budget else d.nodes
         with clock("draft"):
@@ -349,7 +351,7 @@ class Engine:
             acc = dataclasses.replace(acc, tree=tree)  # the drafter learns from every drafted token (NanoSpec)
             if budget:  # a step's time: the drafter's last update, this draft, the verification and the sync
                 t_step, t = time.perf_counter(), t_step
-                budget.observe(b, nodes, t_step - t)
+                budget.observe(b, nodes, t_step - t - paid())
                 b = budget.pick(d.budget_key(prompt + out + emitted))
             if tree.tokens.shape[0] == 1 and b == 1 and len(pending) < 128:  # autoregressive, and so is the next
                 pending.append(acc)  # the drafter catches up on a run of these later, in one update

@@ -263,3 +263,26 @@ def test_a_new_source_starts_from_a_speculating_sibling():
         k = hopeless.pick("ngram3")
         hopeless.observe(k, [0], cost[k])
     assert hopeless.pick("ngram1") == 16  # nothing to copy from a sibling that does not speculate
+
+
+def test_a_set_up_waits_until_the_held_back_steps_would_have_paid_it():
+    """Ski rental: a draft that first pays a one-time set-up (the hybrid's late head) waits, decoding
+    autoregressively, until the best size's estimated saving over the steps held back reaches the set-up, and
+    is chosen then; a source whose drafts save nothing never pays one; other sources do not wait."""
+    cost = {1: 1.0, 2: 1.1, 4: 1.2, 8: 2.0}
+    mem = {"eagle": trained(8, [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0], cost),  # 4 tokens / 1.2 s at size 4
+           "ngram": trained(8, [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0], cost),
+           "novel": trained(8, [1.0] + [0.0] * 7, {1: 1.0, 2: 1.5, 4: 2.0, 8: 3.0})}  # speculation loses
+    setup = {"eagle": 10.0, "novel": 10.0, "ngram": 0.0}
+    bs = Budgets(8, memory=mem, settle=1, probe=10 ** 9, setup_of=lambda key, b: setup[key])
+    assert mem["eagle"].saving() == pytest.approx(4 * 1.0 - 1.2, abs=1e-3)
+    picks = []
+    for _ in range(5):
+        picks.append(bs.pick("eagle"))
+        bs.observe(picks[-1], [0, 1, 2, 3][:picks[-1]], cost[picks[-1]])
+        if picks[-1] > 1:
+            setup["eagle"] = 0.0  # the drafter paid it: nothing to wait for any more
+    assert picks == [1, 1, 1, 4, 4]  # held back 2.8, 5.6, 8.4 s < 10 s; then 11.2 s
+    assert bs.of["eagle"].chosen == {1: 3, 4: 2}
+    assert bs.pick("ngram") == 4
+    assert [bs.pick("novel") for _ in range(20)] == [1] * 20 and bs.of["novel"].saving() == 0.0

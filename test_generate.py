@@ -759,6 +759,29 @@ def test_eagle_takes_the_prompts_top_k_itself_as_from_the_engines_logits(tiny, m
     assert trees[0] == trees[1] and len(trees[0]) > 2
 
 
+def test_hybrid_head_starts_where_the_budget_says_it_pays(tiny, monkeypatch):
+    """The late head's start is priced by the last one (its seconds per waiting token) and budget.Budgets
+    holds EAGLE drafts back until waiting would have cost as much (ski rental): a first start measures the
+    price, a start priced far above what the head saves never comes, one priced near zero does. The start's
+    seconds are reported and taken out of the step times (setup_paid); outputs are autoregressive decoding's."""
+    monkeypatch.setattr(budget_module, "Budget", Cycle)  # every size in turn: the head's drafts are asked for
+    m = target(tiny[0])
+    prompt = PROMPTS[1] * 3
+    ref = autoregressive(m, prompt, 40)
+    d = make_drafter("hybrid", tiny, m, "nanospec")
+    eng = Engine(m, drafter=d, budget=True)
+    out, st = eng.generate(prompt, 40)
+    assert out == ref and st.extra["head_started"] and st.extra["head_start_s"] > 0
+    assert d.start_rate > 0 and d.start_s == 0.0  # measured, and the engine took it out of the steps' times
+    d.start_rate = 1e6
+    out, st = eng.generate(prompt, 40)
+    assert out == ref and not st.extra["head_started"] and st.extra["budget_hist"].get("1", 0) > 0
+    monkeypatch.setattr(budget_module.Budget, "saving", lambda self: 1.0)
+    d.start_rate = 1e-9
+    out, st = eng.generate(prompt, 40)
+    assert out == ref and st.extra["head_started"]
+
+
 def test_hybrid_head_waiting_keeps_only_the_accepted_positions(tiny):
     """While the head waits, the steps it has not seen are folded every 64 into one chain of their accepted
     positions (draft.chained: the target logits of the path rows, not of whole trees); its first draft then
