@@ -60,6 +60,15 @@ def aggregate(recs: list[dict]) -> dict:
             p["tokens_per_s"] = p["tokens"] / p["step_ms"] * 1000
         share = [(r["speculated_share"], r["target_forwards"]) for r in recs if "speculated_share" in r]
         out["speculated_share"] = sum(s * n for s, n in share) / max(sum(n for _, n in share), 1)
+    # the hybrid's accepted draft tokens by who proposed them, weighted by each request's accepted draft tokens
+    src = [(r["accepted_from"], sum((int(k) - 1) * v for k, v in r.get("accept_hist", {}).items()))
+           for r in recs if "accepted_from" in r]
+    if src:
+        w = sum(n for _, n in src) or 1
+        out["accepted_from"] = {k: sum(a.get(k, 0.0) * n for a, n in src) / w for k in ("ngram", "eagle", "both")}
+    started = [bool(r["head_started"]) for r in recs if "head_started" in r]
+    if started:
+        out["head_started"] = sum(started) / len(started)
     cov = [(r["vocab_coverage"], r["new_tokens"]) for r in recs if "vocab_coverage" in r]
     if cov:
         w = sum(n for _, n in cov) or 1
@@ -294,6 +303,22 @@ def write_reports(out_dir: Path, tag: str, ctx: dict, S: dict, methods, tasks, r
                               [[k] + [_f(c[b][k]) for b in sorted(c)] for k in ("step_ms", "tokens", "tokens_per_s")]))
         if (out_dir / f"bench_{tag}_tree_size.png").is_file():
             L.append(f"\n![tree size](bench_{tag}_tree_size.png)\n")
+
+    hybrid = [n for n in spec if S[n]["overall"].get("accepted_from")]
+    for n in hybrid:
+        L.append(f"\n## Hybrid drafting per task: {n}\n\nτ = mean accepted length; n-gram / EAGLE / both = the "
+                 "share of accepted draft tokens that prompt lookup, the EAGLE tree or both proposed; speculated = "
+                 "the share of steps that verified a draft (the rest decoded autoregressively); head started = the "
+                 "share of requests whose EAGLE head ran at all (it starts late, and only where the budget expects "
+                 "it to pay: draft.HybridDrafter, budget.py).\n\n")
+        rows = []
+        for t in cols:
+            x = S[n].get(t) or {}
+            a = x.get("accepted_from") or {}
+            rows.append([title(t), _f(x.get("mean_accepted_length"))] + [f"{a[k]:.0%}" if k in a else "-" for k in
+                        ("ngram", "eagle", "both")] + [f"{x[k]:.0%}" if k in x else "-" for k in
+                        ("speculated_share", "head_started")])
+        L.append(md_table(["task", "τ", "n-gram", "EAGLE", "both", "speculated", "head started"], rows))
 
     targets = ctx.get("targets") or []
     if targets:

@@ -131,7 +131,10 @@ def test_bench_budget_both_side_by_side(tiny_bench, tmp_path, capsys):
     assert curve and all(p["step_ms"] > 0 and p["tokens"] >= 1 for p in curve.values())
     png = tmp_path / "bench_questions_tree_size.png"  # tokens/s against tree size, rendered
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "## The fitted budget" in (tmp_path / "bench_questions.md").read_text()
+    md = (tmp_path / "bench_questions.md").read_text()
+    assert "## The fitted budget" in md and "## Hybrid drafting per task: eagle3+nanospec+ngram@auto" in md
+    src = js["summary"]["eagle3+nanospec+ngram"]["overall"]["accepted_from"]  # shares of accepted draft tokens
+    assert set(src) == {"ngram", "eagle", "both"} and sum(src.values()) == pytest.approx(1.0, abs=1e-3)
 
 
 def test_bench_sampling_runs_without_the_guard(tiny_bench, tmp_path, capsys):
