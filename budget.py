@@ -29,9 +29,10 @@ most that much to them, by construction rather than by a tuned gap.
 
 A draft that first pays a one-time set-up (the hybrid's EAGLE head, which starts late: draft.HybridDrafter)
 waits for it as in ski rental: the request decodes autoregressively instead until the steps held back would
-have saved, by the budget's own estimates, as much as the set-up costs; then it drafts. So a head that gains
+have saved, by the budget's own estimates, as much as the set-up costs, and as long as the same saving over
+the rest of the request (at most max_new_tokens) would repay it again; then it drafts. So a head that gains
 little per step never starts in a request too short to pay it back (on Spec-Bench its start cost more than a
-whole 256-token answer's gain), and one that gains much starts after a few steps.
+whole 256-token answer's gain), nor near a request's end, and one that gains much starts after a few steps.
 """
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -181,6 +182,26 @@ class Budget:
         self.hits, self.trials = [h * f for h in old.hits], [t * f for t in old.trials]
         self.time, self.timed = dict(old.time), dict(old.timed)
 
+    def state(self) -> dict:
+        """What carry() reads, as JSON (the engine keeps it across processes: Engine's budget_cache)."""
+        return dict(sizes=self.sizes, hits=self.hits, trials=self.trials, time={str(k): v for k, v in self.time.items()},
+                    timed={str(k): v for k, v in self.timed.items()})
+
+    @classmethod
+    def from_state(cls, d: dict) -> "Budget":
+        """A Budget holding state()'s values, for carry(); ValueError where d is not one."""
+        try:
+            sizes = [int(x) for x in d["sizes"]]
+            b = cls(sizes[-1], sizes=sizes)
+            b.hits, b.trials = [float(x) for x in d["hits"]], [float(x) for x in d["trials"]]
+            b.time = {int(k): float(v) for k, v in d["time"].items()}
+            b.timed = {int(k): int(v) for k, v in d["timed"].items()}
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, AssertionError) as e:
+            raise ValueError(f"not a budget state: {e}") from None
+        if len(b.hits) != b.nodes or len(b.trials) != b.nodes or not set(b.time) <= set(sizes):
+            raise ValueError("not a budget state: sizes and counts disagree")
+        return b
+
     def time_step(self, b: int, seconds: float):
         """Only the step time of size b (no acceptance): what observe() keeps of a step's time."""
         d = self.decay
@@ -223,7 +244,9 @@ class Budgets:
     def settle(self) -> int:
         return self.kw.get("settle", 2)
 
-    def pick(self, key) -> int:
+    def pick(self, key, left: float = float("inf")) -> int:
+        """The next step's size for source key; left: tokens the request may still emit per token so far (a
+        set-up waits also until the savings held back, extrapolated over what is left, would repay it)."""
         self.key = key
         if key not in self.of:
             new = self.of[key] = Budget(self.nodes, spent=self.spent,
@@ -249,7 +272,7 @@ class Budgets:
         setup = self.setup_of(key, b) if self.setup_of is not None and b > 1 else 0.0
         if setup > 0:  # ski rental (module doc): decode autoregressively until waiting has cost the set-up
             self.held_back += bud.saving()
-            if self.held_back < setup:
+            if self.held_back < setup or self.held_back * left < setup:
                 bud.instead(b, 1)
                 b = 1
         return b

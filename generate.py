@@ -6,6 +6,7 @@
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ import cpu_forward
 import cpu_gemm
 import draft as dr
 from download import CheckpointError, resolve_checkpoint
-from budget import SIZES, Budgets
+from budget import SIZES, Budget, Budgets
 from exact import MAX_ROWS, Invariance, PassRows, machine_id
 from model import RECENT, ModelError, Transformer, causal_recent, load_model, tree_mask, tree_recent
 from sampling import Sampling, accept_greedy, accept_sample, logits_to_probs, sample
@@ -113,7 +114,8 @@ class Engine:
     """Holds the target (and optionally a drafter with its draft vocabulary); one generation at a time."""
 
     def __init__(self, model: Transformer, sampling: Sampling = Sampling(), compile: bool = False, drafter=None,
-                 max_seq: int = 4096, backend: str = "inductor", exact: bool | None = None, budget: bool = False):
+                 max_seq: int = 4096, backend: str = "inductor", exact: bool | None = None, budget: bool = False,
+                 budget_cache: str | None = None):
         self.model = model
         self.budget = budget  # fit the verified tree size to this machine and request each step (budget.py)
         self.budget_memory = {}  # each budget source's state at the end of the last request that used it
@@ -155,6 +157,10 @@ class Engine:
             else:
                 self.verify_step = torch.compile(self._spec_verify, fullgraph=True, dynamic=False, backend=backend)
                 self.advance_step = torch.compile(self._spec_advance, fullgraph=True, dynamic=False, backend=backend)
+        # budget_cache: the caller's key of its drafter and sampling settings; with it the budget memory
+        # outlives the process (cache_dir()/budget.json; the CLI gives one, benchmarks start afresh)
+        self.budget_cache = budget_cache if budget and drafter is not None else None
+        self._load_memory()
 
     def _buffer_addresses(self) -> tuple:
         """Addresses of the KV caches and RoPE tables of the target and of the drafter's modules (head, model)."""
@@ -335,7 +341,8 @@ class Engine:
                                              setup_of=getattr(d, "budget_setup", None)) if self.budget else None)
         paid = getattr(d, "setup_paid", lambda: 0.0)  # one-time set-up inside a step's draft (the hybrid's head)
         # nodes to verify; 1 = an autoregressive step (no draft); per source of the next drafts (budget_key)
-        b = budget.pick(d.budget_key(prompt + out)) if budget else d.nodes
+        left = lambda done: (max_new_tokens - done) / done  # tokens still to come per token so far, at most
+        b = budget.pick(d.budget_key(prompt + out), left(len(out))) if budget else d.nodes
         with clock("draft"):
             tree = d.draft(tok, n, b if budget else None) if b > 1 else dr.chain_tree(tok)
         planned, pending = None, []  # pending: autoregressive steps the drafter has not seen yet
@@ -352,7 +359,7 @@ class Engine:
             if budget:  # a step's time: the drafter's last update, this draft, the verification and the sync
                 t_step, t = time.perf_counter(), t_step
                 budget.observe(b, nodes, t_step - t - paid())
-                b = budget.pick(d.budget_key(prompt + out + emitted))
+                b = budget.pick(d.budget_key(prompt + out + emitted), left(len(out) + len(emitted)))
             if tree.tokens.shape[0] == 1 and b == 1 and len(pending) < 128:  # autoregressive, and so is the next
                 pending.append(acc)  # the drafter catches up on a run of these later, in one update
                 tree = dr.chain_tree(acc.bonus.view(1))
@@ -378,10 +385,48 @@ class Engine:
         st.decode_s, st.new_tokens = time.perf_counter() - t_start, len(out)
         if budget:
             budget.keep()
+            self._save_memory()
         st.extra.update(d.stats(), **(budget.stats() if budget else {}))
         lm = st.extra.pop("lm_head_s", 0.0)  # drafting time spent in the LM head (eager only)
         st.phase_s["lm_head"], st.phase_s["draft"] = lm, st.phase_s["draft"] - lm
         return out, st
+
+    def _memory_file(self) -> tuple[Path, str] | None:
+        """Where the budget memory of this engine's configuration lives across processes, or None (no
+        budget_cache key, or NANOSPEC_BUDGET_CACHE=off): cache_dir()/budget.json, keyed by the machine, the
+        model and its pass (as pass_costs), the device and the caller's key (the drafter's and sampling's
+        settings: acceptance differs with each)."""
+        if self.budget_cache is None or os.environ.get("NANOSPEC_BUDGET_CACHE", "on") == "off":
+            return None
+        m = self.model
+        key = (f"{cpu_gemm.machine_id()} {cpu_forward.shape_key(m.args)} {m.lm_head.weight.dtype} {self.device.type} "
+               f"{'fused pass' if m.cpu_pass is not None else 'layers'} exact={self.exact_requested} compile={self.compiled} "
+               f"{self.budget_cache}")
+        return cpu_gemm.cache_dir() / "budget.json", key
+
+    def _load_memory(self):
+        """The last process's budget memory for this configuration: one CLI answer starts from what earlier
+        answers measured (acceptance per node rank, step times, the hybrid head's start price) instead of
+        timing the whole tree and autoregressive decoding and starting the head to learn them again. A missing,
+        stale or unreadable entry leaves the memory empty."""
+        where = self._memory_file()
+        if where is None:
+            return
+        d = cpu_gemm.read_json(where[0]).get(where[1])
+        try:
+            self.budget_memory = {k: Budget.from_state(v) for k, v in d["sources"].items()}
+            rate = float(d.get("start_rate", 0.0))
+        except (TypeError, KeyError, AttributeError, ValueError):
+            self.budget_memory = {}
+            return
+        if hasattr(self.drafter, "start_rate"):
+            self.drafter.start_rate = rate
+
+    def _save_memory(self):
+        where = self._memory_file()
+        if where is not None:
+            cpu_gemm.merge_json(where[0], where[1], dict(sources={k: b.state() for k, b in self.budget_memory.items()},
+                                                         start_rate=getattr(self.drafter, "start_rate", 0.0)))
 
     def pass_costs(self, nodes: int, extra=()) -> dict[int, float] | None:
         """Seconds of the target's pass at each budget size up to nodes and the extra sizes, on this machine
@@ -545,13 +590,15 @@ def load_target(checkpoint: str | None, device: str = "cpu", dtype: str = "bfloa
 
 def build_engine(model: Transformer, tok: Tokenizer | None, draft: dr.DraftConfig = dr.DraftConfig(),
                  sampling: Sampling = Sampling(), *, compile: bool = False, max_seq: int = 4096,
-                 backend: str = "inductor", exact: bool | None = None, head=None, budget: bool = True) -> Engine:
+                 backend: str = "inductor", exact: bool | None = None, head=None, budget: bool = True,
+                 budget_cache: bool = False) -> Engine:
     """The engine with its drafter and draft vocabulary (CLI, bench, GPU check and trainer build it here);
-    budget=False verifies the whole drafted tree every step instead of fitting its size (budget.py)."""
+    budget=False verifies the whole drafted tree every step instead of fitting its size (budget.py);
+    budget_cache=True keeps the budget's memory across processes, keyed by these settings (the CLI)."""
     sampling.validate(model.args.vocab_size)
     drafter = dr.make_drafter(draft, model, sampling, tok, head)
     return Engine(model, sampling, compile=compile, drafter=drafter, max_seq=max_seq, backend=backend, exact=exact,
-                  budget=budget)
+                  budget=budget, budget_cache=f"{draft} {sampling}" if budget_cache else None)
 
 
 def draft_config(args) -> dr.DraftConfig:
@@ -589,7 +636,7 @@ def run(args) -> int:
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     exact = args.exact if args.exact is not None else (None if model.cpu_pass is not None else False)
     engine = build_engine(model, tok, draft_config(args), sampling, compile=args.compile, max_seq=args.max_seq,
-                          exact=exact, budget=args.budget == "auto")
+                          exact=exact, budget=args.budget == "auto", budget_cache=True)
     torch.manual_seed(args.seed)
     engine.warmup()
     if args.chat:

@@ -286,3 +286,28 @@ def test_a_set_up_waits_until_the_held_back_steps_would_have_paid_it():
     assert bs.of["eagle"].chosen == {1: 3, 4: 2}
     assert bs.pick("ngram") == 4
     assert [bs.pick("novel") for _ in range(20)] == [1] * 20 and bs.of["novel"].saving() == 0.0
+
+
+def test_state_round_trips_through_json():
+    """What the engine keeps across processes (Engine's budget_cache) carries as the Budget itself does;
+    something else is refused."""
+    import json
+    b = trained(8, [1.0, 0.9, 0.6, 0.3, 0.3, 0.1, 0.1, 0.1], {1: 1.0, 2: 1.1, 4: 1.8, 8: 4.0})
+    c = Budget.from_state(json.loads(json.dumps(b.state())))
+    assert (c.sizes, c.hits, c.trials, c.time, c.timed) == (b.sizes, b.hits, b.trials, b.time, b.timed)
+    fresh = Budget(8)
+    fresh.carry(c)
+    assert fresh.pick() == b.pick() == 2
+    for bad in ({}, {"sizes": [1, 2]}, dict(b.state(), hits=[1.0]), dict(b.state(), time={"3": 1.0}), None):
+        with pytest.raises(ValueError):
+            Budget.from_state(bad)
+
+
+def test_a_set_up_waits_for_enough_request_left_to_repay_it():
+    """Near a request's end a set-up that waiting has covered still waits: the savings held back, extrapolated
+    over the tokens left (per token so far), must repay it too."""
+    cost = {1: 1.0, 2: 1.1, 4: 1.2, 8: 2.0}
+    bs = Budgets(8, memory={"eagle": trained(8, [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0], cost)}, settle=1,
+                 probe=10 ** 9, setup_of=lambda key, b: 10.0)
+    picks = [bs.pick("eagle", left=0.5) for _ in range(6)]  # held back 2.8 ... 16.8 s, times 0.5 < 10 s until 22.4
+    assert picks == [1, 1, 1, 1, 1, 1] and bs.pick("eagle", left=0.5) == 1 and bs.pick("eagle", left=0.5) == 4

@@ -782,6 +782,40 @@ def test_hybrid_head_starts_where_the_budget_says_it_pays(tiny, monkeypatch):
     assert out == ref and st.extra["head_started"]
 
 
+def test_budget_memory_outlives_the_process_where_asked(tiny, tmp_path, monkeypatch):
+    """build_engine(budget_cache=True) (the CLI): a request's budget memory and the hybrid head's start price
+    are stored under a key of the machine, model and settings; a new engine of the same settings (the next
+    `python generate.py`) starts from them, one of other settings (sampling) from nothing, and an unreadable
+    file leaves the memory empty. Outputs stay autoregressive decoding's."""
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("NANOSPEC_BUDGET_CACHE", "on")
+    m = target(tiny[0])
+    m.aux_layers = load_eagle(tiny[1]["eagle3"], m, torch.float32, "cpu").c.aux_layers
+    prompt = PROMPTS[1] * 3
+    ref = autoregressive(m, prompt, 40)
+    c = dr.DraftConfig(str(tiny[1]["eagle3"]), "nanospec", 4, 3, 10, spec_k=4, w_max=64, ngram=None)
+    new = lambda sampling=Sampling(): g.build_engine(m, None, c, sampling, budget_cache=True)
+    first = new()
+    assert first.budget_memory == {}
+    out, _ = first.generate(prompt, 40)
+    assert out == ref and first.budget_memory
+    stored = json.loads((tmp_path / "budget.json").read_text())
+    assert len(stored) == 1 and set(next(iter(stored.values()))["sources"]) == set(first.budget_memory)
+    second = new()
+    assert {k: b.state() for k, b in second.budget_memory.items()} == {k: b.state() for k, b in first.budget_memory.items()}
+    assert second.drafter.start_rate == first.drafter.start_rate
+    out, _ = second.generate(prompt, 40)
+    assert out == ref
+    assert new(Sampling(temperature=0.7)).budget_memory == {}  # another key
+    assert g.build_engine(m, None, c, Sampling()).budget_memory == {}  # no budget_cache: benchmarks start afresh
+    (tmp_path / "budget.json").write_text("{not json")
+    assert new().budget_memory == {}
+    monkeypatch.setenv("NANOSPEC_BUDGET_CACHE", "off")
+    (tmp_path / "budget.json").unlink()
+    new().generate(prompt, 8)
+    assert not (tmp_path / "budget.json").exists()
+
+
 def test_hybrid_head_waiting_keeps_only_the_accepted_positions(tiny):
     """While the head waits, the steps it has not seen are folded every 64 into one chain of their accepted
     positions (draft.chained: the target logits of the path rows, not of whole trees); its first draft then
