@@ -28,8 +28,9 @@ most `probe_share` (5%) of the request's time, so hopeless text (high temperatur
 most that much to them, by construction rather than by a tuned gap.
 
 A draft that first pays a one-time set-up (the hybrid's EAGLE head, which starts late: draft.HybridDrafter)
-waits for it as in ski rental: the request decodes autoregressively instead until the steps held back would
-have saved, by the budget's own estimates, as much as the set-up costs, and as long as the same saving over
+waits for it as in ski rental: the request takes the best size that needs no set-up instead (autoregressive
+decoding, or prompt lookup's chain alone) until the steps held back would have saved, by the budget's own
+estimates of the sizes that need it against those that do not, as much as the set-up costs, and as long as the same saving over
 the rest of the request (at most max_new_tokens) would repay it again; then it drafts. So a head that gains
 little per step never starts in a request too short to pay it back (on Spec-Bench its start cost more than a
 whole 256-token answer's gain), nor near a request's end, and one that gains much starts after a few steps.
@@ -144,12 +145,16 @@ class Budget:
         self.chosen[new] = self.chosen.get(new, 0) + 1
         self.probing = False
 
-    def saving(self) -> float:
-        """Seconds the best speculative size saves in one step against autoregressive decoding of its tokens
-        (0 where none is estimated to pay, or before an autoregressive step is timed)."""
-        if not self.timed.get(1, 0) or len(self.sizes) == 1:
+    def saving(self, sizes: list[int]) -> float:
+        """Seconds the best of these sizes saves in one step against the best of the others (autoregressive
+        decoding among them) emitting its tokens: what waiting for a set-up that only these sizes need costs a
+        step. 0 where none is estimated to gain, or before an autoregressive step is timed."""
+        alt = [s for s in self.sizes if s not in sizes]
+        if not self.timed.get(1, 0) or not sizes or not alt:
             return 0.0
-        return max(0.0, max(self.tokens(s) * self.seconds(1) - self.seconds(s) for s in self.sizes[1:]))
+        a = max(alt, key=self.rate)
+        per_token = self.seconds(a) / self.tokens(a)
+        return max(0.0, max(self.tokens(s) * per_token - self.seconds(s) for s in sizes))
 
     def observe(self, b: int, accepted: list[int], seconds: float):
         """A step verified the first b nodes, accepted these node indices (root first) and took seconds."""
@@ -270,11 +275,14 @@ class Budgets:
         bud = self.of[key]
         b = bud.pick()
         setup = self.setup_of(key, b) if self.setup_of is not None and b > 1 else 0.0
-        if setup > 0:  # ski rental (module doc): decode autoregressively until waiting has cost the set-up
-            self.held_back += bud.saving()
+        if setup > 0:  # ski rental (module doc): the best size without it until waiting has cost the set-up
+            need = [s for s in bud.sizes if s > 1 and self.setup_of(key, s) > 0]
+            self.held_back += bud.saving(need)
             if self.held_back < setup or self.held_back * left < setup:
-                bud.instead(b, 1)
-                b = 1
+                alt = [s for s in bud.sizes if s not in need]
+                a = max(alt, key=bud.rate) if bud.time and len(alt) > 1 else 1
+                bud.instead(b, a)
+                b = a
         return b
 
     def keep(self):

@@ -275,7 +275,7 @@ def test_a_set_up_waits_until_the_held_back_steps_would_have_paid_it():
            "novel": trained(8, [1.0] + [0.0] * 7, {1: 1.0, 2: 1.5, 4: 2.0, 8: 3.0})}  # speculation loses
     setup = {"eagle": 10.0, "novel": 10.0, "ngram": 0.0}
     bs = Budgets(8, memory=mem, settle=1, probe=10 ** 9, setup_of=lambda key, b: setup[key])
-    assert mem["eagle"].saving() == pytest.approx(4 * 1.0 - 1.2, abs=1e-3)
+    assert mem["eagle"].saving([2, 4, 8]) == pytest.approx(4 * 1.0 - 1.2, abs=1e-3)
     picks = []
     for _ in range(5):
         picks.append(bs.pick("eagle"))
@@ -285,7 +285,16 @@ def test_a_set_up_waits_until_the_held_back_steps_would_have_paid_it():
     assert picks == [1, 1, 1, 4, 4]  # held back 2.8, 5.6, 8.4 s < 10 s; then 11.2 s
     assert bs.of["eagle"].chosen == {1: 3, 4: 2}
     assert bs.pick("ngram") == 4
-    assert [bs.pick("novel") for _ in range(20)] == [1] * 20 and bs.of["novel"].saving() == 0.0
+    assert [bs.pick("novel") for _ in range(20)] == [1] * 20 and bs.of["novel"].saving([2, 4, 8]) == 0.0
+    # where only the largest size needs the set-up (prompt lookup's chain + the head's tree: the merged tree),
+    # its saving is weighed against the chain alone, not autoregressive decoding: 4 tokens in 2.0 s lose to 4
+    # in 1.2 s, so it never pays the set-up, however much the chain saves
+    chain = Budgets(8, memory={"ngram": trained(8, [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0], cost)}, settle=1,
+                    probe=10 ** 9, setup_of=lambda key, b: 10.0 if b == 8 else 0.0)
+    assert chain.pick("ngram") == 4 and chain.of["ngram"].saving([8]) == 0.0
+    bud = chain.of["ngram"]
+    bud.pick = lambda: (bud.chosen.update({8: bud.chosen.get(8, 0) + 1}), 8)[1]  # a probe of the merged tree
+    assert [chain.pick("ngram") for _ in range(30)] == [4] * 30 and chain.held_back == 0.0
 
 
 def test_state_round_trips_through_json():

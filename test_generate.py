@@ -776,7 +776,7 @@ def test_hybrid_head_starts_where_the_budget_says_it_pays(tiny, monkeypatch):
     d.start_rate = 1e6
     out, st = eng.generate(prompt, 40)
     assert out == ref and not st.extra["head_started"] and st.extra["budget_hist"].get("1", 0) > 0
-    monkeypatch.setattr(budget_module.Budget, "saving", lambda self: 1.0)
+    monkeypatch.setattr(budget_module.Budget, "saving", lambda self, sizes: 1.0)
     d.start_rate = 1e-9
     out, st = eng.generate(prompt, 40)
     assert out == ref and st.extra["head_started"]
