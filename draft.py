@@ -20,6 +20,10 @@ not yet in the cache):
                                  work that cannot reach it (the hybrid skips the EAGLE tree for a chain)
     update(a: Accepted)          one verification's outcome: accepted path, bonus, target logits and features
     stats() -> dict              the request's metrics: LM-head time, vocabulary coverage and active size
+Optional, for a drafter whose sources need their own budgets (the engine reads them with getattr; only the
+hybrid has them): budget_sizes(key) and budget_start(key), a source's sizes and first size;
+budget_setup(key, b) -> seconds a draft of b nodes pays once first (the late head's start), and
+setup_paid() -> the seconds such set-ups took since the last call (kept out of the step times).
 """
 import time
 from dataclasses import dataclass
