@@ -30,8 +30,8 @@ most that much to them, by construction rather than by a tuned gap.
 A draft that first pays a one-time set-up (the hybrid's EAGLE head, which starts late: draft.HybridDrafter)
 waits for it as in ski rental: the request takes the best size that needs no set-up instead (autoregressive
 decoding, or prompt lookup's chain alone) until the steps held back would have saved, by the budget's own
-estimates of the sizes that need it against those that do not, as much as the set-up costs, and as long as the same saving over
-the rest of the request (at most max_new_tokens) would repay it again; then it drafts. So a head that gains
+estimates of the sizes that need it against those that do not, as much as the set-up costs, and as long as
+the same saving over the rest of the request (at most max_new_tokens) would repay it again; then it drafts. So a head that gains
 little per step never starts in a request too short to pay it back (on Spec-Bench its start cost more than a
 whole 256-token answer's gain), nor near a request's end, and one that gains much starts after a few steps.
 """

@@ -398,11 +398,14 @@ class Engine:
         settings: acceptance differs with each)."""
         if self.budget_cache is None or os.environ.get("NANOSPEC_BUDGET_CACHE", "on") == "off":
             return None
-        m = self.model
-        key = (f"{cpu_gemm.machine_id()} {cpu_forward.shape_key(m.args)} {m.lm_head.weight.dtype} {self.device.type} "
-               f"{'fused pass' if m.cpu_pass is not None else 'layers'} exact={self.exact_requested} compile={self.compiled} "
-               f"{self.budget_cache}")
+        key = f"{self.pass_key()} {self.device.type} exact={self.exact_requested} compile={self.compiled} {self.budget_cache}"
         return cpu_gemm.cache_dir() / "budget.json", key
+
+    def pass_key(self) -> str:
+        """The machine, the model's shapes and dtype, and how its passes run: what a pass's cost depends on."""
+        m = self.model
+        return (f"{cpu_gemm.machine_id()} {cpu_forward.shape_key(m.args)} {m.lm_head.weight.dtype} "
+                f"{'fused pass' if m.cpu_pass is not None else 'layers'} {'kernel' if cpu_gemm.enabled() else 'torch'}")
 
     def _load_memory(self):
         """The last process's budget memory for this configuration: one CLI answer starts from what earlier
@@ -437,8 +440,7 @@ class Engine:
         if self.device.type != "cpu":
             return None
         sizes = sorted(set([s for s in SIZES if s < nodes] + [nodes] + list(extra)))
-        key = (f"{cpu_gemm.machine_id()} {cpu_forward.shape_key(m.args)} {m.lm_head.weight.dtype} "
-               f"{'fused pass' if m.cpu_pass is not None else 'layers'} {'kernel' if cpu_gemm.enabled() else 'torch'}")
+        key = self.pass_key()
         f = cpu_gemm.cache_dir() / "pass_cost.json"
         costs = cpu_gemm.read_json(f).get(key, {})
         missing = [s for s in sizes if str(s) not in costs]
