@@ -191,7 +191,12 @@ def train(args) -> dict:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
     try:
-        return _train(args, device, rank, world)
+        res = _train(args, device, rank, world)
+        if world > 1:
+            # every rank waits here until all are done (rank 0 saves and exports last), so no rank closes
+            # its sockets while a peer may still be reading from them: gloo aborts the process on a reset
+            dist.barrier()
+        return res
     finally:
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
