@@ -86,6 +86,25 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+#ifdef __AVX512BF16__
+/* exp8() on 16 lanes: the same operations lane by lane, so the same bits, at half the instructions */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
+
 /* The scores of MK keys for G queries (heads sharing one KV head): each (query, key) dot product is its own
    FMA chain over hd in order, then hsum, whatever G and MK are. Several keys and heads at once only hide the
    FMA latency and widen each bf16 key chunk once for all G heads. */
@@ -190,11 +209,26 @@ static inline __attribute__((always_inline)) void attend_g(const float* const* q
     }
     float inv[4];
     for (int h = 0; h < G; h++) {
-        float m = -INFINITY, *sh = s[h];
-        for (j = 0; j < n; j++) m = sh[j] > m ? sh[j] : m;
+        float *sh = s[h];
         for (j = n; j < ((n + 7) & ~7L); j++) sh[j] = -INFINITY;  /* pad the last vector: exp gives 0 there */
-        __m256 mv = _mm256_set1_ps(m), sum8 = _mm256_setzero_ps();
-        for (j = 0; j < n; j += 8) {  /* the sum: 8 lanes in key order, then the fixed hsum */
+        /* the max 8 lanes at a time: as exact as one at a time (a max rounds nothing; a NaN score is skipped as
+           the scalar compare skipped it, and a +0 or -0 maximum gives every s - m the same value); the scalar
+           loop's carried dependency had cost a sixth of attention's time at 1,200 keys */
+        __m256 mv = _mm256_set1_ps(-INFINITY);
+        for (j = 0; j < n; j += 8) mv = _mm256_max_ps(_mm256_loadu_ps(sh + j), mv);  /* (x, m): m where x is NaN */
+        mv = _mm256_max_ps(mv, _mm256_permute2f128_ps(mv, mv, 1));
+        mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0x4e));
+        mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0xb1));
+        __m256 sum8 = _mm256_setzero_ps();
+        j = 0;
+#ifdef __AVX512BF16__
+        for (const __m512 m16 = _mm512_broadcastss_ps(_mm256_castps256_ps128(mv)); j + 16 <= n; j += 16) {
+            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + j), m16));  /* two 8-lane steps of the sum below */
+            _mm512_storeu_ps(sh + j, e);
+            sum8 = _mm256_add_ps(_mm256_add_ps(sum8, _mm512_castps512_ps256(e)), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+        }
+#endif
+        for (; j < n; j += 8) {  /* the sum: 8 lanes in key order, then the fixed hsum */
             __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + j), mv));
             _mm256_storeu_ps(sh + j, e);
             sum8 = _mm256_add_ps(sum8, e);
