@@ -68,41 +68,29 @@ static void rope(float* x, long n_heads, long hd, const uint16_t* cs, const uint
     }
 }
 
-/* 8 x exp(x), fp32: Cephes-style range reduction and degree-6 polynomial (about 1 ulp; x below -87.3 gives 0).
-   Vector code instead of libm's scalar expf: attention and SiLU take one per score / element. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+/* exp(x) lane by lane, fp32: Cephes-style range reduction and degree-6 polynomial (about 1 ulp; x below -87.3
+   gives 0). Vector code instead of libm's scalar expf: attention and SiLU take one per score / element. One body
+   for both widths (V: the vector type, P: the intrinsics' prefix, ROUND: round to nearest, CAST: int to float
+   lanes), so exp16 gives exp8's bits lane for lane at half the instructions. */
+#define EXP_FN(NAME, V, VI, P, ROUND, CAST) \
+static inline V NAME(V x) { \
+    x = P##_max_ps(P##_min_ps(x, P##_set1_ps(88.3762626647949f)), P##_set1_ps(-87.3f)); \
+    V n = ROUND(P##_mul_ps(x, P##_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); \
+    V r = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), x); \
+    r = P##_fnmadd_ps(n, P##_set1_ps(-2.12194440e-4f), r); \
+    V p = P##_set1_ps(1.9875691500e-4f); \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(1.3981999507e-3f)); \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(8.3334519073e-3f)); \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(4.1665795894e-2f)); \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(1.6666665459e-1f)); \
+    p = P##_fmadd_ps(p, r, P##_set1_ps(5.0000001201e-1f)); \
+    p = P##_fmadd_ps(p, P##_mul_ps(r, r), P##_add_ps(r, P##_set1_ps(1.f))); \
+    VI e = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23); \
+    return P##_mul_ps(p, CAST(e)); \
 }
-
+EXP_FN(exp8, __m256, __m256i, _mm256, _mm256_round_ps, _mm256_castsi256_ps)
 #ifdef __AVX512BF16__
-/* exp8() on 16 lanes: the same operations lane by lane, so the same bits, at half the instructions */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
+EXP_FN(exp16, __m512, __m512i, _mm512, _mm512_roundscale_ps, _mm512_castsi512_ps)
 #endif
 
 /* The scores of MK keys for G queries (heads sharing one KV head): each (query, key) dot product is its own
