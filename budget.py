@@ -149,12 +149,18 @@ class Budget:
         """Seconds the best of these sizes saves in one step against the best of the others (autoregressive
         decoding among them) emitting its tokens: what waiting for a set-up that only these sizes need costs a
         step. 0 where none is estimated to gain, or before an autoregressive step is timed."""
-        alt = [s for s in self.sizes if s not in sizes]
-        if not self.timed.get(1, 0) or not sizes or not alt:
+        if not self.timed.get(1, 0) or not sizes:
             return 0.0
-        a = max(alt, key=self.rate)
+        a = self.best_without(sizes)
+        if a is None:
+            return 0.0
         per_token = self.seconds(a) / self.tokens(a)
         return max(0.0, max(self.tokens(s) * per_token - self.seconds(s) for s in sizes))
+
+    def best_without(self, sizes: list[int]) -> int | None:
+        """The size of the best estimated rate among those not in sizes (None where every size is in them)."""
+        alt = [s for s in self.sizes if s not in sizes]
+        return max(alt, key=self.rate) if alt else None
 
     def observe(self, b: int, accepted: list[int], seconds: float):
         """A step verified the first b nodes, accepted these node indices (root first) and took seconds."""
@@ -279,8 +285,7 @@ class Budgets:
             need = [s for s in bud.sizes if s > 1 and self.setup_of(key, s) > 0]
             self.held_back += bud.saving(need)
             if self.held_back < setup or self.held_back * left < setup:
-                alt = [s for s in bud.sizes if s not in need]
-                a = max(alt, key=bud.rate) if bud.time and len(alt) > 1 else 1
+                a = (bud.best_without(need) or 1) if bud.time else 1
                 bud.instead(b, a)
                 b = a
         return b
