@@ -34,6 +34,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+import cpu_draft
 from budget import SIZES
 from download import resolve_checkpoint
 from eagle import EagleHead, load_eagle, read_keys
@@ -186,10 +187,12 @@ class VocabDrafter:
         k, T = self.vocab.k_pre, p.tokens.shape[0]
         R = min(T, self.window_rows)
         if self.project is None or R <= 1:
-            return torch.topk(p.logits, k, dim=-1).indices
+            return cpu_draft.topk_rows(p.logits, torch.arange(p.logits.shape[0], device=p.logits.device), k)
         hid, c = p.hidden[0, T - R:-1], self.PROJECT_ROWS
-        top = [torch.topk(self.project(hid[i:i + c]), k, dim=-1).indices for i in range(0, R - 1, c)]
-        return torch.cat(top + [torch.topk(p.logits[-1:], k, dim=-1).indices])  # the last row as the engine's
+        top = [cpu_draft.topk_rows(x, torch.arange(x.shape[0], device=x.device), k)
+               for x in (self.project(hid[i:i + c]) for i in range(0, R - 1, c))]
+        last = p.logits.shape[0] - 1  # the last row as the engine's
+        return torch.cat(top + [cpu_draft.topk_rows(p.logits, torch.tensor([last], device=p.logits.device), k)])
 
     def rows_of(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """target token ids -> (vocab rows, valid); identity unless the head has a pruned vocabulary."""
@@ -218,7 +221,7 @@ class VocabDrafter:
         m = self.metrics
         m.add_(torch.stack([hits, a.L.long(), act, torch.zeros_like(act), torch.ones_like(act)]))
         m[3:4].copy_(torch.maximum(m[3:4], act.view(1)))
-        ver = torch.topk(a.logits.index_select(0, a.path), vocab.k_ver, dim=-1).indices  # [D+1, k_ver]
+        ver = cpu_draft.topk_rows(a.logits, a.path, vocab.k_ver)  # [D+1, k_ver]
         drows, dvalid = self.rows_of(a.tree.tokens)
         vrows, vvalid = self.rows_of(ver)
         dvalid, vvalid = dvalid & a.tree.valid, vvalid & on_path[:, None]
@@ -333,6 +336,9 @@ class EagleDrafter(VocabDrafter):
         then keep the best `nodes - 1` candidates (shape_for: scaled to a smaller budget). Static shapes
         throughout, no host syncs."""
         k, D, N = self.shape_for(budget)
+        if cpu_draft.usable(self):  # the whole search in one C call: a level's ~30 eager ops cost more than its layer
+            tokens, parents, depth, anc = cpu_draft.tree(self, root, n, k, D, N)
+            return Tree(tokens, parents, depth, anc, torch.ones(N, dtype=torch.bool), None, D)
         h, dev = self.head, root.device
         logp, ids = self._logp(self.last_lm_in[None])  # [1, n_rows]
         s, idx = torch.topk(logp[0], k)  # [k]

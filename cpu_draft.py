@@ -1,0 +1,286 @@
+"""An EAGLE-3 head's whole EAGLE-2 tree search in one C call on a bf16 CPU (draft.EagleDrafter.draft's loop).
+
+Why: on CPU a drafting level through PyTorch's eager ops costs ~30 small ops (masks, top-k, gathers, one-hot
+ancestor rows) around a head layer that the C pass runs in ~0.1 ms; a 16-node draft took ~2.3 ms of a ~7 ms
+decode step (BENCHMARKS.md, session 16). Here every level (the head layer, its norm, the LM head over the draft
+vocabulary's packed rows, log-softmax, top-k, the frontier's choice and its ancestor mask) and the final
+rerank run in C, reusing cpu_forward's layer pass and cpu_gemm's GEMM.
+
+The same search as the PyTorch loop, step for step, with one fixed tie order (the lower index first, where
+torch.topk leaves ties unordered); sums run in other orders, so scores agree to float rounding. Whatever the
+tree, the target verifies it: output is unchanged (the drafter only decides what gets verified).
+"""
+import ctypes
+import os
+
+import torch
+from torch import Tensor
+
+import cpu_forward
+import cpu_gemm
+
+SOURCE = cpu_forward.SOURCE + r"""
+/* best k of x[0..n) (k <= n) into top[]: highest first, ties to the lower index */
+static void top_k(const float* x, long n, long k, long* top) {
+    long m = 0;
+    for (long i = 0; i < n; i++) {
+        float v = x[i];
+        if (m == k && !(v > x[top[k - 1]])) continue;
+        long j = m < k ? m++ : k - 1;
+        while (j > 0 && v > x[top[j - 1]]) { top[j] = top[j - 1]; j--; }
+        top[j] = i;
+    }
+}
+
+/* the best k (<= 64) of each of M bf16 rows x[rows[i]] (n wide) -> idx [M, k], highest first, ties to the
+   lower index (NaN never chosen). Why: torch.topk over the target's 49k logits of a step's path rows cost
+   ~0.13 ms; here 8 lanes at a time are compared with the k-th best so far, and only the rare lane above it
+   takes the scalar insertion. */
+void topk_rows_bf16(const uint16_t* x, long n, const int64_t* rows, long M, long k, int64_t* idx, int threads) {
+    #pragma omp parallel for num_threads(M > 1 ? threads : 1) schedule(static)
+    for (long i = 0; i < M; i++) {
+        const uint16_t* r = x + rows[i] * n;
+        float v[64];
+        long t[64], m = 0, j = 0;
+#define INSERT(val, at) { long p = m < k ? m++ : k - 1; \
+        while (p > 0 && (val) > v[p - 1]) { v[p] = v[p - 1]; t[p] = t[p - 1]; p--; } v[p] = (val); t[p] = (at); }
+        for (; j < n && m < k; j++) { float f = fbf(r[j]); if (f == f) INSERT(f, j) }
+        for (; j + 32 <= n; j += 32) {  /* 32 at a time: one branch per 32 scores */
+            __m256 th = _mm256_set1_ps(v[k - 1]);
+            __m256 h = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(load_bf16(r + j), th, _CMP_GT_OQ),
+                                                 _mm256_cmp_ps(load_bf16(r + j + 8), th, _CMP_GT_OQ)),
+                                    _mm256_or_ps(_mm256_cmp_ps(load_bf16(r + j + 16), th, _CMP_GT_OQ),
+                                                 _mm256_cmp_ps(load_bf16(r + j + 24), th, _CMP_GT_OQ)));
+            if (!_mm256_movemask_ps(h)) continue;
+            for (long b = j; b < j + 32; b++) { float f = fbf(r[b]); if (f > v[k - 1]) INSERT(f, b) }
+        }
+        for (; j < n; j++) { float f = fbf(r[j]); if (f > v[k - 1]) INSERT(f, j) }
+#undef INSERT
+        for (long c = 0; c < k; c++) idx[i * k + c] = c < m ? t[c] : 0;
+    }
+}
+
+/* r[0..n) = fp32 of y's bf16 scores; returns their log-sum-exp (max first, as torch.log_softmax) */
+static float lse_row(const uint16_t* y, long n, float* r) {
+    float m = -INFINITY;
+    for (long i = 0; i < n; i++) { r[i] = fbf(y[i]); m = r[i] > m ? r[i] : m; }
+    __m256 acc = _mm256_setzero_ps(), mv = _mm256_set1_ps(m);
+    long i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(r + i), mv)));
+    float s = hsum(acc);
+    for (; i < n; i++) s += expf(r[i] - m);
+    return m + logf(s);
+}
+
+/* The draft vocabulary's log-probabilities of M rows of bf16 LM-head inputs x [M, D]: scores y [M, W] (the
+   packed rows P, bias b or 0), each row's best k -> tok [M, k] (target ids: ids, then r2t where the head's
+   vocabulary is pruned) and logp [M, k]. Adds the GEMM's seconds to *lm_s. */
+static void score(const uint16_t* x, float* xf, long M, long D, const uint16_t* P, const uint16_t* b, long W,
+                  const int64_t* ids, const int64_t* r2t, long k, uint16_t* y, float* r, long* top, int64_t* tok,
+                  float* logp, double* lm_s, int threads) {
+    double t0 = omp_get_wtime();
+    linear_bf16(x, xf, M, D, P, b, W, y, threads);
+    *lm_s += omp_get_wtime() - t0;
+    for (long i = 0; i < M; i++) {
+        float lse = lse_row(y + i * W, W, r);
+        top_k(r, W, k, top);
+        for (long j = 0; j < k; j++) {
+            int64_t row = ids[top[j]];
+            tok[i * k + j] = r2t ? r2t[row] : row;
+            logp[i * k + j] = r[top[j]] - lse;
+        }
+    }
+}
+
+/* EAGLE-2 over an EAGLE-3 head's layer (tab: one cpu_forward layer row, norm_w: the head's final norm, embed:
+   the target's embeddings, cos_t/sin_t [S, hd] the head's RoPE tables, kv [1, 2, Hkv, S, hd] its cache with n
+   positions in use), as draft.EagleDrafter.draft: from the last accepted position's output out0 and LM-head
+   input lm0 [D], expand the best-k frontier by cumulative log-probability for `depth` levels (frontier slots
+   n + (lvl-1)*k + j, attending to the n cached positions and their own ancestors), then keep the best N - 1
+   candidates, parents first, best first. Out: tokens, parents, depth [N] (root first), anc [N, N]. */
+void eagle_tree_bf16(const int64_t* tab, long D, long H, long Hkv, long hd, long I, float eps, long S,
+                     uint16_t* kv, const uint16_t* norm_w, const uint16_t* embed, const uint16_t* cos_t,
+                     const uint16_t* sin_t, const uint16_t* out0, const uint16_t* lm0, long n,
+                     const uint16_t* P, const uint16_t* b, const int64_t* ids, long W, const int64_t* r2t,
+                     long k, long depth, long N, int64_t root, int64_t* tokens, int64_t* parents,
+                     int64_t* depth_out, uint8_t* anc, double* lm_s, int threads) {
+    const long C = k + (depth - 1) * k * k, A = depth * k;  /* candidates; ancestor bits (draft slots) */
+    int64_t* ctok = malloc(sizeof(int64_t) * C);
+    float* csc = malloc(sizeof(float) * C);
+    long* cpar = malloc(sizeof(long) * C);
+    long* clvl = malloc(sizeof(long) * C);
+    int64_t* ftok = malloc(sizeof(int64_t) * k);
+    float* fsc = malloc(sizeof(float) * k);
+    long* fcand = malloc(sizeof(long) * k);
+    uint8_t* fanc = calloc(k * A, 1);
+    uint8_t* nanc = malloc(k * A);
+    uint16_t* x = malloc(sizeof(uint16_t) * k * D);   /* the frontier's features; the layer's output in place */
+    uint16_t* nx = malloc(sizeof(uint16_t) * k * D);
+    uint16_t* lm = malloc(sizeof(uint16_t) * k * D);
+    float* xf = malloc(sizeof(float) * k * D);
+    float* nf = malloc(sizeof(float) * k * D);
+    uint16_t* emb = malloc(sizeof(uint16_t) * k * D);
+    uint16_t* cs = malloc(sizeof(uint16_t) * k * hd);
+    uint16_t* sn = malloc(sizeof(uint16_t) * k * hd);
+    uint8_t* mask = malloc(k * S);
+    int64_t* cpos = malloc(sizeof(int64_t) * k);
+    uint16_t* y = malloc(sizeof(uint16_t) * k * W);
+    float* r = malloc(sizeof(float) * (W > C ? W : C));
+    long* top = malloc(sizeof(long) * (k * k > N ? k * k : N));
+    int64_t* tk = malloc(sizeof(int64_t) * k * k);
+    float* lp = malloc(sizeof(float) * k * k);
+    float* sc = malloc(sizeof(float) * k * k);
+    long* pos_of = malloc(sizeof(long) * C);
+    const int64_t no_aux = -1;
+    uint16_t aux_dummy[8];
+    *lm_s = 0.0;
+    score(lm0, xf, 1, D, P, b, W, ids, r2t, k, y, r, top, ctok, csc, lm_s, threads);
+    for (long j = 0; j < k; j++) {
+        cpar[j] = -1; clvl[j] = 0;
+        ftok[j] = ctok[j]; fsc[j] = csc[j]; fcand[j] = j; fanc[j * A + j] = 1;
+        memcpy(x + j * D, out0, sizeof(uint16_t) * D);
+    }
+    long base = k;  /* the first candidate of this level */
+    for (long lvl = 1; lvl < depth; lvl++) {
+        for (long j = 0; j < k; j++) {
+            uint8_t* m = mask + j * S;
+            memset(m, 1, n);
+            memset(m + n, 0, S - n);
+            for (long a = 0; a < A; a++) m[n + a] = fanc[j * A + a];
+            cpos[j] = n + (lvl - 1) * k + j;
+            memcpy(cs + j * hd, cos_t + (n + lvl - 1) * hd, sizeof(uint16_t) * hd);
+            memcpy(sn + j * hd, sin_t + (n + lvl - 1) * hd, sizeof(uint16_t) * hd);
+            memcpy(emb + j * D, embed + ftok[j] * D, sizeof(uint16_t) * D);
+        }
+        stack_bf16(tab, 1, D, H, Hkv, hd, I, eps, k, S, x, emb, cs, sn, mask, cpos, kv, &no_aux, 0, aux_dummy,
+                   threads);
+        for (long i = 0; i < k * D; i++) nf[i] = fbf(x[i]);
+        rmsnorm(nf, norm_w, xf, D, k, D, eps);  /* lm = norm(out), as eagle.EagleHead.forward */
+        for (long i = 0; i < k * D; i++) lm[i] = to_bf16(xf[i]);
+        score(lm, xf, k, D, P, b, W, ids, r2t, k, y, r, top, tk, lp, lm_s, threads);
+        for (long i = 0; i < k; i++)
+            for (long j = 0; j < k; j++) {
+                long c = base + i * k + j;
+                sc[i * k + j] = fsc[i] + lp[i * k + j];  /* cumulative log-prob of the k*k children */
+                ctok[c] = tk[i * k + j]; csc[c] = sc[i * k + j]; cpar[c] = fcand[i]; clvl[c] = lvl;
+            }
+        top_k(sc, k * k, k, top);  /* the next frontier: best k of the k*k */
+        for (long j = 0; j < k; j++) {
+            long p = top[j] / k;
+            ftok[j] = tk[top[j]]; fsc[j] = sc[top[j]]; fcand[j] = base + top[j];
+            memcpy(nx + j * D, x + p * D, sizeof(uint16_t) * D);
+            memcpy(nanc + j * A, fanc + p * A, A);
+            nanc[j * A + lvl * k + j] = 1;
+        }
+        memcpy(x, nx, sizeof(uint16_t) * k * D);
+        memcpy(fanc, nanc, k * A);
+        base += k * k;
+    }
+    /* rerank: a child's score never exceeds its parent's, and the small depth penalty breaks exact ties the
+       same way, so (key desc, index asc) puts every parent before its children */
+    for (long c = 0; c < C; c++) {
+        float s = csc[c] != csc[c] || csc[c] == -INFINITY ? -1e30f : csc[c];
+        r[c] = s - 1e-4f * (float)clvl[c];
+        pos_of[c] = -1;
+    }
+    top_k(r, C, N - 1, top);
+    for (long i = 0; i < N - 1; i++) pos_of[top[i]] = i;
+    tokens[0] = root; parents[0] = -1; depth_out[0] = 0;
+    for (long i = 0; i < N - 1; i++) {
+        long c = top[i];
+        tokens[i + 1] = ctok[c];
+        parents[i + 1] = cpar[c] < 0 ? 0 : pos_of[cpar[c]] + 1;
+        depth_out[i + 1] = clvl[c] + 1;
+    }
+    memset(anc, 0, N * N);  /* ancestor-or-self closure, depth rounds (as draft.ancestor_mask) */
+    for (long i = 0; i < N; i++) anc[i * N + i] = 1;
+    for (long it = 0; it < depth; it++)
+        for (long i = 1; i < N; i++)
+            for (long j = 0; j < N; j++) anc[i * N + j] |= anc[parents[i] * N + j];
+    free(ctok); free(csc); free(cpar); free(clvl); free(ftok); free(fsc); free(fcand); free(fanc); free(nanc);
+    free(x); free(nx); free(lm); free(xf); free(nf); free(emb); free(cs); free(sn); free(mask); free(cpos);
+    free(y); free(r); free(top); free(tk); free(lp); free(sc); free(pos_of);
+}
+"""
+
+
+def kernel():
+    """The loaded C function, or None where cpu_forward's pass cannot be built here."""
+    if cpu_forward.kernel() is None:
+        return None
+    P, I = cpu_gemm.P_, cpu_gemm.I_
+    return cpu_gemm.c_function(SOURCE, "cpu_draft", "eagle_tree_bf16",
+                               (P, I, I, I, I, I, ctypes.c_float, I, P, P, P, P, P, P, P, I, P, P, P, I, P, I, I, I,
+                                ctypes.c_int64, P, P, P, P, P, ctypes.c_int))
+
+
+ENV = "NANOSPEC_CPU_DRAFT"  # on (default) | off: off drafts with the PyTorch loop (tests and benches compare)
+
+
+def switched_on() -> bool:
+    mode = os.environ.get(ENV, "on")
+    if mode not in ("on", "off"):
+        raise ValueError(f"{ENV} must be on or off, got {mode!r}")
+    return mode == "on"
+
+
+def topk_rows(x: Tensor, rows: Tensor, k: int) -> Tensor:
+    """[M, k] indices of the k largest entries of each row x[rows] (x [R, n]): torch.topk(x[rows], k).indices,
+    in C for bf16 CPU rows (ties then go to the lower index; torch leaves them unordered)."""
+    fn = None if torch.compiler.is_compiling() else topk_kernel()
+    if (fn is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2 or not 1 <= k <= 64
+            or k > x.shape[1] or not x.is_contiguous() or not switched_on()):
+        return torch.topk(x.index_select(0, rows), k, dim=-1).indices
+    rows = rows.to(torch.int64).contiguous()
+    lo, hi = rows.aminmax()  # (the C loop reads rows unchecked)
+    if int(lo) < 0 or int(hi) >= x.shape[0]:
+        raise IndexError(f"row index out of range [0, {x.shape[0]})")
+    out = torch.empty(rows.shape[0], k, dtype=torch.int64)
+    fn(x.data_ptr(), x.shape[1], rows.data_ptr(), rows.shape[0], k, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def topk_kernel():
+    if cpu_forward.kernel() is None:
+        return None
+    P, I = cpu_gemm.P_, cpu_gemm.I_
+    return cpu_gemm.c_function(SOURCE, "cpu_draft", "topk_rows_bf16", (P, I, P, I, I, P, ctypes.c_int))
+
+
+def usable(drafter) -> bool:
+    """The C search applies: an EAGLE-3 head on cpu_forward's pass, a vocabulary with cpu_gemm's packed rows
+    (bf16 bias or none), eager mode, the kernel on, not switched off."""
+    v, h = drafter.vocab, drafter.head
+    if not switched_on():
+        return False
+    p, b = getattr(v, "packed", None), getattr(v, "bias", None)
+    return (h.cpu_pass is not None and h.kv is not None and p is not None and cpu_gemm.enabled()
+            and (b is None or b.dtype == torch.bfloat16) and v.ids.shape[0] >= drafter.topk
+            and not torch.compiler.is_compiling() and kernel() is not None)
+
+
+def tree(drafter, root: Tensor, n: Tensor, k: int, depth: int, nodes: int):
+    """(tokens [N], parents [N], depth [N], anc [N, N] bool) of EagleDrafter.draft's search, in one C call.
+    Reads n and root on the host: CPU tensors, so a memory read, not a device sync."""
+    h, v, a = drafter.head, drafter.vocab, drafter.head.c.args
+    v.wait()
+    st = h.cpu_pass
+    S = h.kv.shape[3]
+    W = v.ids.shape[0]
+    if int(n) + depth * k > S or k > W:
+        raise ValueError(f"draft tree of {depth} x {k} slots past the head's cache ({S}) or window ({W})")
+    tokens = torch.empty(nodes, dtype=torch.int64)
+    parents, dep = torch.empty_like(tokens), torch.empty_like(tokens)
+    anc = torch.empty(nodes, nodes, dtype=torch.bool)
+    lm_s = torch.zeros(1, dtype=torch.float64)
+    r2t = drafter.row_to_tok
+    ids = v.ids if v.ids.dtype == torch.int64 else v.ids.long()
+    b = getattr(v, "bias", None)
+    kernel()(st.table.data_ptr(), a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.intermediate_size, a.norm_eps, S,
+             h.kv.data_ptr(), h.norm.weight.data_ptr(), h.embed_tokens.weight.data_ptr(), h.rope_cos.data_ptr(),
+             h.rope_sin.data_ptr(), drafter.last_out.data_ptr(), drafter.last_lm_in.data_ptr(), int(n),
+             v.packed.data_ptr(), 0 if b is None else b.data_ptr(), ids.data_ptr(), W,
+             0 if r2t is None else r2t.data_ptr(), k, depth, nodes, int(root), tokens.data_ptr(), parents.data_ptr(),
+             dep.data_ptr(), anc.data_ptr(), lm_s.data_ptr(), torch.get_num_threads())
+    drafter.lm_head_s += float(lm_s)
+    return tokens, parents, dep, anc

@@ -1,0 +1,142 @@
+"""The EAGLE-2 search in one C call: the same tree as the PyTorch loop (tokens, parents, depths, ancestor mask)
+for every tree shape and draft vocabulary, a pruned head vocabulary included; lossless generation through
+it; the switch and where it applies."""
+import json
+
+import pytest
+import torch
+
+import cpu_draft
+import cpu_forward
+import cpu_gemm
+import draft as dr
+import model as M
+from conftest import write_eagle_head, write_tiny_hf
+from eagle import load_eagle
+from generate import Engine
+from vocab import FreqVocab, make_vocab
+
+pytestmark = pytest.mark.skipif(cpu_draft.kernel() is None, reason="needs x86-64 with AVX2+FMA and a C compiler")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A bf16 target on the fused pass (head size 64, 3 query heads per KV head, as SmolLM2) and two EAGLE-3
+    heads: the full vocabulary and a pruned one (d2t)."""
+    root = tmp_path_factory.mktemp("cpu_draft")
+    path, _ = write_tiny_hf(root / "target", hidden_size=192, intermediate_size=256, num_hidden_layers=3,
+                            num_attention_heads=3, num_key_value_heads=1, vocab_size=300, max_position_embeddings=512)
+    cfg = json.loads((path / "config.json").read_text())
+    heads = {v: write_eagle_head(root / f"head{v}", cfg, version=3, seed=v or 0, draft_vocab=v) for v in (None, 120)}
+    return path, heads
+
+
+def load(env, monkeypatch, pruned=False):
+    monkeypatch.setenv(cpu_gemm.ENV, "kernel")
+    monkeypatch.setenv(cpu_forward.ENV, "on")
+    path, heads = env
+    m = M.load_model(path, dtype=torch.bfloat16)
+    head = load_eagle(heads[120 if pruned else None], m, torch.bfloat16, "cpu")
+    m.aux_layers = head.c.aux_layers
+    assert m.cpu_pass is not None and head.cpu_pass is not None
+    return m, head
+
+
+def stable_topk(x, k, dim=-1, largest=True, sorted=True):
+    """torch.topk with ties to the lower index, the C search's order (torch.topk leaves ties unordered)."""
+    v, i = torch.sort(x, dim=dim, descending=True, stable=True)
+    return torch.return_types.topk((v.narrow(dim, 0, k), i.narrow(dim, 0, k)))
+
+
+def vocab_of(kind, head):
+    if kind == "nanospec":
+        return make_vocab("nanospec", head.lm_weight(), w_max=96, max_append=dr.append_width(25, 4, 3))
+    if kind == "freq":
+        return FreqVocab(head.lm_weight(), torch.arange(3, 83))
+    return make_vocab("full", head.lm_weight())
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind,pruned", [("nanospec", False), ("full", False), ("freq", False), ("nanospec", True)])
+def test_same_tree_as_the_pytorch_loop(env, monkeypatch, kind, pruned):
+    """After a prefill and after an accepted step, every shape's tree from C equals the PyTorch loop's (run
+    with ties to the lower index), node for node; the LM head's time is counted either way."""
+    m, head = load(env, monkeypatch, pruned)
+    p = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(1))
+    for topk, depth, nodes in [(4, 4, 25), (3, 2, 7), (1, 3, 4), (4, 1, 4), (5, 3, 12)]:
+        vocab = vocab_of(kind, head)
+        d = dr.EagleDrafter(head, vocab, topk, depth, nodes)
+        d.setup(128)
+        monkeypatch.setenv(cpu_draft.ENV, "on")
+        assert cpu_draft.usable(d)
+        m.setup_caches(1, 128)
+        logits, h, aux = m(p[None], torch.arange(len(p)), return_hidden=True)
+        d.prefill(dr.Prefill(p, torch.tensor([7]), logits[0], h, aux))
+        trees = {}
+        for c in ("on", "off"):
+            monkeypatch.setenv(cpu_draft.ENV, c)
+            with monkeypatch.context() as mp:
+                if c == "off":
+                    mp.setattr(torch, "topk", stable_topk)
+                t0 = d.lm_head_s
+                trees[c] = d.draft(torch.tensor([7]), torch.tensor(len(p)))
+                assert d.lm_head_s > t0
+        a, b = trees["on"], trees["off"]
+        for f in ("tokens", "parents", "depth", "anc", "valid"):
+            assert torch.equal(getattr(a, f), getattr(b, f)), (kind, topk, depth, nodes, f)
+        assert a.max_depth == b.max_depth == depth
+        if pruned:  # tokens are target ids (d2t applied), all inside the head's vocabulary
+            assert bool(head.t2d[a.tokens[1:]].all())
+
+
+@torch.no_grad()
+def test_lossless_through_the_c_search(env, monkeypatch):
+    """Generation drafting through the C search reproduces autoregressive greedy output token for token (the
+    whole tree and the fitted budget), with its trees in use."""
+    m, head = load(env, monkeypatch)
+    calls = []
+    real = cpu_draft.tree
+    monkeypatch.setattr(cpu_draft, "tree", lambda *a: calls.append(1) or real(*a))
+    for budget in (True, False):
+        vocab = make_vocab("nanospec", head.lm_weight(), w_max=64, max_append=dr.append_width(10, 3, 3))
+        eng = Engine(m, drafter=dr.EagleDrafter(head, vocab, 4, 3, 10), budget=budget)
+        for p in ([5, 17, 99, 3, 42, 42, 8], list(range(30, 60))):
+            assert eng.generate(p, 40)[0] == Engine(m).generate(p, 40)[0], (budget, p)
+    assert calls
+
+
+def test_switch_and_domain(env, monkeypatch):
+    m, head = load(env, monkeypatch)
+    d = dr.EagleDrafter(head, vocab_of("nanospec", head), 4, 3, 10)
+    assert not cpu_draft.usable(d)  # no cache yet
+    d.setup(64)
+    assert cpu_draft.usable(d)
+    monkeypatch.setenv(cpu_draft.ENV, "off")
+    assert not cpu_draft.usable(d)
+    monkeypatch.setenv(cpu_draft.ENV, "maybe")
+    with pytest.raises(ValueError, match="on or off"):
+        cpu_draft.usable(d)
+    monkeypatch.setenv(cpu_draft.ENV, "on")
+    d = dr.EagleDrafter(head, make_vocab("nanospec", head.lm_weight(), w_max=64, ablation="noasync",
+                                         max_append=dr.append_width(10, 3, 3)), 4, 3, 10)
+    d.setup(64)
+    assert not cpu_draft.usable(d)  # no packed rows: the PyTorch loop
+
+
+@pytest.mark.parametrize("R,n,k", [(16, 4099, 3), (5, 1000, 10), (3, 7, 7), (8, 300, 64), (4, 40, 1)])
+def test_topk_rows_is_torch_topk(R, n, k):
+    """The C top-k of chosen bf16 rows has torch.topk's values and, ties to the lower index, a stable sort's
+    indices (coarse values make ties common); other inputs take torch.topk; bad rows raise."""
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(R, n, generator=g) * 4).round().bfloat16()  # integers: many ties
+    x[0, n // 2] = float("-inf")
+    rows = torch.randint(0, R, (6,), generator=g)
+    got = cpu_draft.topk_rows(x, rows, k)
+    sel = x.index_select(0, rows).float()
+    assert torch.equal(sel.gather(1, got), torch.topk(sel, k, dim=-1).values)
+    assert torch.equal(got, torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :k])
+    xf = x.float()
+    assert torch.equal(xf.index_select(0, rows).gather(1, cpu_draft.topk_rows(xf, rows, k)),
+                       torch.topk(sel, k, dim=-1).values)  # fp32: torch's
+    with pytest.raises(IndexError):
+        cpu_draft.topk_rows(x, torch.tensor([R]), k)
