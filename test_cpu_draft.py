@@ -140,3 +140,41 @@ def test_topk_rows_is_torch_topk(R, n, k):
                        torch.topk(sel, k, dim=-1).values)  # fp32: torch's
     with pytest.raises(IndexError):
         cpu_draft.topk_rows(x, torch.tensor([R]), k)
+
+
+STATE = ("ring", "head", "count_", "slot_of_", "token_of_", "ids", "bias", "rows", "packed")
+
+
+@pytest.mark.parametrize("fill", [False, True])
+def test_window_append_in_c_is_the_pytorch_append(monkeypatch, fill):
+    """NanoSpec's append in C leaves the same state as the PyTorch version (ring but its sink, counts, slots,
+    ids, bias, both row copies) after every one of a long run of appends: repeats, invalid and out-of-range
+    ids, the window wrapping, tokens leaving and coming back, fill rows returning to freed slots."""
+    monkeypatch.setenv(cpu_gemm.ENV, "kernel")
+    cpu_gemm.switch(True)
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(90, 32, generator=g).bfloat16()
+    fill_ids = torch.randperm(90, generator=g)[:20] if fill else None
+    vs = {}
+    for c in ("on", "off"):
+        monkeypatch.setenv(cpu_draft.ENV, c)
+        vs[c] = make_vocab("nanospec", weight, w_max=24, k_pre=2, k_ver=2, max_append=14, fill=fill_ids)
+        assert vs[c].c_rows
+        vs[c].reset(torch.tensor([5, 6, 7, 5]), torch.tensor([[1, 2], [3, 1], [8, 9], [1, 1]]))
+    used = []
+    real = cpu_draft.append_kernel
+    monkeypatch.setattr(cpu_draft, "append_kernel", lambda: used.append(1) or real())
+    for step in range(60):
+        hi = 30 if step < 30 else 95  # first a small vocabulary (many repeats), then out-of-range ids too
+        d = torch.randint(-2, hi, (6,), generator=g)
+        ver = torch.randint(0, hi, (3, 2), generator=g)
+        dv, vv = torch.rand(6, generator=g) > 0.2, torch.rand(3, generator=g) > 0.3
+        for c in ("on", "off"):
+            monkeypatch.setenv(cpu_draft.ENV, c)
+            vs[c].update(d, dv, ver, vv)
+        for f in STATE:
+            a, b = getattr(vs["on"], f), getattr(vs["off"], f)
+            if f == "ring":
+                a, b = a[:-1], b[:-1]  # the sink holds whatever was written last
+            assert torch.equal(a, b), (step, f)
+    assert used and int((vs["on"].token_of >= 0).sum()) > 5

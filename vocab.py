@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import cpu_draft
 import cpu_gemm
 import kernels
 
@@ -397,6 +398,8 @@ class NanoSpecVocab:
             self._pending = True
 
     def _append(self, new, valid):
+        if cpu_draft.append(self, new, valid):  # bf16 CPU: the same steps in one C call (cpu_draft.py)
+            return
         V, W = self.V, self.W
         valid = valid & (new >= 0) & (new < V)                       # [n] out-of-range ids drop
         new = torch.where(valid, new, V)                             # [n] invalid -> sink token
