@@ -286,16 +286,16 @@ def switched_on() -> bool:
 def topk_rows(x: Tensor, rows: Tensor, k: int) -> Tensor:
     """[M, k] indices of the k largest entries of each row x[rows] (x [R, n]): torch.topk(x[rows], k).indices,
     in C for bf16 CPU rows (ties then go to the lower index; torch leaves them unordered)."""
-    fn = None if torch.compiler.is_compiling() else topk_kernel()
-    if (fn is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2 or not 1 <= k <= 64
-            or k > x.shape[1] or not x.is_contiguous() or not switched_on()):
+    if (torch.compiler.is_compiling() or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2
+            or not 1 <= k <= min(64, x.shape[1]) or not x.is_contiguous() or not switched_on()
+            or topk_kernel() is None):
         return torch.topk(x.index_select(0, rows), k, dim=-1).indices
     rows = rows.to(torch.int64).contiguous()
     lo, hi = rows.aminmax()  # (the C loop reads rows unchecked)
     if int(lo) < 0 or int(hi) >= x.shape[0]:
         raise IndexError(f"row index out of range [0, {x.shape[0]})")
     out = torch.empty(rows.shape[0], k, dtype=torch.int64)
-    fn(x.data_ptr(), x.shape[1], rows.data_ptr(), rows.shape[0], k, out.data_ptr(), torch.get_num_threads())
+    topk_kernel()(x.data_ptr(), x.shape[1], rows.data_ptr(), rows.shape[0], k, out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -317,13 +317,13 @@ def append_kernel():
 def append(v, new: Tensor, valid: Tensor) -> bool:
     """NanoSpec's _append in C where it applies (CPU, cpu_gemm's row writer serves the vocabulary, eager, on);
     False where the caller's PyTorch version must run."""
-    fn = None if torch.compiler.is_compiling() or not switched_on() else append_kernel()
-    if fn is None or not v.c_rows or v.packed is None or new.device.type != "cpu":
+    if (torch.compiler.is_compiling() or new.device.type != "cpu" or not v.c_rows or v.packed is None
+            or not switched_on() or append_kernel() is None):
         return False
     new, valid = new.long().contiguous(), valid.to(torch.bool).contiguous()
     n = new.shape[0]
     cand, slot, flags = torch.empty(2 * n, dtype=torch.int64), torch.empty(2 * n, dtype=torch.int64), torch.empty(2 * n, dtype=torch.uint8)
-    fn(new.data_ptr(), valid.data_ptr(), n, v.V, v.W, v.ring.data_ptr(), v.head.data_ptr(), v.count_.data_ptr(),
+    append_kernel()(new.data_ptr(), valid.data_ptr(), n, v.V, v.W, v.ring.data_ptr(), v.head.data_ptr(), v.count_.data_ptr(),
        v.slot_of_.data_ptr(), v.token_of_.data_ptr(), v.winner.data_ptr(), v.fill_tok.data_ptr(), int(v.has_fill),
        v.ids.data_ptr(), v.bias.data_ptr(), v.rows.data_ptr(), v.packed.data_ptr(), v.weight.data_ptr(),
        v.weight.shape[1], cpu_gemm.PANEL, cpu_gemm.KB, cpu_gemm._SLOT.data_ptr(), cand.data_ptr(), slot.data_ptr(),
