@@ -39,8 +39,9 @@ def aggregate(recs: list[dict]) -> dict:
     if steps:
         per = lambda k: ph.get(k, 0.0) / steps * 1000
         # LM head = projection + log-softmax over the active rows when the drafter's _logp was timed (the
-        # vocabulary-dependent part of drafting); generate.py's own lm_head phase (projection only) otherwise
-        lm = per("drafter_logp") if "drafter_logp" in ph else per("lm_head")
+        # vocabulary-dependent part of drafting); generate.py's own lm_head phase otherwise (the PyTorch loop:
+        # the projection only; the C search, which calls no _logp, times projection, log-softmax and top-k)
+        lm = per("drafter_logp") or per("lm_head")
         out["step_ms"] = dict(
             # the drafter's update contains its vocabulary's (drafter_update includes vocab_update)
             draft_backbone=per("draft") + per("lm_head") - lm + per("drafter_update") - per("vocab_update"),

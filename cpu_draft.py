@@ -133,13 +133,13 @@ static float lse_row(const uint16_t* y, long n, float* r) {
 
 /* The draft vocabulary's log-probabilities of M rows of bf16 LM-head inputs x [M, D]: scores y [M, W] (the
    packed rows P, bias b or 0), each row's best k -> tok [M, k] (target ids: ids, then r2t where the head's
-   vocabulary is pruned) and logp [M, k]. Adds the GEMM's seconds to *lm_s. */
+   vocabulary is pruned) and logp [M, k]. Adds its seconds (the GEMM, log-softmax, top-k: what depends on the
+   vocabulary) to *lm_s. */
 static void score(const uint16_t* x, float* xf, long M, long D, const uint16_t* P, const uint16_t* b, long W,
                   const int64_t* ids, const int64_t* r2t, long k, uint16_t* y, float* r, long* top, int64_t* tok,
                   float* logp, double* lm_s, int threads) {
     double t0 = omp_get_wtime();
     linear_bf16(x, xf, M, D, P, b, W, y, threads);
-    *lm_s += omp_get_wtime() - t0;
     for (long i = 0; i < M; i++) {
         float lse = lse_row(y + i * W, W, r);
         top_k(r, W, k, top);
@@ -149,6 +149,40 @@ static void score(const uint16_t* x, float* xf, long M, long D, const uint16_t* 
             logp[i * k + j] = r[top[j]] - lse;
         }
     }
+    *lm_s += omp_get_wtime() - t0;
+}
+
+/* EagleDrafter.update's head pass in one call: the accepted path's R positions (padded to the tree's depth +
+   1): fc over their aux states (rows path[i] of aux [N, F], fc packed as fcP, bias fcb or 0), the head layer
+   at slots n .. n + R - 1 (causal over the cache), writing the head's KV; out1 [D] = the output at position
+   L - 1 (the next draft's features). */
+void eagle_update_bf16(const int64_t* tab, long D, long H, long Hkv, long hd, long I, float eps, long S,
+                       uint16_t* kv, const uint16_t* embed, const uint16_t* cos_t, const uint16_t* sin_t,
+                       const uint16_t* fcP, const uint16_t* fcb, long F, const uint16_t* aux, const int64_t* path,
+                       const int64_t* nxt, long R, long n, long L, uint16_t* out1, int threads) {
+    uint16_t* feats = malloc(sizeof(uint16_t) * R * F);
+    float* ff = malloc(sizeof(float) * R * F);
+    uint16_t* x = malloc(sizeof(uint16_t) * R * D);
+    uint16_t* emb = malloc(sizeof(uint16_t) * R * D);
+    uint16_t* cs = malloc(sizeof(uint16_t) * R * hd);
+    uint16_t* sn = malloc(sizeof(uint16_t) * R * hd);
+    uint8_t* mask = malloc(R * S);
+    int64_t* cpos = malloc(sizeof(int64_t) * R);
+    const int64_t no_aux = -1;
+    uint16_t aux_dummy[8];
+    for (long i = 0; i < R; i++) {
+        memcpy(feats + i * F, aux + path[i] * F, sizeof(uint16_t) * F);
+        memcpy(emb + i * D, embed + nxt[i] * D, sizeof(uint16_t) * D);
+        memcpy(cs + i * hd, cos_t + (n + i) * hd, sizeof(uint16_t) * hd);
+        memcpy(sn + i * hd, sin_t + (n + i) * hd, sizeof(uint16_t) * hd);
+        memset(mask + i * S, 1, n + i + 1);
+        memset(mask + i * S + n + i + 1, 0, S - n - i - 1);
+        cpos[i] = n + i;
+    }
+    linear_bf16(feats, ff, R, F, fcP, fcb, D, x, threads);  /* the head's input features, as eagle.project */
+    stack_bf16(tab, 1, D, H, Hkv, hd, I, eps, R, S, x, emb, cs, sn, mask, cpos, kv, &no_aux, 0, aux_dummy, threads);
+    memcpy(out1, x + (L - 1) * D, sizeof(uint16_t) * D);
+    free(feats); free(ff); free(x); free(emb); free(cs); free(sn); free(mask); free(cpos);
 }
 
 /* EAGLE-2 over an EAGLE-3 head's layer (tab: one cpu_forward layer row, norm_w: the head's final norm, embed:
@@ -341,6 +375,37 @@ def usable(drafter) -> bool:
     return (h.cpu_pass is not None and h.kv is not None and p is not None and cpu_gemm.enabled()
             and (b is None or b.dtype == torch.bfloat16) and v.ids.shape[0] >= drafter.topk
             and not torch.compiler.is_compiling() and kernel() is not None)
+
+
+def update_kernel():
+    if cpu_forward.kernel() is None:
+        return None
+    P, I = cpu_gemm.P_, cpu_gemm.I_
+    return cpu_gemm.c_function(SOURCE, "cpu_draft", "eagle_update_bf16",
+                               (P, I, I, I, I, I, ctypes.c_float, I, P, P, P, P, P, P, I, P, P, P, I, I, I, P,
+                                ctypes.c_int))
+
+
+def update(drafter, a, nxt: Tensor) -> bool:
+    """EagleDrafter.update's head pass over the accepted path in one C call (fc, the layer, the KV write), its
+    output at the last accepted position into drafter.last_out; False where the caller's PyTorch pass must run
+    (EAGLE-3 aux states not contiguous bf16, fc not packed). Reads n and L on the host (CPU tensors)."""
+    h, aux = drafter.head, a.aux
+    fc = h.fc
+    if (aux is None or aux.dtype != torch.bfloat16 or not aux.is_contiguous() or fc.packed is None
+            or (fc.bias is not None and fc.bias.dtype != torch.bfloat16) or update_kernel() is None):
+        return False
+    A, st = h.c.args, h.cpu_pass
+    S, R, n, L = h.kv.shape[3], nxt.shape[0], int(a.n), int(a.L)
+    path, nxt = a.path.to(torch.int64).contiguous(), nxt.to(torch.int64).contiguous()
+    if n + R > S or not 1 <= L <= R or int(path.max()) >= aux.shape[1]:
+        raise ValueError(f"accepted path of {R} past the head's cache ({S}) or the step's rows")
+    update_kernel()(st.table.data_ptr(), A.dim, A.n_heads, A.n_kv_heads, A.head_dim, A.intermediate_size,
+                    A.norm_eps, S, h.kv.data_ptr(), h.embed_tokens.weight.data_ptr(), h.rope_cos.data_ptr(),
+                    h.rope_sin.data_ptr(), fc.packed.data_ptr(), 0 if fc.bias is None else fc.bias.data_ptr(),
+                    aux.shape[2], aux.data_ptr(), path.data_ptr(), nxt.data_ptr(), R, n, L,
+                    drafter.last_out.data_ptr(), torch.get_num_threads())
+    return True
 
 
 def tree(drafter, root: Tensor, n: Tensor, k: int, depth: int, nodes: int):

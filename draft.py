@@ -306,9 +306,14 @@ class EagleDrafter(VocabDrafter):
     @torch.no_grad()
     def update(self, a: Accepted):
         """Runs the head over the accepted path (padded to D+1) and keeps the last accepted position's state."""
-        feats = self._features(a.hidden, a.aux).index_select(1, a.path)  # [1, D+1, F]
         nxt = a.next_tokens()
         h = self.head
+        if cpu_draft.usable(self) and h.c.version == 3 and cpu_draft.update(self, a, nxt):
+            # the head's pass in one C call (its ~20 eager ops cost more than its layer); the norm of one row here
+            self.last_lm_in.copy_(h.norm(self.last_out[None])[0])
+            self.observe(a, nxt)
+            return
+        feats = self._features(a.hidden, a.aux).index_select(1, a.path)  # [1, D+1, F]
         pos = a.n + torch.arange(nxt.shape[0], device=nxt.device)
         out, lm_in = h(nxt[None], h.project(feats), pos, pos, h.seq_range[None, :] <= pos[:, None])
         idx = (a.L - 1).view(1)

@@ -178,3 +178,32 @@ def test_window_append_in_c_is_the_pytorch_append(monkeypatch, fill):
                 a, b = a[:-1], b[:-1]  # the sink holds whatever was written last
             assert torch.equal(a, b), (step, f)
     assert used and int((vs["on"].token_of >= 0).sum()) > 5
+
+
+@torch.no_grad()
+def test_head_update_in_c_is_the_pytorch_pass(env, monkeypatch):
+    """EagleDrafter.update's head pass in C (fc over the path's aux states, the layer, the KV write) leaves the
+    same last output and head KV bits as the PyTorch pass, and the same LM-head input to bf16 rounding, for
+    steps of every accepted length seen in a generation (chained catch-up steps included)."""
+    m, head = load(env, monkeypatch)
+    vocab = make_vocab("nanospec", head.lm_weight(), w_max=64, max_append=dr.append_width(10, 3, 3))
+    d = dr.EagleDrafter(head, vocab, 4, 3, 10)
+    steps, real = [], d.update
+    monkeypatch.setattr(d, "update", lambda a: steps.append(a) or real(a))
+    Engine(m, drafter=d).generate(list(range(30, 60)), 40)
+    used, c_update = [], cpu_draft.update
+    monkeypatch.setattr(cpu_draft, "update", lambda *x: used.append(1) or c_update(*x))
+    lengths = set()
+    # in order (a step rewrites only slots past its n), then a chain of the last four (L = 4, the catch-up form)
+    for a in steps + [dr.chained(steps[-4:])]:
+        n, R = int(a.n), a.path.shape[0]
+        out = {}
+        for c in ("off", "on"):
+            monkeypatch.setenv(cpu_draft.ENV, c)
+            real(a)
+            out[c] = (d.last_out.clone(), d.last_lm_in.clone(), head.kv[..., n:n + R, :].clone())
+        assert torch.equal(out["on"][0], out["off"][0]) and torch.equal(out["on"][2], out["off"][2])
+        lm_on, lm_off = out["on"][1].float(), out["off"][1].float()
+        assert ((lm_on - lm_off).abs() <= lm_off.abs() * 2 ** -7).all()
+        lengths.add(int(a.L))
+    assert used and len(lengths) > 1
