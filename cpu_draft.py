@@ -180,7 +180,7 @@ void eagle_update_bf16(const int64_t* tab, long D, long H, long Hkv, long hd, lo
         cpos[i] = n + i;
     }
     linear_bf16(feats, ff, R, F, fcP, fcb, D, x, threads);  /* the head's input features, as eagle.project */
-    stack_bf16(tab, 1, D, H, Hkv, hd, I, eps, R, S, x, emb, cs, sn, mask, cpos, kv, &no_aux, 0, aux_dummy, threads);
+    stack_bf16(tab, 1, D, H, Hkv, hd, I, eps, R, S, x, emb, cs, sn, mask, cpos, kv, 0, &no_aux, 0, aux_dummy, threads);
     memcpy(out1, x + (L - 1) * D, sizeof(uint16_t) * D);
     free(feats); free(ff); free(x); free(emb); free(cs); free(sn); free(mask); free(cpos);
 }
@@ -245,7 +245,7 @@ void eagle_tree_bf16(const int64_t* tab, long D, long H, long Hkv, long hd, long
             memcpy(sn + j * hd, sin_t + (n + lvl - 1) * hd, sizeof(uint16_t) * hd);
             memcpy(emb + j * D, embed + ftok[j] * D, sizeof(uint16_t) * D);
         }
-        stack_bf16(tab, 1, D, H, Hkv, hd, I, eps, k, S, x, emb, cs, sn, mask, cpos, kv, &no_aux, 0, aux_dummy,
+        stack_bf16(tab, 1, D, H, Hkv, hd, I, eps, k, S, x, emb, cs, sn, mask, cpos, kv, 0, &no_aux, 0, aux_dummy,
                    threads);
         for (long i = 0; i < k * D; i++) nf[i] = fbf(x[i]);
         rmsnorm(nf, norm_w, xf, D, k, D, eps);  /* lm = norm(out), as eagle.EagleHead.forward */

@@ -11,7 +11,10 @@ Exact by construction: every step works on each row alone, in an order that does
 The GEMMs are cpu_gemm's (row-invariant). Attention reads, for each query row, exactly the keys its mask
 allows, in increasing slot order, one dot product per key (one FMA chain over the head dimension, a fixed
 horizontal sum; in the AVX-512 BF16 build one vdpbf16ps chain over its pairs, 1.1-1.2x faster verification
-passes of 11-26 rows at 300-1,000 keys on Zen 4), then a two-pass softmax in that order. Tree nodes come after their ancestors (draft.Tree),
+passes of 11-26 rows at 300-1,000 keys on Zen 4, in the key's own vector lane, from a transposed copy of the
+keys kept next to the cache, scoring whole 16-slot blocks and keeping the allowed keys' scores: no horizontal
+sum per key, 1.05-1.17x faster passes of 11-26 rows and 1.17x faster 1,000-token prefills on Zen 5), then a
+two-pass softmax in that order. Tree nodes come after their ancestors (draft.Tree),
 so a node sees the prefix and then its ancestors in the same order and with the same values as the
 autoregressive token at its position sees them. A token's bits therefore never depend on how many rows
 share its pass or where its keys sit, and exact mode needs neither padding nor model.exact_attention.
@@ -152,6 +155,29 @@ static inline __attribute__((always_inline)) void dots512(const uint32_t* const*
     for (int h = 0; h < G; h++) for (int i = 0; i < MK; i++) s[h][j0 + i] = _mm512_reduce_add_ps(acc[h][i]) * scale;
 }
 
+/* The scores with the keys in the lanes (kt: the cache's transposed keys of one KV head, [slot / 16][hd / 2][16]:
+   16 slots' pairs side by side, written with each key): per (query, slot) one chain of vdpbf16ps over the head
+   dimension's pairs in order in that slot's lane, times the scale, into sl[h][slot] for slot blocks b0 ..
+   b0 + MB. No horizontal sum per score (dots512's 16-lane reduction, whose shuffles bound attention). A lane's
+   chain is the same in any block and pass: row-invariant. */
+static inline __attribute__((always_inline)) void lanes512(const uint32_t* const* qb, const uint32_t* kt, long hd,
+        float scale, float* const* sl, long b0, const int G, const int MB) {
+    __m512 acc[4][4];
+    const long H2 = hd / 2;
+    for (int h = 0; h < G; h++) for (int i = 0; i < MB; i++) acc[h][i] = _mm512_setzero_ps();
+    for (long d = 0; d < H2; d++) {
+        __m512bh kv[4];
+        for (int i = 0; i < MB; i++) kv[i] = (__m512bh)_mm512_loadu_si512(kt + ((b0 + i) * H2 + d) * 16);
+        for (int h = 0; h < G; h++) {
+            __m512bh qv = (__m512bh)_mm512_set1_epi32((int)qb[h][d]);
+            for (int i = 0; i < MB; i++) acc[h][i] = _mm512_dpbf16_ps(acc[h][i], qv, kv[i]);
+        }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int h = 0; h < G; h++)
+        for (int i = 0; i < MB; i++) _mm512_storeu_ps(sl[h] + (b0 + i) * 16, _mm512_mul_ps(acc[h][i], sc));
+}
+
 /* pv() with 16-lane blocks: one FMA per key into each accumulator, in key order. hd % 16 == 0. */
 static inline __attribute__((always_inline)) void pv512(const float* const* p, const uint16_t* V, const int* ks, long n,
         long hd, long c0, float* const* out, const int G, const int CB) {
@@ -172,9 +198,11 @@ static inline __attribute__((always_inline)) void pv512(const float* const* p, c
 #endif
 
 /* G (<= 4) heads sharing one KV head, one row: softmax(q K^T * scale) V over the keys ks[0..n) (cache slots,
-   increasing), fp32; s: G scratch rows of n + 8 */
+   increasing), fp32; s: G scratch rows of n + 8; kt (AVX-512 BF16 build, or 0): the KV head's transposed keys,
+   with sl: G scratch rows of slot-indexed scores; pre: the keys' leading run ks[j] == j */
 static inline __attribute__((always_inline)) void attend_g(const float* const* q, const uint16_t* K, const uint16_t* V,
-        const int* ks, long n, long hd, float scale, float* const* s, float* const* out, const int G) {
+        const int* ks, long n, long pre, long hd, float scale, float* const* s, float* const* out,
+        const uint32_t* kt, float* const* sl, const int G) {
     long j = 0;
 #ifdef __AVX512BF16__
     const int wide = hd % 32 == 0;
@@ -185,11 +213,23 @@ static inline __attribute__((always_inline)) void attend_g(const float* const* q
             for (long d = 0; d < hd; d += 2) qbuf[h][d / 2] = (uint32_t)to_bf16(q[h][d]) | (uint32_t)to_bf16(q[h][d + 1]) << 16;
             qb[h] = qbuf[h];
         }
+        if (kt && n) {  /* every slot block up to the row's last key: the blocks inside the row's leading run of
+                           slots 0, 1, 2, .. (pre keys: its context) straight into s, the rest via sl */
+            const long nb = ((long)ks[n - 1] >> 4) + 1, pb = pre >> 4;
+            long b = 0;
+            for (; b + 4 <= pb; b += 4) lanes512(qb, kt, hd, scale, s, b, G, 4);
+            for (; b < pb; b++) lanes512(qb, kt, hd, scale, s, b, G, 1);
+            for (; b + 4 <= nb; b += 4) lanes512(qb, kt, hd, scale, sl, b, G, 4);
+            for (; b < nb; b++) lanes512(qb, kt, hd, scale, sl, b, G, 1);
+            for (int h = 0; h < G; h++) for (j = pb * 16; j < n; j++) s[h][j] = sl[h][ks[j]];
+            j = n;
+        }
         for (; j + 4 <= n; j += 4) dots512(qb, K, ks, hd, scale, s, j, G, 4);
         for (; j < n; j++) dots512(qb, K, ks, hd, scale, s, j, G, 1);
     }
 #else
     const int wide = 0;
+    (void)kt; (void)sl;
 #endif
     if (!wide) {
         for (; j + 4 <= n; j += 4) dots(q, K, ks, hd, scale, s, j, G, 4);
@@ -240,13 +280,14 @@ static inline __attribute__((always_inline)) void attend_g(const float* const* q
     }
 }
 
-static void attend(const float* const* q, const uint16_t* K, const uint16_t* V, const int* ks, long n, long hd,
-                   float scale, float* const* s, float* const* out, int G) {
+static void attend(const float* const* q, const uint16_t* K, const uint16_t* V, const int* ks, long n, long pre,
+                   long hd, float scale, float* const* s, float* const* out, const uint32_t* kt, float* const* sl,
+                   int G) {
     switch (G) {
-        case 1: attend_g(q, K, V, ks, n, hd, scale, s, out, 1); break;
-        case 2: attend_g(q, K, V, ks, n, hd, scale, s, out, 2); break;
-        case 3: attend_g(q, K, V, ks, n, hd, scale, s, out, 3); break;
-        default: attend_g(q, K, V, ks, n, hd, scale, s, out, 4); break;
+        case 1: attend_g(q, K, V, ks, n, pre, hd, scale, s, out, kt, sl, 1); break;
+        case 2: attend_g(q, K, V, ks, n, pre, hd, scale, s, out, kt, sl, 2); break;
+        case 3: attend_g(q, K, V, ks, n, pre, hd, scale, s, out, kt, sl, 3); break;
+        default: attend_g(q, K, V, ks, n, pre, hd, scale, s, out, kt, sl, 4); break;
     }
 }
 
@@ -274,14 +315,23 @@ enum { W_IN, W_QKV, B_QKV, W_O, W_POST, W_GU, W_DOWN, W_HID, NW };
 
 /* x [T, D] bf16, in place: the rows after all L layers. tab [L, NW] pointers (packed weights, norms, bias
    or 0). cs, sn [T, hd] bf16 RoPE rows; mask [T, S] (bool bytes) over the cache's S slots; cpos [T] the
-   slots this pass writes; kv [L, 2, Hkv, S, hd] bf16. aux [T, n_aux, D]: slot j gets the input of layer
+   slots this pass writes; kv [L, 2, Hkv, S, hd] bf16; kt (AVX-512 BF16 build with hd % 32 == 0, or 0) the same
+   keys transposed, [L, Hkv, ceil(S / 16), hd / 2, 16] bf16 pairs (lanes512's layout), written with them and
+   read instead of K for the scores. aux [T, n_aux, D]: slot j gets the input of layer
    aux_of[j] (repeats allowed). An EAGLE-3 layer (tab's W_HID set: its hidden_norm) takes q/k/v from
    [input_layernorm(emb[t]); hidden_norm(x[t])] (2D wide, emb [T, D] bf16: the token embeddings) and keeps
    x as the residual, as eagle.EagleHead.forward; W_HID = 0 is a plain decoder layer. */
 void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, long I, float eps, long T,
                 long S, uint16_t* x, const uint16_t* emb, const uint16_t* cs, const uint16_t* sn, const uint8_t* mask,
-                const int64_t* cpos, uint16_t* kv, const int64_t* aux_of, long n_aux, uint16_t* aux, int threads) {
+                const int64_t* cpos, uint16_t* kv, uint32_t* kt, const int64_t* aux_of, long n_aux, uint16_t* aux,
+                int threads) {
     const long Q = H * hd, KV = Hkv * hd, NQKV = Q + 2 * KV, g = H / Hkv;
+    const long nbs = (S + 15) / 16, H2 = hd / 2;  /* kt's slot blocks and pairs */
+#ifndef __AVX512BF16__
+    kt = 0;
+#endif
+    if (hd % 32) kt = 0;
+    float* sl = kt ? malloc(sizeof(float) * threads * 4 * nbs * 16) : 0;  /* slot-indexed scores, per thread */
     const float scale = 1.f / sqrtf((float)hd);
     long wide = NQKV > 2 * I ? NQKV : 2 * I;
     float* xr = malloc(sizeof(float) * T * D);
@@ -292,7 +342,8 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
     float* y = malloc(sizeof(float) * T * wide);
     float* o = malloc(sizeof(float) * T * D);
     int* keys = malloc(sizeof(int) * T * S);
-    long* nk = malloc(sizeof(long) * T);
+    long* nk = malloc(sizeof(long) * 2 * T);  /* each row's key count, then its leading run of slots 0, 1, .. */
+    long* npre = nk + T;
     float* sc = malloc(sizeof(float) * threads * 4 * (S + 8));
     uint16_t* xs = malloc(sizeof(uint16_t) * threads * T * hw);  /* gemm_rows' bf16 copies of its input (AVX-512 BF16) */
     const long hb = T * Hkv >= 2 * threads ? (g < 4 ? g : 4) : 1;  /* heads per attention task */
@@ -300,6 +351,7 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
     for (long t = 0; t < T; t++) {  /* each row's keys, in slot order, once for all layers and heads */
         nk[t] = 0;
         for (long j = 0; j < S; j++) if (mask[t * S + j]) keys[t * S + nk[t]++] = (int)j;
+        for (npre[t] = 0; npre[t] < nk[t] && keys[t * S + npre[t]] == npre[t];) npre[t]++;
     }
     for (long i = 0; i < T * D; i++) xr[i] = fbf(x[i]);
     if (ef) for (long i = 0; i < T * D; i++) ef[i] = fbf(emb[i]);
@@ -330,6 +382,14 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
                     Kc[(j * S + cpos[t]) * hd + d] = to_bf16(r[Q + j * hd + d]);
                     Vc[(j * S + cpos[t]) * hd + d] = to_bf16(r[Q + KV + j * hd + d]);
                 }
+            if (kt) {  /* the same keys' pairs into their slot's lane */
+                uint32_t* kl = kt + l * Hkv * nbs * H2 * 16;
+                for (long j = 0; j < Hkv; j++) {
+                    const uint32_t* kr = (const uint32_t*)(Kc + (j * S + cpos[t]) * hd);
+                    uint32_t* dst = kl + (j * nbs + cpos[t] / 16) * H2 * 16 + cpos[t] % 16;
+                    for (long d = 0; d < H2; d++) dst[d * 16] = kr[d];
+                }
+            }
         }
         /* tasks: (row, KV head, block of up to hb of the heads sharing it); a head's arithmetic is the same in
            any block, so the blocks only balance the threads (one head per task when rows are few) */
@@ -338,13 +398,15 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
             long t = tk / (Hkv * nb), j = tk / nb % Hkv, h0 = j * g + tk % nb * hb;
             int G = (int)(g - tk % nb * hb < hb ? g - tk % nb * hb : hb);
             const float* qs[4];
-            float *ss[4], *os[4];
+            float *ss[4], *os[4], *ls[4];
             for (int i = 0; i < G; i++) {
                 qs[i] = y + t * NQKV + (h0 + i) * hd;
                 ss[i] = sc + ((long)omp_get_thread_num() * 4 + i) * (S + 8);
                 os[i] = h + t * Q + (h0 + i) * hd;
+                ls[i] = sl ? sl + ((long)omp_get_thread_num() * 4 + i) * nbs * 16 : 0;
             }
-            attend(qs, Kc + j * S * hd, Vc + j * S * hd, keys + t * S, nk[t], hd, scale, ss, os, G);
+            attend(qs, Kc + j * S * hd, Vc + j * S * hd, keys + t * S, nk[t], npre[t], hd, scale, ss, os,
+                   kt ? kt + (l * Hkv + j) * nbs * H2 * 16 : 0, ls, G);
             for (int i = 0; i < G; i++) for (long d = 0; d < hd; d++) os[i][d] = rbf(os[i][d]);
         }
         gemm_rows(h, T, Q, (const uint16_t*)w[W_O], 0, D, 0, o, xs);
@@ -358,7 +420,7 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
         for (long i = 0; i < T * D; i++) xr[i] = rbf(xr[i] + o[i]);
     }
     for (long i = 0; i < T * D; i++) x[i] = to_bf16(xr[i]);
-    free(xr); free(h); free(y); free(o); free(keys); free(nk); free(sc); free(ef); free(xs);
+    free(xr); free(h); free(y); free(o); free(keys); free(nk); free(sc); free(ef); free(xs); free(sl);
 }
 """
 TAG = hashlib.sha256(SOURCE.encode()).hexdigest()[:8]  # keys the per-machine answers about this pass
@@ -369,7 +431,21 @@ def kernel():
         return None
     P, I = cpu_gemm.P_, cpu_gemm.I_
     return cpu_gemm.c_function(SOURCE, "cpu_forward", "stack_bf16", (P, I, I, I, I, I, I, ctypes.c_float, I, I, P,
-                                                                     P, P, P, P, P, P, P, I, P, ctypes.c_int))
+                                                                     P, P, P, P, P, P, P, P, I, P, ctypes.c_int))
+
+
+def transposed_keys(kv: Tensor) -> Tensor:
+    """kv [L, 2, Hkv, S, hd] bf16 -> its keys as stack_bf16's kt [L, Hkv, ceil(S / 16), hd / 2, 16] (int32 pairs of
+    bf16), or an empty tensor where the pass does not read them (the AVX2 build; hd % 32 != 0). Why: attention's
+    scores with the keys in the vector lanes need no horizontal sum per key (lanes512); kept next to the cache
+    and written with each key (transposing per pass cost 2 ms at 1,200 keys, BENCHMARKS.md session 15)."""
+    L, _, Hkv, S, hd = kv.shape
+    if cpu_gemm.ISA != "avx512bf16" or hd % 32 or kv.dtype != torch.bfloat16:
+        return kv.new_empty(0, dtype=torch.int32)
+    nb = -(-S // 16)
+    k = torch.zeros(L, Hkv, nb * 16, hd, dtype=kv.dtype, device=kv.device)
+    k[:, :, :S] = kv[:, 0]
+    return k.view(torch.int32).view(L, Hkv, nb, 16, hd // 2).transpose(3, 4).contiguous()
 
 
 ENV = "NANOSPEC_CPU_FORWARD"  # on (default) | off: off keeps the PyTorch layers (with cpu_gemm's GEMMs)
@@ -467,7 +543,7 @@ def pass_seconds(model, rows: list[int], reps: int = 3, ctx: int = 256) -> dict[
             t0 = time.perf_counter()
             model(tok[:, :r], ctx + torch.arange(r))
             ts[r].append(time.perf_counter() - t0)
-    model.kv, model.max_batch, model.max_seq = None, -1, -1
+    model.kv, model.kt, model.max_batch, model.max_seq = None, None, -1, -1
     return {r: sorted(t[-reps:])[reps // 2] for r, t in ts.items()}
 
 
@@ -496,17 +572,22 @@ class Stack:
                 lin.packed = None  # their products now come from the fused copies (the torch path uses F.linear)
         self.table = torch.tensor(rows, dtype=torch.int64)
         self.aux_of = {}  # aux layers -> [n_aux] the layer whose input each aux slot gets (built once per tuple)
+        self.no_kt = torch.empty(0, dtype=torch.int32)  # no transposed keys: the scores read K
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor,
-                 aux_layers: tuple[int, ...] = (), emb: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                 aux_layers: tuple[int, ...] = (), emb: Tensor | None = None, kt: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor]:
         """x [T, D] bf16 (the embeddings; an EAGLE-3 head: its input features); cos, sin [T, hd] bf16; mask
         [T, S] bool; cache_pos [T] int64; kv [L, 2, Hkv, S, hd] bf16, written at cache_pos; aux_layers:
-        layers whose inputs to return (repeats allowed); emb [T, D]: an EAGLE-3 head's token embeddings
+        layers whose inputs to return (repeats allowed); emb [T, D]: an EAGLE-3 head's token embeddings; kt:
+        the cache's transposed keys (transposed_keys), written and read with kv, or None
         -> (x after the layers [T, D], aux [T, len(aux_layers)*D])."""
         a, key = self.args, tuple(aux_layers)
         if key not in self.aux_of:
             self.aux_of[key] = torch.tensor(list(key) or [-1], dtype=torch.int64)
-        args = (x, emb, cos, sin, mask, cache_pos, kv, self.table, self.aux_of[key], len(key), a.n_heads,
+        if kt is None:
+            kt = self.no_kt
+        args = (x, emb, cos, sin, mask, cache_pos, kv, kt, self.table, self.aux_of[key], len(key), a.n_heads,
                 a.intermediate_size, a.norm_eps)
         return torch.ops.nanospec.cpu_stack(*args) if torch.compiler.is_compiling() else run(*args)
 
@@ -516,10 +597,12 @@ def pack_of(lin) -> Tensor:
 
 
 def run(x: Tensor, emb: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor,
-        table: Tensor, aux_of: Tensor, n_aux: int, n_heads: int, inter: int, eps: float) -> tuple[Tensor, Tensor]:
+        kt: Tensor, table: Tensor, aux_of: Tensor, n_aux: int, n_heads: int, inter: int, eps: float
+        ) -> tuple[Tensor, Tensor]:
     T, D = x.shape
     L, _, Hkv, S, hd = kv.shape
     assert kv.is_contiguous() and mask.shape == (T, S) and hd % 8 == 0 and hd <= 256 and table.shape[0] == L
+    assert kt.numel() == 0 or (kt.is_contiguous() and kt.shape == (L, Hkv, -(-S // 16), hd // 2, 16))
     x = x.contiguous().clone()  # the kernel works in place
     aux = x.new_empty(T, max(n_aux, 1) * D)
     # contiguous copies bound to names: they must outlive the call
@@ -527,17 +610,18 @@ def run(x: Tensor, emb: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor, c
     cos, sin, pos = cos.contiguous(), sin.contiguous(), cache_pos.to(torch.int64).contiguous()
     e = None if emb is None else emb.contiguous()
     kernel()(table.data_ptr(), L, D, n_heads, Hkv, hd, inter, eps, T, S, x.data_ptr(), 0 if e is None else e.data_ptr(),
-             cos.data_ptr(), sin.data_ptr(), m.data_ptr(), pos.data_ptr(), kv.data_ptr(), aux_of.data_ptr(), n_aux,
-             aux.data_ptr(), torch.get_num_threads())
+             cos.data_ptr(), sin.data_ptr(), m.data_ptr(), pos.data_ptr(), kv.data_ptr(),
+             kt.data_ptr() if kt.numel() else 0, aux_of.data_ptr(), n_aux, aux.data_ptr(), torch.get_num_threads())
     return x, aux
 
 
-@torch.library.custom_op("nanospec::cpu_stack", mutates_args=("kv",))
+@torch.library.custom_op("nanospec::cpu_stack", mutates_args=("kv", "kt"))
 def cpu_stack_op(x: Tensor, emb: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor,
-                 table: Tensor, aux_of: Tensor, n_aux: int, n_heads: int, inter: int, eps: float) -> tuple[Tensor, Tensor]:
-    return run(x, emb, cos, sin, mask, cache_pos, kv, table, aux_of, n_aux, n_heads, inter, eps)
+                 kt: Tensor, table: Tensor, aux_of: Tensor, n_aux: int, n_heads: int, inter: int, eps: float
+                 ) -> tuple[Tensor, Tensor]:
+    return run(x, emb, cos, sin, mask, cache_pos, kv, kt, table, aux_of, n_aux, n_heads, inter, eps)
 
 
 @cpu_stack_op.register_fake
-def _(x, emb, cos, sin, mask, cache_pos, kv, table, aux_of, n_aux, n_heads, inter, eps):
+def _(x, emb, cos, sin, mask, cache_pos, kv, kt, table, aux_of, n_aux, n_heads, inter, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape[0], max(n_aux, 1) * x.shape[1])

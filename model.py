@@ -323,6 +323,7 @@ class Transformer(nn.Module):
         self.max_batch = self.max_seq = -1
         self.cpu_pass: cpu_forward.Stack | None = None  # the fused CPU pass (bf16 on CPU, cpu_forward.py)
         self.kv: Tensor | None = None  # [L, 2, Hkv, S, hd]: every layer's KV cache in one tensor, for cpu_pass
+        self.kt: Tensor | None = None  # the same keys transposed for cpu_pass's scores (cpu_forward.transposed_keys)
 
     def eagle3_aux_layers(self) -> tuple[int, int, int]:
         L = self.args.n_layers
@@ -340,6 +341,7 @@ class Transformer(nn.Module):
         # RoPE / GEMMs), in one tensor it writes through one pointer
         self.kv = torch.zeros(a.n_layers, 2, a.n_kv_heads, max_seq, a.head_dim, dtype=p.dtype, device=p.device) \
             if self.cpu_pass is not None and max_batch == 1 else None
+        self.kt = None if self.kv is None else cpu_forward.transposed_keys(self.kv)
         for i, layer in enumerate(self.layers):
             layer.self_attn.kv_cache = KVCache(max_batch, max_seq, a.n_kv_heads, a.head_dim, p.dtype, p.device,
                                                None if self.kv is None else self.kv[i])
@@ -373,7 +375,7 @@ class Transformer(nn.Module):
         if self.kv is not None and tokens.shape[0] == 1 and input_pos.dim() == 1 and mask.dim() == 2:
             # the whole layer stack in one C call, row-invariant by construction: exact mode's recent-key
             # gathers and padded rows are not needed (cpu_forward.py)
-            x, aux = self.cpu_pass(x[0], cos, sin, mask, cache_pos, self.kv, self.aux_layers)
+            x, aux = self.cpu_pass(x[0], cos, sin, mask, cache_pos, self.kv, self.aux_layers, kt=self.kt)
             x, aux = x[None], (aux[None] if self.aux_layers else None)
         else:
             exact = None if recent is None else exact_plan(input_pos, recent, self.seq_range,
@@ -384,6 +386,8 @@ class Transformer(nn.Module):
                     states[i] = x
                 x = layer(x, cos, sin, mask, cache_pos, exact)
             aux = torch.cat([states[i] for i in self.aux_layers], dim=-1) if states else None
+            if self.kt is not None and self.kt.numel():  # these layers wrote K without its transposed copy
+                self.kt.copy_(cpu_forward.transposed_keys(self.kv))
         h = self.norm(x)
         logits = self.lm_head(h) if compute_logits else None
         if not return_hidden:
@@ -398,6 +402,9 @@ class Transformer(nn.Module):
         dst = dst_start + torch.arange(src.shape[0], device=src.device)
         if self.kv is not None:  # one tensor: one gather and one scatter for every layer
             self.kv.index_copy_(3, dst, self.kv.index_select(3, src))
+            if self.kt is not None and self.kt.numel():  # and the keys' transposed copy: slot s is lane s % 16
+                kt = self.kt  # [L, Hkv, S / 16, hd / 2, 16]
+                kt[:, :, dst // 16, :, dst % 16] = kt[:, :, src // 16, :, src % 16]
             return
         for layer in self.layers:
             c = layer.self_attn.kv_cache

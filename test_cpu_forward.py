@@ -119,6 +119,38 @@ def test_compact_kv_moves_every_layer(target, monkeypatch):
     for i, layer in enumerate(m.layers):
         c = layer.self_attn.kv_cache
         assert torch.equal(c.k[0], m.kv[i, 0]) and torch.equal(c.v[0], m.kv[i, 1])
+    if cpu_gemm.ISA == "avx512bf16":  # the keys' transposed copy moves with them
+        assert m.kt.numel() and torch.equal(m.kt, cpu_forward.transposed_keys(m.kv))
+    else:
+        assert m.kt.numel() == 0
+
+
+@torch.no_grad()
+def test_transposed_keys_follow_the_cache(target, monkeypatch):
+    """The AVX-512 BF16 pass scores from a transposed copy of the keys (cpu_forward.transposed_keys): every fused
+    pass writes it with the keys, a pass through the PyTorch layers (a [1, 1, T, S] mask) rebuilds it, and
+    its scores give the logits of the pass that reads K (to bf16 rounding) with rows still independent of
+    their pass (the tree test above)."""
+    m = load(target, True, monkeypatch)
+    if cpu_gemm.ISA != "avx512bf16":
+        pytest.skip("the transposed keys are read by the AVX-512 BF16 build only")
+    m(toks(40), torch.arange(40))
+    assert torch.equal(m.kt, cpu_forward.transposed_keys(m.kv))
+    mask = (m.seq_range[None, :] <= torch.arange(40, 45)[:, None])[None, None]
+    m(toks(5, 2), torch.arange(40, 45), mask=mask)  # the PyTorch layers write slots 40..44
+    assert torch.equal(m.kt, cpu_forward.transposed_keys(m.kv))
+    q = toks(3, 4)
+    with_kt = m(q, torch.arange(45, 48))
+    kt, m.kt = m.kt, m.kt[:0]
+    without = m(q, torch.arange(45, 48))
+    m.kt = kt
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
+    assert rel(with_kt, without) < 0.02  # another order of sums: the same numbers to bf16 rounding
+    saved = kt.clone()
+    kt[:, :, :2] = 0  # the scores read the copy: slots 0..31 with zero keys there change the logits
+    assert not torch.equal(m(q, torch.arange(45, 48)), with_kt)
+    kt.copy_(saved)
+    assert torch.equal(m(q, torch.arange(45, 48)), with_kt)
 
 
 @torch.no_grad()
