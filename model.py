@@ -341,6 +341,7 @@ class Transformer(nn.Module):
         # RoPE / GEMMs), in one tensor it writes through one pointer
         self.kv = torch.zeros(a.n_layers, 2, a.n_kv_heads, max_seq, a.head_dim, dtype=p.dtype, device=p.device) \
             if self.cpu_pass is not None and max_batch == 1 else None
+        # and (the AVX-512 BF16 build) its keys once more, transposed for the scores: K's bytes again, for speed
         self.kt = None if self.kv is None else cpu_forward.transposed_keys(self.kv)
         for i, layer in enumerate(self.layers):
             layer.self_attn.kv_cache = KVCache(max_batch, max_seq, a.n_kv_heads, a.head_dim, p.dtype, p.device,

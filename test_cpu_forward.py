@@ -123,6 +123,12 @@ def test_compact_kv_moves_every_layer(target, monkeypatch):
         assert m.kt.numel() and torch.equal(m.kt, cpu_forward.transposed_keys(m.kv))
     else:
         assert m.kt.numel() == 0
+    step = torch.compile(m.compact_kv, fullgraph=True, backend="eager")  # the verify step traces it
+    step(torch.tensor([12, 13, 14, 0, 1]), torch.tensor(20))
+    want[:, :, :, 20:25] = want[:, :, :, [12, 13, 14, 0, 1]]
+    assert torch.equal(m.kv, want)
+    if m.kt.numel():
+        assert torch.equal(m.kt, cpu_forward.transposed_keys(m.kv))
 
 
 @torch.no_grad()
