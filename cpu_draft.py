@@ -317,14 +317,15 @@ def switched_on() -> bool:
     return mode == "on"
 
 
-def topk_rows(x: Tensor, rows: Tensor, k: int) -> Tensor:
-    """[M, k] indices of the k largest entries of each row x[rows] (x [R, n]): torch.topk(x[rows], k).indices,
-    in C for bf16 CPU rows (ties then go to the lower index; torch leaves them unordered)."""
+def topk_rows(x: Tensor, rows: Tensor | None, k: int) -> Tensor:
+    """[M, k] indices of the k largest entries of each row x[rows] (x [R, n]; rows None: every row):
+    torch.topk(x[rows], k).indices, in C for bf16 CPU rows (ties then go to the lower index; torch leaves them
+    unordered)."""
     if (torch.compiler.is_compiling() or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2
             or not 1 <= k <= min(64, x.shape[1]) or not x.is_contiguous() or not switched_on()
             or topk_kernel() is None):
-        return torch.topk(x.index_select(0, rows), k, dim=-1).indices
-    rows = rows.to(torch.int64).contiguous()
+        return torch.topk(x if rows is None else x.index_select(0, rows), k, dim=-1).indices
+    rows = torch.arange(x.shape[0]) if rows is None else rows.to(torch.int64).contiguous()
     lo, hi = rows.aminmax()  # (the C loop reads rows unchecked)
     if int(lo) < 0 or int(hi) >= x.shape[0]:
         raise IndexError(f"row index out of range [0, {x.shape[0]})")

@@ -187,12 +187,10 @@ class VocabDrafter:
         k, T = self.vocab.k_pre, p.tokens.shape[0]
         R = min(T, self.window_rows)
         if self.project is None or R <= 1:
-            return cpu_draft.topk_rows(p.logits, torch.arange(p.logits.shape[0], device=p.logits.device), k)
+            return cpu_draft.topk_rows(p.logits, None, k)
         hid, c = p.hidden[0, T - R:-1], self.PROJECT_ROWS
-        top = [cpu_draft.topk_rows(x, torch.arange(x.shape[0], device=x.device), k)
-               for x in (self.project(hid[i:i + c]) for i in range(0, R - 1, c))]
-        last = p.logits.shape[0] - 1  # the last row as the engine's
-        return torch.cat(top + [cpu_draft.topk_rows(p.logits, torch.tensor([last], device=p.logits.device), k)])
+        top = [cpu_draft.topk_rows(self.project(hid[i:i + c]), None, k) for i in range(0, R - 1, c)]
+        return torch.cat(top + [cpu_draft.topk_rows(p.logits[-1:], None, k)])  # the last row as the engine's
 
     def rows_of(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """target token ids -> (vocab rows, valid); identity unless the head has a pruned vocabulary."""

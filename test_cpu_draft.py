@@ -138,6 +138,7 @@ def test_topk_rows_is_torch_topk(R, n, k):
     xf = x.float()
     assert torch.equal(xf.index_select(0, rows).gather(1, cpu_draft.topk_rows(xf, rows, k)),
                        torch.topk(sel, k, dim=-1).values)  # fp32: torch's
+    assert torch.equal(cpu_draft.topk_rows(x, None, k), cpu_draft.topk_rows(x, torch.arange(R), k))  # every row
     with pytest.raises(IndexError):
         cpu_draft.topk_rows(x, torch.tensor([R]), k)
 
