@@ -152,6 +152,33 @@ static void score(const uint16_t* x, float* xf, long M, long D, const uint16_t* 
     *lm_s += omp_get_wtime() - t0;
 }
 
+/* An EAGLE-3 head's layer as the C entry points below see it (cpu_forward's table row, dims, its KV cache of S
+   slots, the target's embeddings, the head's RoPE tables) */
+typedef struct {
+    const int64_t* tab; long D, H, Hkv, hd, I, S; float eps;
+    uint16_t* kv; const uint16_t *embed, *cos_t, *sin_t;
+} Head;
+
+/* the head's layer over T rows of features x [T, D] (in place: its output): the embeddings of tok, RoPE at
+   positions pos, K and V written at slots cpos, attention by mask [T, S] */
+static void head_layer(const Head* h, uint16_t* x, long T, const int64_t* tok, const int64_t* pos,
+                       const int64_t* cpos, const uint8_t* mask, int threads) {
+    const long D = h->D, hd = h->hd;
+    uint16_t* emb = malloc(sizeof(uint16_t) * T * D);
+    uint16_t* cs = malloc(sizeof(uint16_t) * T * hd);
+    uint16_t* sn = malloc(sizeof(uint16_t) * T * hd);
+    const int64_t no_aux = -1;
+    uint16_t aux_dummy[8];
+    for (long i = 0; i < T; i++) {
+        memcpy(emb + i * D, h->embed + tok[i] * D, sizeof(uint16_t) * D);
+        memcpy(cs + i * hd, h->cos_t + pos[i] * hd, sizeof(uint16_t) * hd);
+        memcpy(sn + i * hd, h->sin_t + pos[i] * hd, sizeof(uint16_t) * hd);
+    }
+    stack_bf16(h->tab, 1, D, h->H, h->Hkv, hd, h->I, h->eps, T, h->S, x, emb, cs, sn, mask, cpos, h->kv, 0, &no_aux, 0,
+               aux_dummy, threads);
+    free(emb); free(cs); free(sn);
+}
+
 /* EagleDrafter.update's head pass in one call: the accepted path's R positions (padded to the tree's depth +
    1): fc over their aux states (rows path[i] of aux [N, F], fc packed as fcP, bias fcb or 0), the head layer
    at slots n .. n + R - 1 (causal over the cache), writing the head's KV; out1 [D] = the output at position
@@ -160,29 +187,22 @@ void eagle_update_bf16(const int64_t* tab, long D, long H, long Hkv, long hd, lo
                        uint16_t* kv, const uint16_t* embed, const uint16_t* cos_t, const uint16_t* sin_t,
                        const uint16_t* fcP, const uint16_t* fcb, long F, const uint16_t* aux, const int64_t* path,
                        const int64_t* nxt, long R, long n, long L, uint16_t* out1, int threads) {
+    const Head hh = {tab, D, H, Hkv, hd, I, S, eps, kv, embed, cos_t, sin_t};
     uint16_t* feats = malloc(sizeof(uint16_t) * R * F);
     float* ff = malloc(sizeof(float) * R * F);
     uint16_t* x = malloc(sizeof(uint16_t) * R * D);
-    uint16_t* emb = malloc(sizeof(uint16_t) * R * D);
-    uint16_t* cs = malloc(sizeof(uint16_t) * R * hd);
-    uint16_t* sn = malloc(sizeof(uint16_t) * R * hd);
     uint8_t* mask = malloc(R * S);
     int64_t* cpos = malloc(sizeof(int64_t) * R);
-    const int64_t no_aux = -1;
-    uint16_t aux_dummy[8];
     for (long i = 0; i < R; i++) {
         memcpy(feats + i * F, aux + path[i] * F, sizeof(uint16_t) * F);
-        memcpy(emb + i * D, embed + nxt[i] * D, sizeof(uint16_t) * D);
-        memcpy(cs + i * hd, cos_t + (n + i) * hd, sizeof(uint16_t) * hd);
-        memcpy(sn + i * hd, sin_t + (n + i) * hd, sizeof(uint16_t) * hd);
         memset(mask + i * S, 1, n + i + 1);
         memset(mask + i * S + n + i + 1, 0, S - n - i - 1);
-        cpos[i] = n + i;
+        cpos[i] = n + i;  /* (also the RoPE position) */
     }
     linear_bf16(feats, ff, R, F, fcP, fcb, D, x, threads);  /* the head's input features, as eagle.project */
-    stack_bf16(tab, 1, D, H, Hkv, hd, I, eps, R, S, x, emb, cs, sn, mask, cpos, kv, 0, &no_aux, 0, aux_dummy, threads);
+    head_layer(&hh, x, R, nxt, cpos, cpos, mask, threads);
     memcpy(out1, x + (L - 1) * D, sizeof(uint16_t) * D);
-    free(feats); free(ff); free(x); free(emb); free(cs); free(sn); free(mask); free(cpos);
+    free(feats); free(ff); free(x); free(mask); free(cpos);
 }
 
 /* EAGLE-2 over an EAGLE-3 head's layer (tab: one cpu_forward layer row, norm_w: the head's final norm, embed:
@@ -198,6 +218,7 @@ void eagle_tree_bf16(const int64_t* tab, long D, long H, long Hkv, long hd, long
                      long k, long depth, long N, int64_t root, int64_t* tokens, int64_t* parents,
                      int64_t* depth_out, uint8_t* anc, double* lm_s, int threads) {
     const long C = k + (depth - 1) * k * k, A = depth * k;  /* candidates; ancestor bits (draft slots) */
+    const Head hh = {tab, D, H, Hkv, hd, I, S, eps, kv, embed, cos_t, sin_t};
     int64_t* ctok = malloc(sizeof(int64_t) * C);
     float* csc = malloc(sizeof(float) * C);
     long* cpar = malloc(sizeof(long) * C);
@@ -212,11 +233,8 @@ void eagle_tree_bf16(const int64_t* tab, long D, long H, long Hkv, long hd, long
     uint16_t* lm = malloc(sizeof(uint16_t) * k * D);
     float* xf = malloc(sizeof(float) * k * D);
     float* nf = malloc(sizeof(float) * k * D);
-    uint16_t* emb = malloc(sizeof(uint16_t) * k * D);
-    uint16_t* cs = malloc(sizeof(uint16_t) * k * hd);
-    uint16_t* sn = malloc(sizeof(uint16_t) * k * hd);
     uint8_t* mask = malloc(k * S);
-    int64_t* cpos = malloc(sizeof(int64_t) * k);
+    int64_t* cpos = malloc(sizeof(int64_t) * k), * rpos = malloc(sizeof(int64_t) * k);
     uint16_t* y = malloc(sizeof(uint16_t) * k * W);
     float* r = malloc(sizeof(float) * (W > C ? W : C));
     long* top = malloc(sizeof(long) * (k * k > N ? k * k : N));
@@ -224,8 +242,6 @@ void eagle_tree_bf16(const int64_t* tab, long D, long H, long Hkv, long hd, long
     float* lp = malloc(sizeof(float) * k * k);
     float* sc = malloc(sizeof(float) * k * k);
     long* pos_of = malloc(sizeof(long) * C);
-    const int64_t no_aux = -1;
-    uint16_t aux_dummy[8];
     *lm_s = 0.0;
     score(lm0, xf, 1, D, P, b, W, ids, r2t, k, y, r, top, ctok, csc, lm_s, threads);
     for (long j = 0; j < k; j++) {
@@ -241,12 +257,9 @@ void eagle_tree_bf16(const int64_t* tab, long D, long H, long Hkv, long hd, long
             memset(m + n, 0, S - n);
             for (long a = 0; a < A; a++) m[n + a] = fanc[j * A + a];
             cpos[j] = n + (lvl - 1) * k + j;
-            memcpy(cs + j * hd, cos_t + (n + lvl - 1) * hd, sizeof(uint16_t) * hd);
-            memcpy(sn + j * hd, sin_t + (n + lvl - 1) * hd, sizeof(uint16_t) * hd);
-            memcpy(emb + j * D, embed + ftok[j] * D, sizeof(uint16_t) * D);
+            rpos[j] = n + lvl - 1;  /* every frontier node sits at this depth's position */
         }
-        stack_bf16(tab, 1, D, H, Hkv, hd, I, eps, k, S, x, emb, cs, sn, mask, cpos, kv, 0, &no_aux, 0, aux_dummy,
-                   threads);
+        head_layer(&hh, x, k, ftok, rpos, cpos, mask, threads);
         for (long i = 0; i < k * D; i++) nf[i] = fbf(x[i]);
         rmsnorm(nf, norm_w, xf, D, k, D, eps);  /* lm = norm(out), as eagle.EagleHead.forward */
         for (long i = 0; i < k * D; i++) lm[i] = to_bf16(xf[i]);
@@ -291,7 +304,7 @@ void eagle_tree_bf16(const int64_t* tab, long D, long H, long Hkv, long hd, long
         for (long i = 1; i < N; i++)
             for (long j = 0; j < N; j++) anc[i * N + j] |= anc[parents[i] * N + j];
     free(ctok); free(csc); free(cpar); free(clvl); free(ftok); free(fsc); free(fcand); free(fanc); free(nanc);
-    free(x); free(nx); free(lm); free(xf); free(nf); free(emb); free(cs); free(sn); free(mask); free(cpos);
+    free(x); free(nx); free(lm); free(xf); free(nf); free(mask); free(cpos); free(rpos);
     free(y); free(r); free(top); free(tk); free(lp); free(sc); free(pos_of);
 }
 """
