@@ -155,6 +155,26 @@ def accept_greedy(tree, logits: Tensor):
     return path, L, pred.index_select(0, best.view(1))[0]
 
 
+def accept_greedy_host(tree, logits: Tensor) -> tuple[list[int], int, int]:
+    """accept_greedy on host lists, for eager CPU steps (reading a CPU tensor is a memory read): (path as
+    best_path pads it, 0 past L, to max_depth + 1 entries; L; bonus), the same values from one argmax over the
+    rows and one walk over the nodes (parents come before children; the deepest accepted node, ties to the lower
+    index, as best_path's argmax). Why: accept_greedy's dozen small ops cost about 0.1 ms a step there."""
+    pred = argmax(logits).tolist()
+    toks, par, dep, val = tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist(), tree.valid.tolist()
+    ok, best = [True] + [False] * (len(toks) - 1), 0
+    for i in range(1, len(toks)):
+        ok[i] = val[i] and ok[par[i]] and toks[i] == pred[par[i]]
+        if ok[i] and dep[i] > dep[best]:
+            best = i
+    path, i = [], best
+    while i >= 0:
+        path.append(i)
+        i = par[i]
+    path.reverse()
+    return path + [0] * (tree.max_depth + 1 - len(path)), len(path), pred[best]
+
+
 def accept_sample(tree, probs: Tensor):
     """probs [N, V] target distributions (after temperature/top-k/top-p) -> (path, L, bonus), exact in
     distribution. Deterministic proposals (tree.q None): siblings are tried in rank order, x accepted with

@@ -307,6 +307,47 @@ def test_compiled_steps_equal_eager(tiny, kind, vocab_spec):
         assert eng.drafter.static and eng.drafter.draft(torch.tensor([5]), torch.tensor(3)).tokens.shape[0] == eng.drafter.k + 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_cpu_verify_equals_the_traced_step(tiny, dtype):
+    """Eager CPU verify steps take shortcuts the traced step (torch.compile, CUDA graphs) cannot: a one-node
+    tree runs the decode step's pass, greedy acceptance walks host lists, and the KV moves run in one C call
+    (the bf16 fused cache). Each gives the traced step's host values, path, bonus, logits and KV cache, on a
+    tree whose accepted path must move (the target's tokens sit at second children), its prefixes and a chain."""
+    torch._dynamo.reset()
+    m = load_model(tiny[0], dtype=dtype)
+    prompt = PROMPTS[2]
+    c = autoregressive(m, prompt, 5)  # the first token (the root), then the target's next four
+    eng = Engine(m, drafter=dr.NgramDrafter(k=4), budget=True)
+    traced = torch.compile(eng._spec_verify, fullgraph=True, backend="eager")
+    S, eng.R_ver = eng.plan(len(prompt), 16, 8)
+    m.setup_caches(1, S)
+    eng._prefill(torch.tensor(prompt), 1)
+    n = torch.tensor(len(prompt))
+    P = torch.tensor([-1, 0, 0, 2, 2, 4, 5])  # root -> (wrong, c1); c1 -> (wrong, c2); c2 -> c3 -> c4
+    w = (c[1] + 1) % m.args.vocab_size
+    tree = dr.Tree(torch.tensor([c[0], w, c[1], w, c[2], c[3], c[4]]), P, torch.tensor([0, 1, 1, 2, 2, 3, 4]),
+                   dr.ancestor_mask(P, 4), torch.ones(7, dtype=torch.bool), None, 4)
+    caches = lambda: [b for name, b in m.named_buffers() if name.split(".")[-1] in ("k", "v", "kv", "kt")]
+    Ls = []
+    for t in (tree, tree.prefix(5), tree.prefix(3), tree.prefix(1), dr.chain_tree(torch.tensor(c[:3]))):
+        eng.R_ver = eng.pass_rows(t.tokens.shape[0], S)
+        before = [x.clone() for x in caches()]
+        h1, a1 = eng._spec_verify(t, n)
+        after = [x.clone() for x in caches()]
+        for x, old in zip(caches(), before):
+            x.copy_(old)
+        h2, a2 = traced(t, n)
+        assert torch.equal(h1, h2)
+        for x, y in zip((a1.path, a1.L, a1.bonus, a1.logits, a1.hidden), (a2.path, a2.L, a2.bonus, a2.logits, a2.hidden)):
+            assert torch.equal(x, y)
+        assert all(torch.equal(x, y) for x, y in zip(after, caches()))
+        Ls.append((int(a1.L), a1.path[:int(a1.L)].tolist()))
+        for x, old in zip(caches(), before):
+            x.copy_(old)
+    assert Ls[:3] == [(5, [0, 2, 4, 5, 6]), (3, [0, 2, 4]), (2, [0, 2])] and Ls[3][0] == 1 and Ls[4][0] == 3
+    assert (m.kv is not None) == (dtype == torch.bfloat16 and cpu_gemm.kernel() is not None)  # bf16: the C moves
+
+
 def _walk(x, path, tensors, values, seen):
     """Every tensor (address) and plain Python value reachable from the engine's persistent state."""
     if torch.is_tensor(x):

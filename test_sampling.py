@@ -25,6 +25,37 @@ def test_accept_greedy_handcrafted():
     assert int(L) == 3 and path[:3].tolist() == [0, 2, 5] and int(bonus) == int(pred[5])
 
 
+def test_accept_greedy_host_is_accept_greedy():
+    """The eager CPU steps' host-side acceptance gives accept_greedy's path (padding included), accepted length
+    and bonus on random trees: random parents, invalid (padded) nodes, prefixes of a tree (budget.py), and
+    targets that agree with a node often, so deep paths, ties between equally deep paths and chains occur."""
+    g = torch.Generator().manual_seed(0)
+    V, seen = 6, set()
+    for trial in range(400):
+        N = int(torch.randint(1, 14, (1,), generator=g))
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, N)]
+        if trial % 4 == 0:
+            parents = [-1] + list(range(N - 1))  # a chain (prompt lookup)
+        depth = [0] * N
+        for i in range(1, N):
+            depth[i] = depth[parents[i]] + 1
+        D = max(depth) + int(torch.randint(0, 2, (1,), generator=g))  # (a prefix keeps its tree's max_depth)
+        P = torch.tensor(parents)
+        valid = torch.rand(N, generator=g) < 0.9
+        tree = dr.Tree(torch.randint(0, V, (N,), generator=g), P, torch.tensor(depth), dr.ancestor_mask(P, max(D, 1)),
+                       valid, None, D)
+        logits = torch.randn(N, V, generator=g)
+        for i in range(1, N):  # the target often agrees with node i (its parent's row's argmax is its token)
+            if torch.rand(1, generator=g) < 0.6:
+                logits[parents[i], tree.tokens[i]] = 10.0
+        for t in ([tree] + [tree.prefix(b) for b in (2, 4) if b < N]):
+            path, L, bonus = accept_greedy(t, logits[:t.tokens.shape[0]].clone())
+            hp, hL, hb = sampling.accept_greedy_host(t, logits[:t.tokens.shape[0]])
+            assert (hp, hL, hb) == (path.tolist(), int(L), int(bonus)), (trial, parents)
+            seen.add(hL)
+    assert {1, 2, 3, 4} <= seen  # the trees accepted paths of several lengths
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_argmax_is_torchs(dtype):
     """The C argmax (greedy decoding and acceptance) returns torch.argmax's indices: the first of tied maxima,
