@@ -125,9 +125,20 @@ def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
     return anc > 0
 
 
+_CHAINS = {}  # N -> (parents, depth, ancestors, all-valid) of an N-node chain on the CPU, shared by every such chain
+
+
 def chain_tree(tokens: Tensor, valid: Tensor | None = None, q: Tensor | None = None) -> Tree:
     """A chain root -> t1 -> ... -> tk as a Tree."""
     N = tokens.shape[0]
+    if tokens.device.type == "cpu" and not torch.compiler.is_compiling():
+        # eager CPU: a chain's structure is built once per length (read-only everywhere: trees are never written
+        # in place). Why: its five small ops cost about 0.08 ms, and every autoregressive step makes a chain
+        if N not in _CHAINS:
+            ar = torch.arange(N)
+            _CHAINS[N] = (ar - 1, ar, ar[None, :] <= ar[:, None], torch.ones(N, dtype=torch.bool))
+        parents, depth, anc, ones = _CHAINS[N]
+        return Tree(tokens, parents, depth, anc, ones if valid is None else valid, q, N - 1)
     ar = torch.arange(N, device=tokens.device)
     anc = ar[None, :] <= ar[:, None]
     if valid is None:
