@@ -175,7 +175,7 @@ static void head_layer(const Head* h, uint16_t* x, long T, const int64_t* tok, c
         memcpy(sn + i * hd, h->sin_t + pos[i] * hd, sizeof(uint16_t) * hd);
     }
     stack_bf16(h->tab, 1, D, h->H, h->Hkv, hd, h->I, h->eps, T, h->S, x, emb, cs, sn, mask, cpos, h->kv, 0, &no_aux, 0,
-               aux_dummy, threads);
+               aux_dummy, 0, threads);
     free(emb); free(cs); free(sn);
 }
 

@@ -376,7 +376,7 @@ enum { W_IN, W_QKV, B_QKV, W_O, W_POST, W_GU, W_DOWN, W_HID, NW };
 void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, long I, float eps, long T,
                 long S, uint16_t* x, const uint16_t* emb, const uint16_t* cs, const uint16_t* sn, const uint8_t* mask,
                 const int64_t* cpos, uint16_t* kv, uint32_t* kt, const int64_t* aux_of, long n_aux, uint16_t* aux,
-                int threads) {
+                const uint16_t* fnorm, int threads) {
     const long Q = H * hd, KV = Hkv * hd, NQKV = Q + 2 * KV, g = H / Hkv;
     const long nbs = (S + 15) / 16, H2 = hd / 2;  /* kt's slot blocks and pairs */
 #ifndef __AVX512BF16__
@@ -408,6 +408,7 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
     for (long i = 0; i < T * D; i++) xr[i] = fbf(x[i]);
     if (ef) for (long i = 0; i < T * D; i++) ef[i] = fbf(emb[i]);
     #pragma omp parallel num_threads(threads)
+    {
     for (long l = 0; l < L; l++) {
         const int64_t* w = tab + l * NW;
         uint16_t* Kc = kv + (l * 2) * Hkv * S * hd;
@@ -471,7 +472,12 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
         #pragma omp for schedule(static)
         for (long i = 0; i < T * D; i++) xr[i] = rbf(xr[i] + o[i]);
     }
-    for (long i = 0; i < T * D; i++) x[i] = to_bf16(xr[i]);
+    /* the model's final norm (fnorm, or 0: none), here rather than in torch after the call: its eight small ops
+       met cold caches after the pass and cost about 0.2 ms a pass (measured on Zen 5) */
+    if (fnorm) rmsnorm(xr, fnorm, h, D, T, D, eps);
+    }
+    const float* fin = fnorm ? h : xr;
+    for (long i = 0; i < T * D; i++) x[i] = to_bf16(fin[i]);
     free(xr); free(h); free(y); free(o); free(keys); free(nk); free(sc); free(ef); free(xs); free(sl);
 }
 
@@ -506,7 +512,7 @@ def kernel():
         return None
     P, I = cpu_gemm.P_, cpu_gemm.I_
     return cpu_gemm.c_function(SOURCE, "cpu_forward", "stack_bf16", (P, I, I, I, I, I, I, ctypes.c_float, I, I, P,
-                                                                     P, P, P, P, P, P, P, P, I, P, ctypes.c_int))
+                                                                     P, P, P, P, P, P, P, P, I, P, P, ctypes.c_int))
 
 
 def compact(kv: Tensor, kt: Tensor, src: list[int], dst: list[int]) -> bool:
@@ -666,20 +672,21 @@ class Stack:
         self.no_kt = torch.empty(0, dtype=torch.int32)  # no transposed keys: the scores read K
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor,
-                 aux_layers: tuple[int, ...] = (), emb: Tensor | None = None, kt: Tensor | None = None
-                 ) -> tuple[Tensor, Tensor]:
+                 aux_layers: tuple[int, ...] = (), emb: Tensor | None = None, kt: Tensor | None = None,
+                 norm: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """x [T, D] bf16 (the embeddings; an EAGLE-3 head: its input features); cos, sin [T, hd] bf16; mask
         [T, S] bool; cache_pos [T] int64; kv [L, 2, Hkv, S, hd] bf16, written at cache_pos; aux_layers:
         layers whose inputs to return (repeats allowed); emb [T, D]: an EAGLE-3 head's token embeddings; kt:
-        the cache's transposed keys (transposed_keys), written and read with kv, or None
-        -> (x after the layers [T, D], aux [T, len(aux_layers)*D])."""
+        the cache's transposed keys (transposed_keys), written and read with kv, or None; norm [D]: the final
+        RMSNorm's weight, applied to the output (as model.RMSNorm, in the pass's own arithmetic), or None
+        -> (x after the layers (and the norm) [T, D], aux [T, len(aux_layers)*D])."""
         a, key = self.args, tuple(aux_layers)
         if key not in self.aux_of:
             self.aux_of[key] = torch.tensor(list(key) or [-1], dtype=torch.int64)
         if kt is None:
             kt = self.no_kt
         args = (x, emb, cos, sin, mask, cache_pos, kv, kt, self.table, self.aux_of[key], len(key), a.n_heads,
-                a.intermediate_size, a.norm_eps)
+                a.intermediate_size, a.norm_eps, norm)
         return torch.ops.nanospec.cpu_stack(*args) if torch.compiler.is_compiling() else run(*args)
 
 
@@ -688,8 +695,8 @@ def pack_of(lin) -> Tensor:
 
 
 def run(x: Tensor, emb: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor,
-        kt: Tensor, table: Tensor, aux_of: Tensor, n_aux: int, n_heads: int, inter: int, eps: float
-        ) -> tuple[Tensor, Tensor]:
+        kt: Tensor, table: Tensor, aux_of: Tensor, n_aux: int, n_heads: int, inter: int, eps: float,
+        norm: Tensor | None = None) -> tuple[Tensor, Tensor]:
     T, D = x.shape
     L, _, Hkv, S, hd = kv.shape
     assert kv.is_contiguous() and mask.shape == (T, S) and hd % 8 == 0 and hd <= 256 and table.shape[0] == L
@@ -702,17 +709,18 @@ def run(x: Tensor, emb: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor, c
     e = None if emb is None else emb.contiguous()
     kernel()(table.data_ptr(), L, D, n_heads, Hkv, hd, inter, eps, T, S, x.data_ptr(), 0 if e is None else e.data_ptr(),
              cos.data_ptr(), sin.data_ptr(), m.data_ptr(), pos.data_ptr(), kv.data_ptr(),
-             kt.data_ptr() if kt.numel() else 0, aux_of.data_ptr(), n_aux, aux.data_ptr(), torch.get_num_threads())
+             kt.data_ptr() if kt.numel() else 0, aux_of.data_ptr(), n_aux, aux.data_ptr(),
+             0 if norm is None else norm.data_ptr(), torch.get_num_threads())
     return x, aux
 
 
 @torch.library.custom_op("nanospec::cpu_stack", mutates_args=("kv", "kt"))
 def cpu_stack_op(x: Tensor, emb: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor,
-                 kt: Tensor, table: Tensor, aux_of: Tensor, n_aux: int, n_heads: int, inter: int, eps: float
-                 ) -> tuple[Tensor, Tensor]:
-    return run(x, emb, cos, sin, mask, cache_pos, kv, kt, table, aux_of, n_aux, n_heads, inter, eps)
+                 kt: Tensor, table: Tensor, aux_of: Tensor, n_aux: int, n_heads: int, inter: int, eps: float,
+                 norm: Tensor | None) -> tuple[Tensor, Tensor]:
+    return run(x, emb, cos, sin, mask, cache_pos, kv, kt, table, aux_of, n_aux, n_heads, inter, eps, norm)
 
 
 @cpu_stack_op.register_fake
-def _(x, emb, cos, sin, mask, cache_pos, kv, kt, table, aux_of, n_aux, n_heads, inter, eps):
+def _(x, emb, cos, sin, mask, cache_pos, kv, kt, table, aux_of, n_aux, n_heads, inter, eps, norm):
     return x.new_empty(x.shape), x.new_empty(x.shape[0], max(n_aux, 1) * x.shape[1])

@@ -376,8 +376,10 @@ class Transformer(nn.Module):
         if self.kv is not None and tokens.shape[0] == 1 and input_pos.dim() == 1 and mask.dim() == 2:
             # the whole layer stack in one C call, row-invariant by construction: exact mode's recent-key
             # gathers and padded rows are not needed (cpu_forward.py)
-            x, aux = self.cpu_pass(x[0], cos, sin, mask, cache_pos, self.kv, self.aux_layers, kt=self.kt)
-            x, aux = x[None], (aux[None] if self.aux_layers else None)
+            # (the final norm too: h)
+            h, aux = self.cpu_pass(x[0], cos, sin, mask, cache_pos, self.kv, self.aux_layers, kt=self.kt,
+                                   norm=self.norm.weight)
+            h, aux = h[None], (aux[None] if self.aux_layers else None)
         else:
             exact = None if recent is None else exact_plan(input_pos, recent, self.seq_range,
                                                             self.args.n_heads // self.args.n_kv_heads, attn_rows)
@@ -389,7 +391,7 @@ class Transformer(nn.Module):
             aux = torch.cat([states[i] for i in self.aux_layers], dim=-1) if states else None
             if self.kt is not None and self.kt.numel():  # these layers wrote K without its transposed copy
                 self.kt.copy_(cpu_forward.transposed_keys(self.kv))
-        h = self.norm(x)
+            h = self.norm(x)
         logits = self.lm_head(h) if compute_logits else None
         if not return_hidden:
             return logits
