@@ -79,7 +79,13 @@ def test_bench_guard_fires_on_tampered_output(tiny_bench, tmp_path, monkeypatch,
     def wrong_bonus(tree, logits):  # a subtly broken acceptance: the bonus token is off by one
         path, L, bonus = real(tree, logits)
         return path, L, (bonus + 1) % logits.shape[-1]
+    real_host = generate.accept_greedy_host
+
+    def wrong_bonus_host(tree, logits):  # the same fault in eager CPU steps' host-side acceptance
+        path, L, bonus = real_host(tree, logits)
+        return path, L, (bonus + 1) % logits.shape[-1]
     monkeypatch.setattr(generate, "accept_greedy", wrong_bonus)
+    monkeypatch.setattr(generate, "accept_greedy_host", wrong_bonus_host)
     rc = bench.main(argv(tiny_bench, tmp_path, "--methods", "ngram", "--categories", "qa", "--freq-corpus", "4x48"))
     err = capsys.readouterr().err
     assert rc == 1
