@@ -123,6 +123,9 @@ class Engine:
         self.drafter = drafter
         self.device = model.lm_head.weight.device
         self.decode_fn = self._decode_one
+        # a one-node tree's accepted path and length (_spec_decode), made once: no allocation inside a step
+        self.root_path = (torch.zeros(1, dtype=torch.long, device=self.device),
+                          torch.ones((), dtype=torch.long, device=self.device))
         self.verify_step, self.advance_step = self._spec_verify, self._spec_advance
         cuda = self.device.type == "cuda"
         # CPU: bit-exact greedy output (exact attention + pass sizes this machine's kernels keep row-invariant,
@@ -301,7 +304,8 @@ class Engine:
         logits, hid, aux = self._verify(tree.tokens, tree.depth, tree.anc, n)  # [N, V], [1, N, d], [1, N, 3d]
         if self.sampling.greedy and self.device.type == "cpu" and not torch.compiler.is_compiling():
             # eager CPU: the acceptance on host lists and the KV moves in one C call (model.compact_kv): the
-            # device ops they replace cost about 0.4 ms a tree step, a tenth of a one-row pass (measured on Zen 5)
+            # small device ops they replace met cold caches after the pass (in-process A/B on Zen 5: 0.2-0.4 ms
+            # less a step of 2-16 nodes, 1.02-1.06x)
             p, L, bonus = accept_greedy_host(tree, logits)
             path = torch.tensor(p, device=n.device)
             if tree.tokens.shape[0] > 1:
@@ -322,13 +326,12 @@ class Engine:
         """_spec_verify of a one-node tree (an autoregressive step: budget.py's fallback, or no draft): the decode
         step's pass (causal mask: slots <= n, as the tree's mask; the same bits) and the bonus sampled as the
         decode step samples it, without the tree mask, the path search and the KV compaction. Why: those are
-        about 25 small ops, 0.2 ms on a CPU, 5% of a one-row step, and most steps of hard text are such steps."""
+        about 25 small ops (in-process A/B on Zen 5: 7.21 -> 6.90 ms a step), and most steps of hard text are
+        such steps."""
         logits, hid, aux = self.model(tree.tokens[None], n.view(1), return_hidden=True)  # [1, 1, V], [1, 1, d], ..
         logits = logits[0]
         bonus = sample(logits, self.sampling).view(())
-        if getattr(self, "_root", (None,))[0] is None or self._root[0].device != n.device:
-            self._root = (torch.zeros(1, dtype=torch.long, device=n.device), torch.ones((), dtype=torch.long, device=n.device))
-        path, L = self._root  # (never written: every reader indexes with them)
+        path, L = self.root_path  # (never written: every reader indexes with them)
         host = torch.cat([L.view(1), bonus.view(1), tree.tokens, path])
         return host, dr.Accepted(tree, path, L, bonus, logits, hid, aux, n)
 
