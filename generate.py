@@ -307,12 +307,13 @@ class Engine:
             # small device ops they replace met cold caches after the pass (in-process A/B on Zen 5: 0.2-0.4 ms
             # less a step of 2-16 nodes, 1.02-1.06x)
             p, L, bonus = accept_greedy_host(tree, logits)
-            path = torch.tensor(p, device=n.device)
             if tree.tokens.shape[0] > 1:
-                self.model.compact_kv(n + path, n)
+                n0 = int(n)
+                self.model.compact_kv([n0 + i for i in p], n0)
             toks = tree.tokens.tolist()
-            host = torch.tensor([L, bonus] + [toks[i] for i in p] + p)
-            return host, dr.Accepted(tree, path, torch.tensor(L), torch.tensor(bonus), logits, hid, aux, n)
+            host = torch.tensor([L, bonus] + [toks[i] for i in p] + p)  # [2 + 2 (D + 1)]
+            P = 2 + len(p)  # the Accepted's tensors are views of it: no more allocations
+            return host, dr.Accepted(tree, host[P:], host[0], host[1], logits, hid, aux, n)
         if self.sampling.greedy:
             path, L, bonus = accept_greedy(tree, logits)
         else:

@@ -398,19 +398,20 @@ class Transformer(nn.Module):
         return logits, h, aux
 
     @torch.no_grad()
-    def compact_kv(self, src: Tensor, dst_start: Tensor):
+    def compact_kv(self, src: Tensor | list[int], dst_start: Tensor | int):
         """Move KV rows at cache slots src [n] to slots dst_start + [0, n) (the accepted tree path).
         Fixed n keeps the shape static: rows beyond the accepted length are copied too, harmlessly,
-        since they lie past the new prefix and are overwritten before they are ever attended."""
+        since they lie past the new prefix and are overwritten before they are ever attended.
+        Eager CPU callers that hold the path on the host may pass a list and an int."""
         if (self.kv is not None and self.kv.device.type == "cpu" and self.kv.dtype == torch.bfloat16
                 and not torch.compiler.is_compiling()):
             # eager CPU: the moves on host lists (a memory read there), in one C call, none where a slot is in
             # place already (a chain's accepted path always is)
             d0 = int(dst_start)
-            pairs = [(s, d0 + i) for i, s in enumerate(src.tolist()) if s != d0 + i]
-            kt = self.kt if self.kt is not None else self.kv.new_empty(0, dtype=torch.int32)
-            if not pairs or cpu_forward.compact(self.kv, kt, [a for a, _ in pairs], [b for _, b in pairs]):
+            pairs = [(s, d0 + i) for i, s in enumerate(src.tolist() if torch.is_tensor(src) else src) if s != d0 + i]
+            if not pairs or cpu_forward.compact(self.kv, self.kt, [a for a, _ in pairs], [b for _, b in pairs]):
                 return
+        src, dst_start = torch.as_tensor(src), torch.as_tensor(dst_start)
         dst = dst_start + torch.arange(src.shape[0], device=src.device)
         if self.kv is not None:  # one tensor: one gather and one scatter for every layer
             self.kv.index_copy_(3, dst, self.kv.index_select(3, src))
