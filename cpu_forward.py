@@ -441,7 +441,8 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
         }
         /* tasks: (row, KV head, block of up to hb of the heads sharing it); a head's arithmetic is the same in
            any block, so the blocks only balance the threads (one head per task when rows are few) */
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(static, 1)  /* dealt round-robin: a prefill's rows see 1 .. T keys, and
+                                                   halves by row had left one thread a quarter of the work */
         for (long tk = 0; tk < T * Hkv * nb; tk++) {
             long t = tk / (Hkv * nb), j = tk / nb % Hkv, h0 = j * g + tk % nb * hb;
             int G = (int)(g - tk % nb * hb < hb ? g - tk % nb * hb : hb);

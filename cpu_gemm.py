@@ -124,18 +124,21 @@ typedef void (*tile_fn)(const void* x, long kx, const uint16_t* P, const uint16_
 static void tiled(const tile_fn* tiles, long mtmax, long panel, int spread, const void* x, long kx, long M, long K,
                   const uint16_t* P, const uint16_t* b, long N, uint16_t* y, float* yf) {
     const long NP = (N + panel - 1) / panel, L = panel * K / 32;  /* 64-byte lines per panel */
-    for (long mb = 0; mb < M; mb += 48) {
+    const long NB = (M + 47) / 48;
+    /* one work-shared loop over (row block, panel) pairs, not a loop per row block: a product of 9 panels
+       (576 outputs) over 2 threads left one idle a ninth of every row block's time, and a barrier after each
+       block; with many blocks (a prefill) the pairs divide evenly */
+    #pragma omp for schedule(static)
+    for (long q = 0; q < NB * NP; q++) {
+        const long mb = q / NP * 48, p = q % NP;
         long mend = mb + 48 < M ? mb + 48 : M, rows = mend - mb, nt = (rows + mtmax - 1) / mtmax;
-        #pragma omp for schedule(static)
-        for (long p = 0; p < NP; p++) {
-            const char* next = p + 1 < NP ? (const char*)(P + (p + 1) * panel * K) : 0;
-            long m = mb;
-            for (long t = 0; t < nt; t++) {
-                long h = (mend - m) / (nt - t) + ((mend - m) % (nt - t) != 0);
-                long l0 = spread ? L * t / nt : 0, l1 = spread ? (nt > 1 ? L * (t + 1) / nt : 0) : (t == 0 ? L : 0);
-                tiles[h](x, kx, P, b, y, yf, N, m, p, l1 > l0 ? next : 0, l0, l1);
-                m += h;
-            }
+        const char* next = p + 1 < NP ? (const char*)(P + (p + 1) * panel * K) : 0;
+        long m = mb;
+        for (long t = 0; t < nt; t++) {
+            long h = (mend - m) / (nt - t) + ((mend - m) % (nt - t) != 0);
+            long l0 = spread ? L * t / nt : 0, l1 = spread ? (nt > 1 ? L * (t + 1) / nt : 0) : (t == 0 ? L : 0);
+            tiles[h](x, kx, P, b, y, yf, N, m, p, l1 > l0 ? next : 0, l0, l1);
+            m += h;
         }
     }
 }
