@@ -182,14 +182,16 @@ static void head_layer(const Head* h, uint16_t* x, long T, const int64_t* tok, c
 /* EagleDrafter.update's head pass in one call: the accepted path's R positions (padded to the tree's depth +
    1): fc over their aux states (rows path[i] of aux [N, F], fc packed as fcP, bias fcb or 0), the head layer
    at slots n .. n + R - 1 (causal over the cache), writing the head's KV; out1 [D] = the output at position
-   L - 1 (the next draft's features). */
+   L - 1 (the next draft's features), lm1 [D] = its final norm (norm_w: the next draft's LM-head input, as
+   eagle_tree_bf16 norms its frontier; in torch after the call, one row's norm had cost ~0.15 ms: cold caches) */
 void eagle_update_bf16(const int64_t* tab, long D, long H, long Hkv, long hd, long I, float eps, long S,
                        uint16_t* kv, const uint16_t* embed, const uint16_t* cos_t, const uint16_t* sin_t,
                        const uint16_t* fcP, const uint16_t* fcb, long F, const uint16_t* aux, const int64_t* path,
-                       const int64_t* nxt, long R, long n, long L, uint16_t* out1, int threads) {
+                       const int64_t* nxt, long R, long n, long L, uint16_t* out1, const uint16_t* norm_w,
+                       uint16_t* lm1, int threads) {
     const Head hh = {tab, D, H, Hkv, hd, I, S, eps, kv, embed, cos_t, sin_t};
     uint16_t* feats = malloc(sizeof(uint16_t) * R * F);
-    float* ff = malloc(sizeof(float) * R * F);
+    float* ff = malloc(sizeof(float) * (R * F > 2 * D ? R * F : 2 * D));
     uint16_t* x = malloc(sizeof(uint16_t) * R * D);
     uint8_t* mask = malloc(R * S);
     int64_t* cpos = malloc(sizeof(int64_t) * R);
@@ -202,6 +204,9 @@ void eagle_update_bf16(const int64_t* tab, long D, long H, long Hkv, long hd, lo
     linear_bf16(feats, ff, R, F, fcP, fcb, D, x, threads);  /* the head's input features, as eagle.project */
     head_layer(&hh, x, R, nxt, cpos, cpos, mask, threads);
     memcpy(out1, x + (L - 1) * D, sizeof(uint16_t) * D);
+    for (long d = 0; d < D; d++) ff[d] = fbf(out1[d]);  /* (ff is free again: 2 rows of scratch) */
+    rmsnorm(ff, norm_w, ff + D, D, 1, D, eps);
+    for (long d = 0; d < D; d++) lm1[d] = to_bf16(ff[D + d]);
     free(feats); free(ff); free(x); free(mask); free(cpos);
 }
 
@@ -396,13 +401,14 @@ def update_kernel():
         return None
     P, I = cpu_gemm.P_, cpu_gemm.I_
     return cpu_gemm.c_function(SOURCE, "cpu_draft", "eagle_update_bf16",
-                               (P, I, I, I, I, I, ctypes.c_float, I, P, P, P, P, P, P, I, P, P, P, I, I, I, P,
+                               (P, I, I, I, I, I, ctypes.c_float, I, P, P, P, P, P, P, I, P, P, P, I, I, I, P, P, P,
                                 ctypes.c_int))
 
 
 def update(drafter, a, nxt: Tensor) -> bool:
     """EagleDrafter.update's head pass over the accepted path in one C call (fc, the layer, the KV write), its
-    output at the last accepted position into drafter.last_out; False where the caller's PyTorch pass must run
+    output at the last accepted position into drafter.last_out and that output's final norm into
+    drafter.last_lm_in; False where the caller's PyTorch pass must run
     (EAGLE-3 aux states not contiguous bf16, fc not packed). Reads n and L on the host (CPU tensors)."""
     h, aux = drafter.head, a.aux
     fc = h.fc
@@ -418,7 +424,8 @@ def update(drafter, a, nxt: Tensor) -> bool:
                     A.norm_eps, S, h.kv.data_ptr(), h.embed_tokens.weight.data_ptr(), h.rope_cos.data_ptr(),
                     h.rope_sin.data_ptr(), fc.packed.data_ptr(), 0 if fc.bias is None else fc.bias.data_ptr(),
                     aux.shape[2], aux.data_ptr(), path.data_ptr(), nxt.data_ptr(), R, n, L,
-                    drafter.last_out.data_ptr(), torch.get_num_threads())
+                    drafter.last_out.data_ptr(), h.norm.weight.data_ptr(), drafter.last_lm_in.data_ptr(),
+                    torch.get_num_threads())
     return True
 
 

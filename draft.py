@@ -318,8 +318,7 @@ class EagleDrafter(VocabDrafter):
         nxt = a.next_tokens()
         h = self.head
         if cpu_draft.usable(self) and h.c.version == 3 and cpu_draft.update(self, a, nxt):
-            # the head's pass in one C call (its ~20 eager ops cost more than its layer); the norm of one row here
-            self.last_lm_in.copy_(h.norm(self.last_out[None])[0])
+            # the head's pass in one C call (its ~20 eager ops cost more than its layer), the norm of its last row too
             self.observe(a, nxt)
             return
         feats = self._features(a.hidden, a.aux).index_select(1, a.path)  # [1, D+1, F]
