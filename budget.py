@@ -34,6 +34,9 @@ estimates of the sizes that need it against those that do not, as much as the se
 the same saving over the rest of the request (at most max_new_tokens) would repay it again; then it drafts. So a head that gains
 little per step never starts in a request too short to pay it back (on Spec-Bench its start cost more than a
 whole 256-token answer's gain), nor near a request's end, and one that gains much starts after a few steps.
+Its estimate comes from the source's own steps, which stop while it waits: so where they are still few (under
+two decayed steps at the first rank, e.g. one carried EAGLE step with nothing accepted), a probe may pay the
+set-up within the probe share (Budgets.start_probe) instead of waiting for savings it cannot see.
 """
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -86,7 +89,8 @@ class Budget:
         """Step time of size b: its running mean once timed `settle` times. Else, with the machine's pass costs,
         the nearest smaller timed size's time plus the passes' difference (a CPU's cost is flat for a few rows,
         then grows with them: a straight line from one row to the whole tree overrates the middle sizes, and a
-        size never chosen is never timed); without them, interpolated linearly between the nearest timed sizes
+        size never chosen is never timed), plus the drafting overhead where that size is autoregressive
+        decoding's; without them, interpolated linearly between the nearest timed sizes
         (a verification's cost grows about linearly with its rows on a CPU and stays flat on a GPU)."""
         known = [s for s in self.sizes if self.timed.get(s, 0) >= self.settle]
         if b in known:
@@ -96,10 +100,24 @@ class Budget:
         lo = max((s for s in known if s < b), default=None)
         hi = min((s for s in known if s > b), default=None)
         if self.pass_s and lo is not None and b in self.pass_s and lo in self.pass_s:
-            return self.time[lo] + max(self.pass_s[b] - self.pass_s[lo], 0.0)
+            # from an autoregressive step, the drafting it does not pay is added (overhead)
+            return self.time[lo] + max(self.pass_s[b] - self.pass_s[lo], 0.0) + (self.overhead() if lo == 1 else 0.0)
         if lo is None or hi is None:
             return self.time[lo if hi is None else hi]
         return self.time[lo] + (self.time[hi] - self.time[lo]) * (b - lo) / (hi - lo)
+
+    def overhead(self) -> float:
+        """Seconds a speculative step of this source took beyond an autoregressive step and the passes'
+        difference (its draft, the tree's bookkeeping, the drafter's update): the least over its sizes timed
+        `settle` times, 0 where none is (or without the machine's pass costs). Why: an untimed size estimated
+        from an autoregressive step alone looked as cheap as its pass; the hybrid's late EAGLE head (whose
+        drafting costs ~2 ms a step on the Zen 5 CPU) then started in a quarter of the MT-bench requests of
+        Spec-Bench and lost there (1.97x against prompt lookup's 2.20x)."""
+        if not self.pass_s or self.timed.get(1, 0) < self.settle or 1 not in self.pass_s:
+            return 0.0
+        ov = [self.time[s] - self.time[1] - max(self.pass_s[s] - self.pass_s[1], 0.0) for s in self.sizes
+              if s > 1 and s in self.pass_s and self.timed.get(s, 0) >= self.settle]
+        return max(0.0, min(ov)) if ov else 0.0
 
     def rate(self, b: int) -> float:
         return self.tokens(b) / self.seconds(b)
@@ -240,6 +258,8 @@ class Budgets:
     hybrid's chain steps add the chain alone (prompt lookup's whole draft), which a size set cut for the
     merged tree would miss, and start there (a merged tree is probed from it, one size up)."""
 
+    START_EVIDENCE = 2.0  # decayed steps of a source's first rank past which no probe pays its set-up (start_probe)
+
     def __init__(self, nodes: int, sizes_of=None, start_of=None, memory: dict | None = None, setup_of=None, **kw):
         self.nodes, self.kw, self.of, self.key = nodes, kw, {}, None
         self.sizes_of, self.start_of = sizes_of, start_of
@@ -284,11 +304,26 @@ class Budgets:
         if setup > 0:  # ski rental (module doc): the best size without it until waiting has cost the set-up
             need = [s for s in bud.sizes if s > 1 and self.setup_of(key, s) > 0]
             self.held_back += bud.saving(need)
-            if self.held_back < setup or self.held_back * left < setup:
+            if (self.held_back < setup or self.held_back * left < setup) and not self.start_probe(bud, setup, left):
                 a = (bud.best_without(need) or 1) if bud.time else 1
                 bud.instead(b, a)
                 b = a
         return b
+
+    def start_probe(self, bud: Budget, setup: float, left: float) -> bool:
+        """May this probe (bud.probing: a speculative size while autoregressive decoding wins) pay the set-up
+        that the ski rental still holds back? Only while the source's first drafted rank has been seen less
+        than START_EVIDENCE (decayed) steps, and only where the set-up fits the probe share of the request's
+        time (so far, times 1 + left); it is billed to the probes then. Why: the estimate that keeps a set-up
+        waiting comes from the source's own steps, and without a start there are no more of them. One unlucky
+        step (an EAGLE tree with nothing accepted: p ~ 0.02 a node, carried into later requests by the
+        engine's memory) would otherwise lock the head out for good, with nothing to probe it again."""
+        if not bud.probing or bud.nodes < 2 or bud.trials[1] >= self.START_EVIDENCE:
+            return False
+        if self.spent["probe"] + setup > bud.probe_share * self.spent["total"] * (1 + left):
+            return False
+        self.spent["probe"] += setup
+        return True
 
     def keep(self):
         """The request is over: its sources' states are what the next request of the engine starts from."""

@@ -145,10 +145,32 @@ def test_untimed_sizes_follow_the_machines_pass_costs():
     for x in (b, line):
         x.observe(16, [0], 4.0)
         x.observe(1, [0], 1.2)
-    assert b.seconds(4) == pytest.approx(1.2 + 0.1) and b.seconds(8) == pytest.approx(1.2 + 0.8)
-    assert line.seconds(4) == pytest.approx(1.2 + 2.8 * 3 / 15)
-    b.observe(4, [0], 1.5)
+    # + the drafting overhead the whole tree's step showed beyond its pass: 4.0 - 1.2 - (3.5 - 1.0) = 0.3
+    assert b.overhead() == pytest.approx(0.3)
+    assert b.seconds(4) == pytest.approx(1.2 + 0.1 + 0.3) and b.seconds(8) == pytest.approx(1.2 + 0.8 + 0.3)
+    assert line.seconds(4) == pytest.approx(1.2 + 2.8 * 3 / 15) and line.overhead() == 0.0
+    b.observe(4, [0], 1.5)  # from a timed speculative size: its time already holds its drafting
     assert b.seconds(8) == pytest.approx(1.5 + 0.7) and b.seconds(4) == 1.5
+    assert b.overhead() == pytest.approx(1.5 - 1.2 - 0.1)  # the least over the timed sizes'
+
+
+def test_a_set_up_is_not_paid_for_drafts_that_cost_more_than_they_gain():
+    """The ski rental weighs a size that needs the set-up at its estimated step time: from an autoregressive
+    step, its pass and the drafting the source's timed steps showed. A head whose first node is right 60% of
+    the time but whose drafting costs 1.5 autoregressive steps never starts; the same head with cheap
+    drafting starts once the steps held back have paid for it."""
+    pass_s = {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.2, 16: 1.5}
+
+    def picks(whole_tree_s):
+        b = Budget(16, pass_s=pass_s)
+        b.time, b.timed = {1: 1.0, 16: whole_tree_s}, {1: 2, 16: 2}
+        b.hits, b.trials = [0.0, 3.0] + [0.0] * 14, [0.0] + [5.0] * 15  # rank 1: 60%, deeper ranks never
+        bs = Budgets(16, memory={"eagle": b}, pass_s=pass_s, probe=10 ** 9, setup_of=lambda key, s: 2.0)
+        return [bs.pick("eagle") for _ in range(12)]
+
+    assert picks(3.0) == [1] * 12  # overhead 3.0 - 1.0 - 0.5 = 1.5 s: size 2 would take 2.52 s for 1.6 tokens
+    cheap = picks(1.6)  # overhead 0.1 s: 1.6 tokens in 1.12 s saves 0.48 s a step, 2 s after 5 steps
+    assert cheap[:4] == [1] * 4 and cheap[4] == 2
 
 
 def test_sources_share_the_autoregressive_time_and_the_probe_cap():
@@ -320,3 +342,36 @@ def test_a_set_up_waits_for_enough_request_left_to_repay_it():
                  probe=10 ** 9, setup_of=lambda key, b: 10.0)
     picks = [bs.pick("eagle", left=0.5) for _ in range(6)]  # held back 2.8 ... 16.8 s, times 0.5 < 10 s until 22.4
     assert picks == [1, 1, 1, 1, 1, 1] and bs.pick("eagle", left=0.5) == 1 and bs.pick("eagle", left=0.5) == 4
+
+
+def test_a_probe_may_start_a_set_up_that_thin_evidence_holds_back():
+    """One unlucky step carried in the engine's memory (the head's tree with nothing accepted: ~0.02 a node)
+    must not lock a set-up out for good: while the source's first rank has under START_EVIDENCE decayed steps, a
+    probe pays the set-up within the probe share, and the head's steps then speak for themselves; with more
+    evidence, or where the set-up does not fit the probe share, the probes keep decoding autoregressively."""
+    cost = {1: 1.0, 2: 1.05, 4: 1.2, 8: 2.0}
+
+    def unlucky(trials):
+        b = Budget(8)
+        b.time, b.timed = dict(cost), dict.fromkeys(cost, 1)
+        b.hits, b.trials = [0.0] * 8, [0.0] + [trials] * 7
+        return b
+
+    def request(trials, setup_s, steps=40):
+        setup = {"eagle": setup_s}
+        bs = Budgets(8, memory={"eagle": unlucky(trials)}, settle=1, probe=4, setup_of=lambda key, b: setup[key])
+        picks = []
+        for _ in range(steps):
+            b = bs.pick("eagle", left=10.0)
+            picks.append(b)
+            if b > 1:
+                setup["eagle"] = 0.0  # the drafter paid it
+            bs.observe(b, [0, 1][:b], cost[b])  # the head's first node is right every time
+        return picks, bs
+
+    picks, bs = request(1.0, 2.0)
+    assert picks[:4] == [1] * 4 and picks[4] == 2  # the first probe starts the head (2 s <= 5% of 4 s x 11)
+    assert bs.spent["probe"] >= 2.0 and picks[5:].count(2) >= 25  # then its steps show it pays (and the
+    # speculating budget's own probes every 4 steps: an autoregressive step, the next size up)
+    assert request(Budgets.START_EVIDENCE, 2.0)[0] == [1] * 40  # enough evidence: the ski rental decides
+    assert request(1.0, 100.0)[0] == [1] * 40  # a set-up past the probe share: never
