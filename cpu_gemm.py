@@ -115,7 +115,7 @@ typedef void (*tile_fn)(const void* x, long kx, const uint16_t* P, const uint16_
    packed panels of `panel` weight rows (panel x K bf16 each). Work-shared over the threads of the enclosing parallel
    region (serial outside one): each thread takes whole panels. The rows are cut into ceil(rows / mtmax) tiles
    of nearly equal height (8 rows with mtmax 6: 4 + 4, not 6 + 2), as each tile's chains must be many enough to
-   hide the latency; row blocks of 48 keep a block's x in L2 while the panels stream. While a panel computes,
+   hide the latency; row blocks of at most 48 keep a block's x in L2 while the panels stream. While a panel computes,
    the next one is prefetched into L2, so memory and arithmetic overlap: all of it by the first tile (spread = 0),
    or, where the row block has several tiles, a share by each (spread = 1; a lone tile streams its panel with
    the hardware prefetcher). The later tiles find their panel in cache and give the hardware prefetcher no
@@ -127,11 +127,12 @@ static void tiled(const tile_fn* tiles, long mtmax, long panel, int spread, cons
     const long NB = (M + 47) / 48;
     /* one work-shared loop over (row block, panel) pairs, not a loop per row block: a product of 9 panels
        (576 outputs) over 2 threads left one idle a ninth of every row block's time, and a barrier after each
-       block; with many blocks (a prefill) the pairs divide evenly */
+       block; with many blocks (a prefill) the pairs divide evenly. The blocks are of nearly equal height (60
+       rows: 30 + 30, not 48 + 12), as a thread may take a whole block */
     #pragma omp for schedule(static)
     for (long q = 0; q < NB * NP; q++) {
-        const long mb = q / NP * 48, p = q % NP;
-        long mend = mb + 48 < M ? mb + 48 : M, rows = mend - mb, nt = (rows + mtmax - 1) / mtmax;
+        const long mb = M * (q / NP) / NB, mend = M * (q / NP + 1) / NB, p = q % NP;
+        long rows = mend - mb, nt = (rows + mtmax - 1) / mtmax;
         const char* next = p + 1 < NP ? (const char*)(P + (p + 1) * panel * K) : 0;
         long m = mb;
         for (long t = 0; t < nt; t++) {
