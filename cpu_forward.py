@@ -201,7 +201,7 @@ static inline __attribute__((always_inline)) void dots512(const uint32_t* const*
    chain is the same in any block and pass: row-invariant. */
 static inline __attribute__((always_inline)) void lanes512(const uint32_t* const* qb, const uint32_t* kt, long hd,
         float scale, float* const* sl, long b0, const int G, const int MB) {
-    __m512 acc[4][4];
+    __m512 acc[6][4];
     const long H2 = hd / 2;
     for (int h = 0; h < G; h++) for (int i = 0; i < MB; i++) acc[h][i] = _mm512_setzero_ps();
     for (long d = 0; d < H2; d++) {
@@ -236,12 +236,39 @@ static inline __attribute__((always_inline)) void pv512(const float* const* p, c
 }
 #endif
 
+/* one query's scores sh[0 .. n) -> exp(s - max) in place (padded to a multiple of 8 with 0); returns 1 / their sum */
+static inline __attribute__((always_inline)) float softmax_row(float* sh, long n) {
+    long j;
+    for (j = n; j < ((n + 7) & ~7L); j++) sh[j] = -INFINITY;  /* pad the last vector: exp gives 0 there */
+    /* the max 8 lanes at a time: as exact as one at a time (a max rounds nothing; a NaN score is skipped as
+       the scalar compare skipped it, and a +0 or -0 maximum gives every s - m the same value); the scalar
+       loop's carried dependency had cost a sixth of attention's time at 1,200 keys */
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (j = 0; j < n; j += 8) mv = _mm256_max_ps(_mm256_loadu_ps(sh + j), mv);  /* (x, m): m where x is NaN */
+    mv = _mm256_max_ps(mv, _mm256_permute2f128_ps(mv, mv, 1));
+    mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0x4e));
+    mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0xb1));
+    __m256 sum8 = _mm256_setzero_ps();
+    j = 0;
+#ifdef __AVX512BF16__
+    for (const __m512 m16 = _mm512_broadcastss_ps(_mm256_castps256_ps128(mv)); j + 16 <= n; j += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + j), m16));  /* two 8-lane steps of the sum below */
+        _mm512_storeu_ps(sh + j, e);
+        sum8 = _mm256_add_ps(_mm256_add_ps(sum8, _mm512_castps512_ps256(e)), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+    }
+#endif
+    for (; j < n; j += 8) {  /* the sum: 8 lanes in key order, then the fixed hsum */
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + j), mv));
+        _mm256_storeu_ps(sh + j, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    return n ? 1.f / hsum(sum8) : 0.f;
+}
+
 /* G (<= 4) heads sharing one KV head, one row: softmax(q K^T * scale) V over the keys ks[0..n) (cache slots,
-   increasing), fp32; s: G scratch rows of n + 8; kt (AVX-512 BF16 build, or 0): the KV head's transposed keys,
-   with sl: G scratch rows of slot-indexed scores; pre: the keys' leading run ks[j] == j */
+   increasing), fp32; s: G scratch rows of n + 8. Passes with the transposed keys take attend_rows instead. */
 static inline __attribute__((always_inline)) void attend_g(const float* const* q, const uint16_t* K, const uint16_t* V,
-        const int* ks, long n, long pre, long hd, float scale, float* const* s, float* const* out,
-        const uint32_t* kt, float* const* sl, const int G) {
+        const int* ks, long n, long hd, float scale, float* const* s, float* const* out, const int G) {
     long j = 0;
 #ifdef __AVX512BF16__
     const int wide = hd % 32 == 0;
@@ -252,56 +279,18 @@ static inline __attribute__((always_inline)) void attend_g(const float* const* q
             for (long d = 0; d < hd; d += 2) qbuf[h][d / 2] = (uint32_t)to_bf16(q[h][d]) | (uint32_t)to_bf16(q[h][d + 1]) << 16;
             qb[h] = qbuf[h];
         }
-        if (kt && n) {  /* every slot block up to the row's last key: the blocks inside the row's leading run of
-                           slots 0, 1, 2, .. (pre keys: its context) straight into s, the rest via sl */
-            const long nb = ((long)ks[n - 1] >> 4) + 1, pb = pre >> 4;
-            long b = 0;
-            for (; b + 4 <= pb; b += 4) lanes512(qb, kt, hd, scale, s, b, G, 4);
-            for (; b < pb; b++) lanes512(qb, kt, hd, scale, s, b, G, 1);
-            for (; b + 4 <= nb; b += 4) lanes512(qb, kt, hd, scale, sl, b, G, 4);
-            for (; b < nb; b++) lanes512(qb, kt, hd, scale, sl, b, G, 1);
-            for (int h = 0; h < G; h++) for (j = pb * 16; j < n; j++) s[h][j] = sl[h][ks[j]];
-            j = n;
-        }
         for (; j + 4 <= n; j += 4) dots512(qb, K, ks, hd, scale, s, j, G, 4);
         for (; j < n; j++) dots512(qb, K, ks, hd, scale, s, j, G, 1);
     }
 #else
     const int wide = 0;
-    (void)kt; (void)sl;
 #endif
     if (!wide) {
         for (; j + 4 <= n; j += 4) dots(q, K, ks, hd, scale, s, j, G, 4);
         for (; j < n; j++) dots(q, K, ks, hd, scale, s, j, G, 1);
     }
     float inv[4];
-    for (int h = 0; h < G; h++) {
-        float *sh = s[h];
-        for (j = n; j < ((n + 7) & ~7L); j++) sh[j] = -INFINITY;  /* pad the last vector: exp gives 0 there */
-        /* the max 8 lanes at a time: as exact as one at a time (a max rounds nothing; a NaN score is skipped as
-           the scalar compare skipped it, and a +0 or -0 maximum gives every s - m the same value); the scalar
-           loop's carried dependency had cost a sixth of attention's time at 1,200 keys */
-        __m256 mv = _mm256_set1_ps(-INFINITY);
-        for (j = 0; j < n; j += 8) mv = _mm256_max_ps(_mm256_loadu_ps(sh + j), mv);  /* (x, m): m where x is NaN */
-        mv = _mm256_max_ps(mv, _mm256_permute2f128_ps(mv, mv, 1));
-        mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0x4e));
-        mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0xb1));
-        __m256 sum8 = _mm256_setzero_ps();
-        j = 0;
-#ifdef __AVX512BF16__
-        for (const __m512 m16 = _mm512_broadcastss_ps(_mm256_castps256_ps128(mv)); j + 16 <= n; j += 16) {
-            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + j), m16));  /* two 8-lane steps of the sum below */
-            _mm512_storeu_ps(sh + j, e);
-            sum8 = _mm256_add_ps(_mm256_add_ps(sum8, _mm512_castps512_ps256(e)), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
-        }
-#endif
-        for (; j < n; j += 8) {  /* the sum: 8 lanes in key order, then the fixed hsum */
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + j), mv));
-            _mm256_storeu_ps(sh + j, e);
-            sum8 = _mm256_add_ps(sum8, e);
-        }
-        inv[h] = n ? 1.f / hsum(sum8) : 0.f;
-    }
+    for (int h = 0; h < G; h++) inv[h] = softmax_row(s[h], n);
     const float* const* p = (const float* const*)s;
     long c0 = 0;
 #ifdef __AVX512BF16__
@@ -319,16 +308,103 @@ static inline __attribute__((always_inline)) void attend_g(const float* const* q
     }
 }
 
-static void attend(const float* const* q, const uint16_t* K, const uint16_t* V, const int* ks, long n, long pre,
-                   long hd, float scale, float* const* s, float* const* out, const uint32_t* kt, float* const* sl,
-                   int G) {
+static void attend(const float* const* q, const uint16_t* K, const uint16_t* V, const int* ks, long n,
+                   long hd, float scale, float* const* s, float* const* out, int G) {
     switch (G) {
-        case 1: attend_g(q, K, V, ks, n, pre, hd, scale, s, out, kt, sl, 1); break;
-        case 2: attend_g(q, K, V, ks, n, pre, hd, scale, s, out, kt, sl, 2); break;
-        case 3: attend_g(q, K, V, ks, n, pre, hd, scale, s, out, kt, sl, 3); break;
-        default: attend_g(q, K, V, ks, n, pre, hd, scale, s, out, kt, sl, 4); break;
+        case 1: attend_g(q, K, V, ks, n, hd, scale, s, out, 1); break;
+        case 2: attend_g(q, K, V, ks, n, hd, scale, s, out, 2); break;
+        case 3: attend_g(q, K, V, ks, n, hd, scale, s, out, 3); break;
+        default: attend_g(q, K, V, ks, n, hd, scale, s, out, 4); break;
     }
 }
+
+
+#ifdef __AVX512BF16__
+/* o[i][c0 .. c0 + 16 CB) = sum over query i's keys j (in key order) of p[i][j] * V[ks[i][j]][c] for NQ queries
+   of one KV head: their common leading run of slots 0 .. m - 1 first, one load and widening of each value row
+   for all of them, then each query's own rest. Every accumulator is one FMA chain over its query's keys in
+   order, as pv512's: the same bits however the queries are grouped. */
+static inline __attribute__((always_inline)) void pv_rows(const float* const* p, const uint16_t* V,
+        const int* const* ks, const long* n, long m, long hd, long c0, float* const* out, const int NQ, const int CB) {
+    __m512 o[6][4];
+    for (int i = 0; i < NQ; i++) for (int c = 0; c < CB; c++) o[i][c] = _mm512_setzero_ps();
+    for (long j = 0; j < m; j++) {  /* key j is slot j for every query here */
+        const uint16_t* vr = V + j * hd + c0;
+        __m512 v[4];
+        for (int c = 0; c < CB; c++)
+            v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(vr + 16 * c))), 16));
+        for (int i = 0; i < NQ; i++) {
+            __m512 pj = _mm512_set1_ps(p[i][j]);
+            for (int c = 0; c < CB; c++) o[i][c] = _mm512_fmadd_ps(pj, v[c], o[i][c]);
+        }
+    }
+    for (int i = 0; i < NQ; i++)
+        for (long j = m; j < n[i]; j++) {
+            const uint16_t* vr = V + (long)ks[i][j] * hd + c0;
+            __m512 pj = _mm512_set1_ps(p[i][j]);
+            for (int c = 0; c < CB; c++)
+                o[i][c] = _mm512_fmadd_ps(pj, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                          _mm256_loadu_si256((const __m256i*)(vr + 16 * c))), 16)), o[i][c]);
+        }
+    for (int i = 0; i < NQ; i++) for (int c = 0; c < CB; c++) _mm512_storeu_ps(out[i] + c0 + 16 * c, o[i][c]);
+}
+
+/* attend_g's transposed-key path for NQ (<= 6) queries of one KV head that may come from different rows of
+   the pass (a few rows' heads): query i has its own keys ks[i][0 .. n[i]) and leading run pre[i]. The rows
+   share the loads of what they share: every query scores every 16-slot block up to the last one any of them
+   needs (a block's scores that a query's mask does not allow are dropped, as attend_g drops them), and the
+   value rows of their common leading run (pv_rows). Each score is still its own vdpbf16ps chain in its lane
+   and each output its own FMA chain over its query's keys in order: the bits of one row alone. Why: a tree's
+   rows all read the same context; one row at a time, a 16-row verification at 750 keys spent 2.7 ms in
+   attention against 0.85 ms for one row (Zen 5), its value widening and key loads repeated per row. */
+static void attend_rows(const float* const* q, const uint16_t* V, const int* const* ks, const long* n,
+                        const long* pre, long hd, float scale, float* const* s, float* const* out,
+                        const uint32_t* kt, float* const* sl, const int NQ) {
+    uint32_t qbuf[6][128];  /* each query as bf16 pairs (hd <= 256) */
+    const uint32_t* qb[6];
+    long nbmax = 0, m = pre[0];
+    for (int i = 0; i < NQ; i++) {
+        for (long d = 0; d < hd; d += 2) qbuf[i][d / 2] = (uint32_t)to_bf16(q[i][d]) | (uint32_t)to_bf16(q[i][d + 1]) << 16;
+        qb[i] = qbuf[i];
+        const long nb = n[i] ? ((long)ks[i][n[i] - 1] >> 4) + 1 : 0;
+        nbmax = nb > nbmax ? nb : nbmax;
+        m = pre[i] < m ? pre[i] : m;
+    }
+    const long pb = m >> 4;
+    long b = 0;
+    switch (NQ) {  /* (constant query counts: the accumulators stay in registers) */
+#define LANES(NQC) \
+        case NQC: \
+            for (; b + 4 <= pb; b += 4) lanes512(qb, kt, hd, scale, s, b, NQC, 4); \
+            for (; b < pb; b++) lanes512(qb, kt, hd, scale, s, b, NQC, 1); \
+            for (; b + 4 <= nbmax; b += 4) lanes512(qb, kt, hd, scale, sl, b, NQC, 4); \
+            for (; b < nbmax; b++) lanes512(qb, kt, hd, scale, sl, b, NQC, 1); \
+            break;
+        LANES(1) LANES(2) LANES(3) LANES(4) LANES(5) LANES(6)
+#undef LANES
+    }
+    float inv[6];
+    for (int i = 0; i < NQ; i++) {
+        for (long j = pb * 16; j < n[i]; j++) s[i][j] = sl[i][ks[i][j]];
+        inv[i] = softmax_row(s[i], n[i]);
+    }
+    const float* const* p = (const float* const*)s;
+    long c0 = 0;
+    switch (NQ) {
+#define PV(NQC) \
+        case NQC: \
+            for (; c0 + 64 <= hd; c0 += 64) pv_rows(p, V, ks, n, m, hd, c0, out, NQC, 4); \
+            for (; c0 < hd; c0 += 32) pv_rows(p, V, ks, n, m, hd, c0, out, NQC, 2); \
+            break;
+        PV(1) PV(2) PV(3) PV(4) PV(5) PV(6)
+#undef PV
+    }
+    for (int i = 0; i < NQ; i++) {
+        __m256 iv = _mm256_set1_ps(inv[i]);
+        for (long c = 0; c < hd; c += 8) _mm256_storeu_ps(out[i] + c, _mm256_mul_ps(_mm256_loadu_ps(out[i] + c), iv));
+    }
+}
+#endif
 
 
 /* h[t, i] = bf16(bf16(silu(g)) * u) for gu [T, gate | up], as F.silu(gate) * up in bf16; I % 8 == 0. Shared
@@ -378,7 +454,7 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
     kt = 0;
 #endif
     if (hd % 32) kt = 0;
-    float* sl = kt ? malloc(sizeof(float) * threads * 4 * nbs * 16) : 0;  /* slot-indexed scores, per thread */
+    float* sl = kt ? malloc(sizeof(float) * threads * 6 * nbs * 16) : 0;  /* slot-indexed scores, per thread */
     const float scale = 1.f / sqrtf((float)hd);
     long wide = NQKV > 2 * I ? NQKV : 2 * I;
     float* xr = malloc(sizeof(float) * T * D);
@@ -391,10 +467,15 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
     int* keys = malloc(sizeof(int) * T * S);
     long* nk = malloc(sizeof(long) * 2 * T);  /* each row's key count, then its leading run of slots 0, 1, .. */
     long* npre = nk + T;
-    float* sc = malloc(sizeof(float) * threads * 4 * (S + 8));
+    float* sc = malloc(sizeof(float) * threads * 6 * (S + 8));
     uint16_t* xs = malloc(sizeof(uint16_t) * threads * T * hw);  /* gemm_rows' bf16 copies of its input (AVX-512 BF16) */
     const long hb = T * Hkv >= 2 * threads ? (g < 4 ? g : 4) : 1;  /* heads per attention task */
     const long nb = (g + hb - 1) / hb;
+    /* rows per attention task (the transposed-key path, attend_rows): as many as keep each task's queries at
+       most 6 while there are still two tasks per thread */
+    long rb = kt ? 6 / hb : 1;
+    while (rb > 1 && (T + rb - 1) / rb * Hkv * nb < 2 * threads) rb--;
+    const long nrb = (T + rb - 1) / rb;
     for (long t = 0; t < T; t++) {  /* each row's keys, in slot order, once for all layers and heads */
         nk[t] = 0;
         for (long j = 0; j < S; j++) if (mask[t * S + j]) keys[t * S + nk[t]++] = (int)j;
@@ -439,24 +520,37 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
                 }
             }
         }
-        /* tasks: (row, KV head, block of up to hb of the heads sharing it); a head's arithmetic is the same in
-           any block, so the blocks only balance the threads (one head per task when rows are few) */
+        /* tasks: (block of up to rb rows, KV head, block of up to hb of the heads sharing it); a head's
+           arithmetic is the same in any block, so the blocks only balance the threads (one head per task when
+           rows are few) and share loads (attend_rows) */
         #pragma omp for schedule(static, 1)  /* dealt round-robin: a prefill's rows see 1 .. T keys, and
                                                    halves by row had left one thread a quarter of the work */
-        for (long tk = 0; tk < T * Hkv * nb; tk++) {
-            long t = tk / (Hkv * nb), j = tk / nb % Hkv, h0 = j * g + tk % nb * hb;
+        for (long tk = 0; tk < nrb * Hkv * nb; tk++) {
+            long t0 = tk / (Hkv * nb) * rb, j = tk / nb % Hkv, h0 = j * g + tk % nb * hb;
             int G = (int)(g - tk % nb * hb < hb ? g - tk % nb * hb : hb);
-            const float* qs[4];
-            float *ss[4], *os[4], *ls[4];
-            for (int i = 0; i < G; i++) {
-                qs[i] = y + t * NQKV + (h0 + i) * hd;
-                ss[i] = sc + ((long)omp_get_thread_num() * 4 + i) * (S + 8);
-                os[i] = h + t * Q + (h0 + i) * hd;
-                ls[i] = sl ? sl + ((long)omp_get_thread_num() * 4 + i) * nbs * 16 : 0;
+            int R = (int)(T - t0 < rb ? T - t0 : rb), NQ = R * G;
+            const float* qs[6];
+            const int* kq[6];
+            long nq[6], pq[6];
+            float *ss[6], *os[6], *ls[6];
+            for (int i = 0; i < NQ; i++) {
+                const long t = t0 + i / G, hh = h0 + i % G;
+                qs[i] = y + t * NQKV + hh * hd;
+                kq[i] = keys + t * S;
+                nq[i] = nk[t];
+                pq[i] = npre[t];
+                ss[i] = sc + ((long)omp_get_thread_num() * 6 + i) * (S + 8);
+                os[i] = h + t * Q + hh * hd;
+                ls[i] = sl ? sl + ((long)omp_get_thread_num() * 6 + i) * nbs * 16 : 0;
             }
-            attend(qs, Kc + j * S * hd, Vc + j * S * hd, keys + t * S, nk[t], npre[t], hd, scale, ss, os,
-                   kt ? kt + (l * Hkv + j) * nbs * H2 * 16 : 0, ls, G);
-            for (int i = 0; i < G; i++) for (long d = 0; d < hd; d++) os[i][d] = rbf(os[i][d]);
+            const uint32_t* ktj = kt ? kt + (l * Hkv + j) * nbs * H2 * 16 : 0;
+            (void)ktj; (void)pq; (void)ls;  /* (the AVX2 build has no transposed keys) */
+#ifdef __AVX512BF16__
+            if (ktj) attend_rows(qs, Vc + j * S * hd, kq, nq, pq, hd, scale, ss, os, ktj, ls, NQ);
+            else
+#endif
+            attend(qs, Kc + j * S * hd, Vc + j * S * hd, kq[0], nq[0], hd, scale, ss, os, G);
+            for (int i = 0; i < NQ; i++) for (long d = 0; d < hd; d++) os[i][d] = rbf(os[i][d]);
         }
         gemm_rows(h, T, Q, (const uint16_t*)w[W_O], 0, D, 0, o, xs);
         #pragma omp for schedule(static)
