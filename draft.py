@@ -8,6 +8,8 @@ The drafter protocol: every drafter has these, with these signatures, and the en
 not yet in the cache):
     nodes, depth                 most tokens one verification carries (root included); deepest tree level
     graphable                    False when draft/update read host values (prompt lookup): run them eagerly
+    reads_states                 False when update reads only the accepted tokens (prompt lookup): a run of
+                                 autoregressive steps reaches it without their target logits and states (chained)
     setup(max_seq)               before a request whose target cache has max_seq slots
     prompt_logits                how many of the last prompt positions' target logits prefill() reads (NanoSpec's
                                  top-K_pre: as many as its window holds); 0: only the last one, which every
@@ -94,17 +96,29 @@ class Accepted:
         return torch.where(torch.arange(nxt.shape[0], device=nxt.device) == self.L - 1, self.bonus, nxt)
 
 
-def chained(steps: list[Accepted]) -> Accepted:
+def chained(steps: list[Accepted], states: bool = True) -> Accepted:
     """Consecutive steps' accepted paths (an autoregressive step's: its one node) as one fully accepted chain,
     so that a drafter catches up on a run of them in one update (budget.py's fallback; the hybrid's chain-only
-    steps). Reads each step's accepted length on the host."""
-    idx = [a.path[:int(a.L)] for a in steps]
+    steps). Reads each step's accepted path on the host. states=False leaves out the target's logits, hidden
+    and aux states (0 rows: for a drafter whose update reads only tokens, reads_states False). Why: a run of
+    128 autoregressive steps' logits is 12.6 MB to copy for the default model (measured: 27 ms, 0.2 ms a step,
+    3% of a CPU decode step, for prompt lookup that never reads them). A path that runs 0, 1, .. (a chain's,
+    an autoregressive step's) is cut as a slice, not gathered."""
+    idx = []
+    for a in steps:
+        p = a.path[:int(a.L)]
+        pl = p.tolist()
+        idx.append(slice(0, len(pl)) if pl == list(range(len(pl))) else p)
     toks = torch.cat([a.tree.tokens[i] for a, i in zip(steps, idx)])  # [K] each step's root and accepted nodes
     a0, K = steps[0], toks.shape[0]
-    aux = None if a0.aux is None else torch.cat([a.aux[:, i] for a, i in zip(steps, idx)], 1)
+    if not states:
+        logits, hidden, aux = a0.logits[:0], a0.hidden[:, :0], (None if a0.aux is None else a0.aux[:, :0])
+    else:
+        logits = torch.cat([a.logits[i] for a, i in zip(steps, idx)])
+        hidden = torch.cat([a.hidden[:, i] for a, i in zip(steps, idx)], 1)
+        aux = None if a0.aux is None else torch.cat([a.aux[:, i] for a, i in zip(steps, idx)], 1)
     return Accepted(chain_tree(toks), torch.arange(K, device=toks.device), torch.full_like(a0.L, K), steps[-1].bonus,
-                    torch.cat([a.logits[i] for a, i in zip(steps, idx)]),
-                    torch.cat([a.hidden[:, i] for a, i in zip(steps, idx)], 1), aux, a0.n)
+                    logits, hidden, aux, a0.n)
 
 
 # registered pytrees: they pass whole through torch.compile'd and CUDA-graphed steps (Graphed flattens them)
@@ -175,6 +189,7 @@ class VocabDrafter:
     correctly from a CUDA graph and cost no host sync)."""
 
     graphable = True
+    reads_states = True  # update reads the target's logits (NanoSpec's top-K_ver) and features
     project = None  # the target's LM head (hidden [.., d] -> logits), given by make_drafter: see prompt_topk
     # prompt_topk's chunks: [768, 49152] logits in one piece (75 MB) outgrow the caches, and one LM head then
     # top-k over them cost 135 ms on Zen 5 where 128-row chunks, each reduced to its top-k at once, cost 100
@@ -470,6 +485,7 @@ class NgramDrafter:
     that costs nothing, on CUDA two tiny copies after the step's sync."""
 
     graphable = False
+    reads_states = False  # update reads the accepted tokens only
     prompt_logits = 0
 
     def __init__(self, k=10, nmin=1, nmax=3, static=False):
@@ -567,6 +583,7 @@ class HybridDrafter:
     lookup's). The head then holds the same state as after an eager prefill and the same updates."""
 
     graphable = False
+    reads_states = True  # (the head's update)
     # accepted steps the head has not seen, kept as one chain of their accepted positions (draft.chained) while
     # its prefill waits; past this many tokens it catches up (their target logits: 98 KB a token here, V * 2
     # bytes in general)
@@ -635,6 +652,7 @@ class HybridDrafter:
         self.source = []
         self.skipped = 0  # steps that verified only the chain, so the EAGLE tree was not drafted
         self.pending = []  # the accepted steps the head has not seen: it catches up when it drafts next
+        self.chunks, self.chunked = [], 0  # earlier runs of them, each chained once (update), and their tokens
         self.waiting = p.tokens.shape[0]  # tokens a start would run the head over (prompt + accepted since)
         self.start_s = 0.0  # seconds of the head's start, until the engine takes them (setup_paid)
         self.head_start_s = 0.0
@@ -703,18 +721,21 @@ class HybridDrafter:
         # alone, which needs no head, and one update over many steps costs about what one over a single step
         # does (measured: 7% faster decoding on 10 Spec-Bench requests than updating after each EAGLE draft)
         if len(self.pending) >= 64:
-            if self.deferred is None or int(self.pending[0].L) >= self.MAX_PENDING_TOKENS:
+            if self.deferred is None or self.chunked >= self.MAX_PENDING_TOKENS:
                 self._catch_up()
-            else:  # keep only the accepted positions (chained) while the head's prefill waits
-                self.pending = [chained(self.pending)]
+            else:  # keep only the accepted positions (chained) while the head's prefill waits; each run
+                # once, not the whole wait again with every run (that copied its logits over and over)
+                self.chunks.append(chained(self.pending))
+                self.chunked += int(self.chunks[-1].L)
+                self.pending = []
 
     def _catch_up(self):
         start, t0 = self.deferred, time.perf_counter()
         if start is not None:
             self.deferred = None
             self.eagle.prefill(start)
-        if self.pending:
-            steps, self.pending = self.pending, []
+        if self.pending or self.chunks:
+            steps, self.pending, self.chunks, self.chunked = self.chunks + self.pending, [], [], 0
             self.eagle.update(steps[0] if len(steps) == 1 else chained(steps))
         if start is not None:  # the start's price: what budget_setup estimates the next one by
             self.start_s = self.head_start_s = time.perf_counter() - t0

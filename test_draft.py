@@ -237,3 +237,31 @@ def test_model_drafter_draft_traces(draft_env):
         torch._dynamo.reset()
         tree = torch.compile(d.draft, fullgraph=True, backend="eager")(torch.tensor([5]), torch.tensor(len(p)))
         assert tree.tokens.shape == (4,) and (tree.q is None) == (samp is None)
+
+
+def test_chained_keeps_each_steps_accepted_rows_and_may_leave_the_states_out():
+    """draft.chained over an autoregressive step, a tree step whose accepted path is not 0, 1, .. and a chain
+    step: the accepted tokens in order, each step's logits / hidden / aux rows of its path (gathered or cut as
+    a slice); states=False (a drafter that reads only tokens: prompt lookup) the same chain without them."""
+    g = torch.Generator().manual_seed(0)
+    V, d = 50, 4
+    tree = dr.Tree(torch.tensor([7, 8, 9, 10]), torch.tensor([-1, 0, 0, 2]), torch.tensor([0, 1, 1, 2]),
+                   dr.ancestor_mask(torch.tensor([-1, 0, 0, 2]), 2), torch.ones(4, dtype=torch.bool), None, 2)
+    trees = [dr.chain_tree(torch.tensor([3])), tree, dr.chain_tree(torch.tensor([11, 12, 13]))]
+    paths = [torch.tensor([0]), torch.tensor([0, 2, 3]), torch.tensor([0, 1, 0])]  # (padded past L)
+    Ls = [1, 3, 2]
+    steps = [dr.Accepted(t, p, torch.tensor(L), torch.tensor(20 + i), torch.randn(t.tokens.shape[0], V, generator=g),
+                         torch.randn(1, t.tokens.shape[0], d, generator=g), torch.randn(1, t.tokens.shape[0], 3 * d, generator=g),
+                         torch.tensor(100))
+             for i, (t, p, L) in enumerate(zip(trees, paths, Ls))]
+    rows = [p[:L] for p, L in zip(paths, Ls)]
+    for states in (True, False):
+        a = dr.chained(steps, states=states)
+        assert a.tree.tokens.tolist() == [3, 7, 9, 10, 11, 12] and a.path.tolist() == list(range(6))
+        assert int(a.L) == 6 and int(a.bonus) == 22 and int(a.n) == 100
+        if states:
+            assert torch.equal(a.logits, torch.cat([s.logits[r] for s, r in zip(steps, rows)]))
+            assert torch.equal(a.hidden, torch.cat([s.hidden[:, r] for s, r in zip(steps, rows)], 1))
+            assert torch.equal(a.aux, torch.cat([s.aux[:, r] for s, r in zip(steps, rows)], 1))
+        else:
+            assert a.logits.shape == (0, V) and a.hidden.shape == (1, 0, d) and a.aux.shape == (1, 0, 3 * d)

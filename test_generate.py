@@ -859,13 +859,14 @@ def test_budget_memory_outlives_the_process_where_asked(tiny, tmp_path, monkeypa
 
 def test_hybrid_head_waiting_keeps_only_the_accepted_positions(tiny):
     """While the head waits, the steps it has not seen are folded every 64 into one chain of their accepted
-    positions (draft.chained: the target logits of the path rows, not of whole trees); its first draft then
-    equals an eagerly prefilled head's that caught up at 64."""
+    positions (draft.chained: the target logits of the path rows, not of whole trees), each run once (a later
+    run is a chunk of its own, not the earlier ones copied again); its first draft then equals an eagerly
+    prefilled head's that caught up at 64 and 128."""
     m = target(tiny[0])
     late, eager = (make_drafter("hybrid", tiny, m, "nanospec", late_head=f) for f in (True, False))
     tok, n = prefilled(m, [late, eager], PROMPTS[0])
     with torch.no_grad():
-        for _ in range(70):  # one-token steps, as the engine hands autoregressive runs over
+        for _ in range(134):  # one-token steps, as the engine hands autoregressive runs over
             logits, hid, aux = m(tok[None], n.view(1), return_hidden=True)
             nxt = logits[0, -1].argmax()
             acc = dr.Accepted(dr.chain_tree(tok), torch.zeros(1, dtype=torch.long), torch.tensor(1), nxt, logits[0],
@@ -873,10 +874,11 @@ def test_hybrid_head_waiting_keeps_only_the_accepted_positions(tiny):
             for d in (late, eager):
                 d.update(acc)
             tok, n = nxt.view(1), n + 1
-        assert len(late.pending) == 7 and int(late.pending[0].L) == 64 and late.pending[0].logits.shape[0] == 64
-        assert len(eager.pending) == 6 and late.deferred is not None
+        assert len(late.pending) == 6 and len(late.chunks) == 2 and late.chunked == 128
+        assert all(int(c.L) == 64 and c.logits.shape[0] == 64 for c in late.chunks)
+        assert len(eager.pending) == 6 and not eager.chunks and late.deferred is not None
         assert torch.equal(late.draft(tok, n).tokens, eager.draft(tok, n).tokens)
-    assert late.deferred is None and not late.pending
+    assert late.deferred is None and not late.pending and not late.chunks
 
 
 def test_hybrid_reports_where_accepted_tokens_came_from(tiny):
