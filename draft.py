@@ -8,8 +8,10 @@ The drafter protocol: every drafter has these, with these signatures, and the en
 not yet in the cache):
     nodes, depth                 most tokens one verification carries (root included); deepest tree level
     graphable                    False when draft/update read host values (prompt lookup): run them eagerly
-    reads_states                 False when update reads only the accepted tokens (prompt lookup): a run of
-                                 autoregressive steps reaches it without their target logits and states (chained)
+    reads_states, reads_top      what update reads besides the accepted tokens: the target's hidden / aux
+                                 states (bool), and its top-k tokens at each accepted position (k, 0: none;
+                                 NanoSpec's K_ver); a run of autoregressive steps reaches it as one chain that
+                                 keeps only those (chained), not the run's whole logits rows
     setup(max_seq)               before a request whose target cache has max_seq slots
     prompt_logits                how many of the last prompt positions' target logits prefill() reads (NanoSpec's
                                  top-K_pre: as many as its window holds); 0: only the last one, which every
@@ -89,6 +91,9 @@ class Accepted:
     hidden: Tensor  # [1, N, d] target final hidden states at every tree node
     aux: Tensor | None  # [1, N, 3d] EAGLE-3 aux states, None when the target has none
     n: Tensor  # 0-dim tokens in the target's KV cache before the step
+    # [D+1, k] the target's top-k tokens at each path position, where a catch-up chain kept them instead of the
+    # logits (chained(top=k); logits then has 0 rows)
+    top: Tensor | None = None
 
     def next_tokens(self) -> Tensor:
         """[D+1] the token after each path node: the next path token, and the bonus after the last accepted."""
@@ -96,29 +101,36 @@ class Accepted:
         return torch.where(torch.arange(nxt.shape[0], device=nxt.device) == self.L - 1, self.bonus, nxt)
 
 
-def chained(steps: list[Accepted], states: bool = True) -> Accepted:
+def chained(steps: list[Accepted], states: bool = True, top: int = 0) -> Accepted:
     """Consecutive steps' accepted paths (an autoregressive step's: its one node) as one fully accepted chain,
     so that a drafter catches up on a run of them in one update (budget.py's fallback; the hybrid's chain-only
     steps). Reads each step's accepted path on the host. states=False leaves out the target's logits, hidden
-    and aux states (0 rows: for a drafter whose update reads only tokens, reads_states False). Why: a run of
-    128 autoregressive steps' logits is 12.6 MB to copy for the default model (measured: 27 ms, 0.2 ms a step,
-    3% of a CPU decode step, for prompt lookup that never reads them). A path that runs 0, 1, .. (a chain's,
-    an autoregressive step's) is cut as a slice, not gathered."""
-    idx = []
+    and aux states (0 rows); top=k keeps the target's top-k tokens at each position (Accepted.top) instead of its
+    logits rows (then 0 rows); a drafter says what it reads (reads_states, reads_top). Why: a run of 128
+    autoregressive steps' logits is 12.6 MB to copy for the default model, into freshly mapped memory
+    (measured: 27 ms, 0.2 ms a step, 3% of a CPU decode step, for prompt lookup that never reads them and
+    NanoSpec that reads 3 tokens a row). A path that runs 0, 1, .. (a chain's, an autoregressive step's) is
+    cut as a slice, not gathered."""
+    idx, rows = [], []
     for a in steps:
         p = a.path[:int(a.L)]
         pl = p.tolist()
         idx.append(slice(0, len(pl)) if pl == list(range(len(pl))) else p)
+        rows.append(p)
     toks = torch.cat([a.tree.tokens[i] for a, i in zip(steps, idx)])  # [K] each step's root and accepted nodes
     a0, K = steps[0], toks.shape[0]
-    if not states:
-        logits, hidden, aux = a0.logits[:0], a0.hidden[:, :0], (None if a0.aux is None else a0.aux[:, :0])
-    else:
-        logits = torch.cat([a.logits[i] for a, i in zip(steps, idx)])
+    tops = None
+    if top:  # (an earlier chain's top rows as they are: its path is 0, 1, ..)
+        tops = torch.cat([a.top[i] if a.top is not None else cpu_draft.topk_rows(a.logits, r, top)
+                          for a, i, r in zip(steps, idx, rows)])
+    logits = (torch.cat([a.logits[i] for a, i in zip(steps, idx)]) if states and not top else a0.logits[:0])
+    if states:
         hidden = torch.cat([a.hidden[:, i] for a, i in zip(steps, idx)], 1)
         aux = None if a0.aux is None else torch.cat([a.aux[:, i] for a, i in zip(steps, idx)], 1)
+    else:
+        hidden, aux = a0.hidden[:, :0], (None if a0.aux is None else a0.aux[:, :0])
     return Accepted(chain_tree(toks), torch.arange(K, device=toks.device), torch.full_like(a0.L, K), steps[-1].bonus,
-                    logits, hidden, aux, a0.n)
+                    logits, hidden, aux, a0.n, tops)
 
 
 # registered pytrees: they pass whole through torch.compile'd and CUDA-graphed steps (Graphed flattens them)
@@ -189,11 +201,15 @@ class VocabDrafter:
     correctly from a CUDA graph and cost no host sync)."""
 
     graphable = True
-    reads_states = True  # update reads the target's logits (NanoSpec's top-K_ver) and features
+    reads_states = True  # update reads the target's features
     project = None  # the target's LM head (hidden [.., d] -> logits), given by make_drafter: see prompt_topk
     # prompt_topk's chunks: [768, 49152] logits in one piece (75 MB) outgrow the caches, and one LM head then
     # top-k over them cost 135 ms on Zen 5 where 128-row chunks, each reduced to its top-k at once, cost 100
     PROJECT_ROWS = 128
+
+    @property
+    def reads_top(self) -> int:
+        return self.vocab.k_ver  # observe appends the target's top-k_ver at the accepted positions
 
     @property
     def window_rows(self) -> int:
@@ -245,7 +261,8 @@ class VocabDrafter:
         m = self.metrics
         m.add_(torch.stack([hits, a.L.long(), act, torch.zeros_like(act), torch.ones_like(act)]))
         m[3:4].copy_(torch.maximum(m[3:4], act.view(1)))
-        ver = cpu_draft.topk_rows(a.logits, a.path, vocab.k_ver)  # [D+1, k_ver]
+        ver = (a.top if a.top is not None and a.top.shape[1] == vocab.k_ver   # [D+1, k_ver]
+               else cpu_draft.topk_rows(a.logits, a.path, vocab.k_ver))
         drows, dvalid = self.rows_of(a.tree.tokens)
         vrows, vvalid = self.rows_of(ver)
         dvalid, vvalid = dvalid & a.tree.valid, vvalid & on_path[:, None]
@@ -485,7 +502,7 @@ class NgramDrafter:
     that costs nothing, on CUDA two tiny copies after the step's sync."""
 
     graphable = False
-    reads_states = False  # update reads the accepted tokens only
+    reads_states, reads_top = False, 0  # update reads the accepted tokens only
     prompt_logits = 0
 
     def __init__(self, k=10, nmin=1, nmax=3, static=False):
@@ -584,6 +601,10 @@ class HybridDrafter:
 
     graphable = False
     reads_states = True  # (the head's update)
+
+    @property
+    def reads_top(self) -> int:
+        return self.eagle.reads_top
     # accepted steps the head has not seen, kept as one chain of their accepted positions (draft.chained) while
     # its prefill waits; past this many tokens it catches up (their target logits: 98 KB a token here, V * 2
     # bytes in general)
@@ -725,7 +746,7 @@ class HybridDrafter:
                 self._catch_up()
             else:  # keep only the accepted positions (chained) while the head's prefill waits; each run
                 # once, not the whole wait again with every run (that copied its logits over and over)
-                self.chunks.append(chained(self.pending))
+                self.chunks.append(chained(self.pending, top=self.reads_top))
                 self.chunked += int(self.chunks[-1].L)
                 self.pending = []
 
@@ -736,7 +757,7 @@ class HybridDrafter:
             self.eagle.prefill(start)
         if self.pending or self.chunks:
             steps, self.pending, self.chunks, self.chunked = self.chunks + self.pending, [], [], 0
-            self.eagle.update(steps[0] if len(steps) == 1 else chained(steps))
+            self.eagle.update(steps[0] if len(steps) == 1 else chained(steps, top=self.reads_top))
         if start is not None:  # the start's price: what budget_setup estimates the next one by
             self.start_s = self.head_start_s = time.perf_counter() - t0
             self.start_rate = self.start_s / self.waiting

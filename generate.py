@@ -398,7 +398,7 @@ class Engine:
                     tree = self.advance_step(acc)  # update + next draft, one compiled step or CUDA graph
             else:
                 if pending:
-                    pending, acc = [], dr.chained(pending + [acc], states=d.reads_states)
+                    pending, acc = [], dr.chained(pending + [acc], states=d.reads_states, top=d.reads_top)
                 with clock("update"):
                     d.update(acc)  # the drafter's state and its vocabulary's window follow the accepted path
                 with clock("draft"):

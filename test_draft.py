@@ -242,7 +242,8 @@ def test_model_drafter_draft_traces(draft_env):
 def test_chained_keeps_each_steps_accepted_rows_and_may_leave_the_states_out():
     """draft.chained over an autoregressive step, a tree step whose accepted path is not 0, 1, .. and a chain
     step: the accepted tokens in order, each step's logits / hidden / aux rows of its path (gathered or cut as
-    a slice); states=False (a drafter that reads only tokens: prompt lookup) the same chain without them."""
+    a slice); states=False (a drafter that reads only tokens: prompt lookup) the same chain without them;
+    top=k (NanoSpec reads the target's top-K_ver) the top-k tokens of those rows instead of the logits."""
     g = torch.Generator().manual_seed(0)
     V, d = 50, 4
     tree = dr.Tree(torch.tensor([7, 8, 9, 10]), torch.tensor([-1, 0, 0, 2]), torch.tensor([0, 1, 1, 2]),
@@ -265,3 +266,10 @@ def test_chained_keeps_each_steps_accepted_rows_and_may_leave_the_states_out():
             assert torch.equal(a.aux, torch.cat([s.aux[:, r] for s, r in zip(steps, rows)], 1))
         else:
             assert a.logits.shape == (0, V) and a.hidden.shape == (1, 0, d) and a.aux.shape == (1, 0, 3 * d)
+    # top=k: each position's top-k target tokens instead of its logits row, also through a chain of chains
+    want = torch.cat([torch.topk(s.logits[r], 3).indices for s, r in zip(steps, rows)])
+    a = dr.chained(steps, top=3)
+    assert a.logits.shape == (0, V) and a.top is not None and torch.equal(a.top, want)
+    assert torch.equal(a.hidden, torch.cat([s.hidden[:, r] for s, r in zip(steps, rows)], 1))
+    b = dr.chained([dr.chained(steps[:2], top=3), steps[2]], top=3)
+    assert torch.equal(b.top, want) and torch.equal(b.tree.tokens, a.tree.tokens) and torch.equal(b.aux, a.aux)

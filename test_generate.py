@@ -875,7 +875,8 @@ def test_hybrid_head_waiting_keeps_only_the_accepted_positions(tiny):
                 d.update(acc)
             tok, n = nxt.view(1), n + 1
         assert len(late.pending) == 6 and len(late.chunks) == 2 and late.chunked == 128
-        assert all(int(c.L) == 64 and c.logits.shape[0] == 64 for c in late.chunks)
+        k = late.eagle.vocab.k_ver  # (each chunk keeps the target's top-k_ver per position, not its logits)
+        assert all(int(c.L) == 64 and c.top.shape == (64, k) and c.logits.shape[0] == 0 for c in late.chunks)
         assert len(eager.pending) == 6 and not eager.chunks and late.deferred is not None
         assert torch.equal(late.draft(tok, n).tokens, eager.draft(tok, n).tokens)
     assert late.deferred is None and not late.pending and not late.chunks
