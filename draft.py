@@ -605,9 +605,8 @@ class HybridDrafter:
     @property
     def reads_top(self) -> int:
         return self.eagle.reads_top
-    # accepted steps the head has not seen, kept as one chain of their accepted positions (draft.chained) while
-    # its prefill waits; past this many tokens it catches up (their target logits: 98 KB a token here, V * 2
-    # bytes in general)
+    # accepted steps the head has not seen, kept as chains of their accepted positions (draft.chained: tokens,
+    # features and the target's top-K_ver) while its prefill waits; past this many tokens it catches up
     MAX_PENDING_TOKENS = 512
 
     def __init__(self, eagle: EagleDrafter, ngram: NgramDrafter):
@@ -673,7 +672,7 @@ class HybridDrafter:
         self.source = []
         self.skipped = 0  # steps that verified only the chain, so the EAGLE tree was not drafted
         self.pending = []  # the accepted steps the head has not seen: it catches up when it drafts next
-        self.chunks, self.chunked = [], 0  # earlier runs of them, each chained once (update), and their tokens
+        self.chunks = []  # earlier runs of them, each chained once (update)
         self.waiting = p.tokens.shape[0]  # tokens a start would run the head over (prompt + accepted since)
         self.start_s = 0.0  # seconds of the head's start, until the engine takes them (setup_paid)
         self.head_start_s = 0.0
@@ -742,12 +741,11 @@ class HybridDrafter:
         # alone, which needs no head, and one update over many steps costs about what one over a single step
         # does (measured: 7% faster decoding on 10 Spec-Bench requests than updating after each EAGLE draft)
         if len(self.pending) >= 64:
-            if self.deferred is None or self.chunked >= self.MAX_PENDING_TOKENS:
+            if self.deferred is None or sum(int(c.L) for c in self.chunks) >= self.MAX_PENDING_TOKENS:
                 self._catch_up()
             else:  # keep only the accepted positions (chained) while the head's prefill waits; each run
                 # once, not the whole wait again with every run (that copied its logits over and over)
                 self.chunks.append(chained(self.pending, top=self.reads_top))
-                self.chunked += int(self.chunks[-1].L)
                 self.pending = []
 
     def _catch_up(self):
@@ -756,7 +754,7 @@ class HybridDrafter:
             self.deferred = None
             self.eagle.prefill(start)
         if self.pending or self.chunks:
-            steps, self.pending, self.chunks, self.chunked = self.chunks + self.pending, [], [], 0
+            steps, self.pending, self.chunks = self.chunks + self.pending, [], []
             self.eagle.update(steps[0] if len(steps) == 1 else chained(steps, top=self.reads_top))
         if start is not None:  # the start's price: what budget_setup estimates the next one by
             self.start_s = self.head_start_s = time.perf_counter() - t0

@@ -874,7 +874,7 @@ def test_hybrid_head_waiting_keeps_only_the_accepted_positions(tiny):
             for d in (late, eager):
                 d.update(acc)
             tok, n = nxt.view(1), n + 1
-        assert len(late.pending) == 6 and len(late.chunks) == 2 and late.chunked == 128
+        assert len(late.pending) == 6 and len(late.chunks) == 2 and sum(int(c.L) for c in late.chunks) == 128
         k = late.eagle.vocab.k_ver  # (each chunk keeps the target's top-k_ver per position, not its logits)
         assert all(int(c.L) == 64 and c.top.shape == (64, k) and c.logits.shape[0] == 0 for c in late.chunks)
         assert len(eager.pending) == 6 and not eager.chunks and late.deferred is not None
