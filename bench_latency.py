@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import draft as dr
-import kernels
+import cuda_gather
 from bench_report import command_line, md_table
 from eagle import EagleConfig, EagleHead, attach
 from bench_workload import shape_args
@@ -164,7 +164,7 @@ def latency_mode(args, log) -> int:
     nnew = max(1, (N + (D + 1) * args.k_ver) // 10)
     gt = torch.randint(0, a.vocab_size, (nnew,), generator=g).to(dev)
     gs = torch.randperm(W_max, generator=g)[:nnew].to(dev)
-    add(f"gather {nnew} new rows (kernels.gather_rows_)", lambda: kernels.gather_rows_(rows_buf, W, gt, gs),
+    add(f"gather {nnew} new rows (cuda_gather.gather_rows_)", lambda: cuda_gather.gather_rows_(rows_buf, W, gt, gs),
         2 * nnew * a.dim * W.element_size())
     title = (f"latency: {args.shape} (d={a.dim}, V={a.vocab_size}, {a.n_layers} layers, {nbytes / 1e9:.2f} GB "
              f"{str(dtype).replace('torch.', '')}), {dev}"

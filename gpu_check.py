@@ -21,7 +21,7 @@ import torch
 
 import bench
 import draft as dr
-import kernels
+import cuda_gather
 from download import resolve_checkpoint
 from eagle import load_eagle
 from generate import build_engine, load_target
@@ -43,13 +43,13 @@ def check_kernel(rows_out):
         slots[::7] = -1  # invalid entries are skipped
         a = torch.zeros(W, d, device="cuda", dtype=dtype)
         b = a.clone()
-        kernels.gather_rows_(a, weight, tok, slots)  # the custom op: CUDA extension when it builds
-        kernels.gather_rows_reference(b, weight, tok, slots)
+        cuda_gather.gather_rows_(a, weight, tok, slots)  # the custom op: CUDA extension when it builds
+        cuda_gather.gather_rows_reference(b, weight, tok, slots)
         torch.cuda.synchronize()
         ok = torch.equal(a, b)
         ok_all &= ok
         rows_out.append(["gather kernel == fallback", str(dtype).replace("torch.", ""),
-                         "PASS" if ok else "FAIL", f"extension built: {kernels.cuda_ext_available()}"])
+                         "PASS" if ok else "FAIL", f"extension built: {cuda_gather.cuda_ext_available()}"])
     return ok_all
 
 
@@ -173,7 +173,7 @@ def gather_overlap(lat) -> str:
     # a stand-in backbone of the 8B draft layer's size: 5 GEMMs of [10, 4096] x [4096, 4096]
     h = torch.randn(10, d, device="cuda", dtype=torch.bfloat16)
     ws = [torch.randn(d, d, device="cuda", dtype=torch.bfloat16) for _ in range(5)]
-    stream, ev = kernels.copy_stream(torch.device("cuda")), torch.cuda.Event()
+    stream, ev = cuda_gather.copy_stream(torch.device("cuda")), torch.cuda.Event()
 
     def backbone():
         x = h
@@ -182,10 +182,10 @@ def gather_overlap(lat) -> str:
         return x
 
     def both():
-        with kernels.on_copy_stream(stream, ev, tok, slots):
-            kernels.gather_rows_(rows, weight, tok, slots)
+        with cuda_gather.on_copy_stream(stream, ev, tok, slots):
+            cuda_gather.gather_rows_(rows, weight, tok, slots)
         x = backbone()
-        kernels.wait_event(ev)
+        cuda_gather.wait_event(ev)
         return x
 
     def t(fn, iters=200):

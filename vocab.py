@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 import cpu_draft
 import cpu_gemm
-import kernels
+import cuda_gather
 
 # --------------------------------------------------------------------------------------
 # Full vocabulary
@@ -344,8 +344,8 @@ class NanoSpecVocab:
             self.fill_slot_[fill] = torch.arange(fill.numel(), dtype=torch.int32, device=dev)
         self.has_fill = fill is not None and fill.numel() > 0
         # Async gather only where it can overlap (CUDA); "noasync" is synchronous by definition.
-        self._stream = None if ablation == "noasync" else kernels.copy_stream(dev)
-        self._ready = kernels.new_event(dev) if self._stream is not None else None
+        self._stream = None if ablation == "noasync" else cuda_gather.copy_stream(dev)
+        self._ready = cuda_gather.new_event(dev) if self._stream is not None else None
         self._pending = False
         if self.has_fill:
             self._clear()  # fill rows and outputs from the start (before any reset)
@@ -391,7 +391,7 @@ class NanoSpecVocab:
         if self._stream is None:
             self._append(new, valid)
         else:
-            with kernels.on_copy_stream(self._stream, self._ready, new, valid):
+            with cuda_gather.on_copy_stream(self._stream, self._ready, new, valid):
                 self._append(new, valid)
             # host-side flag: only an outstanding update is waited on, so a CUDA graph that does not
             # contain the update never waits on an event recorded outside its capture
@@ -455,7 +455,7 @@ class NanoSpecVocab:
         if self.c_rows and self.packed is not None:  # (reset() rebuilds the packed copy once, after)
             cpu_gemm.write_rows_(self.rows, self.packed, self.weight, tok, slot)  # both copies in one C call
             return
-        kernels.gather_rows_(self.rows, self.weight, tok, torch.where(slot < self.W, slot, -1))
+        cuda_gather.gather_rows_(self.rows, self.weight, tok, torch.where(slot < self.W, slot, -1))
         if self.packed is not None:  # the same rows into the packed copy (slot W: its sink)
             cpu_gemm.pack_rows_(self.packed, self.weight.index_select(0, tok.clamp(max=self.V - 1)), slot)
 
@@ -527,7 +527,7 @@ class NanoSpecVocab:
 
     def wait(self):
         if self._pending:
-            kernels.wait_event(self._ready)
+            cuda_gather.wait_event(self._ready)
             self._pending = False
 
     def contains(self, ids):

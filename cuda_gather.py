@@ -56,7 +56,7 @@ def gather_rows_reference(rows, weight, token_ids, slots):
 # --------------------------------------------------------------------------------------
 
 # Part 1 is plain CUDA C++ (no torch headers): `nvcc -c` compiles it on its own, which is
-# how test_kernels.py checks the device code on machines without a GPU (or without the
+# how test_cuda_gather.py checks the device code on machines without a GPU (or without the
 # CUDA library headers torch's own CUDA headers pull in).
 CUDA_KERNEL_SRC = r"""
 #include <cstdint>

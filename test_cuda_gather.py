@@ -1,3 +1,5 @@
+import glob
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -6,10 +8,21 @@ import sysconfig
 import pytest
 import torch
 
-import kernels
+import cuda_gather
 
 NVCC = shutil.which("nvcc")
 HAS_GPU = torch.cuda.is_available()
+
+
+def test_no_flat_module_shadows_an_installed_package():
+    # The repo's folder comes first on sys.path, so a flat file named like an installed package hides it from
+    # every library that imports it: transformers 5.25 requires HF's `kernels` package and imports it, which
+    # met this file when it was kernels.py (the transformers oracle tests and bench_ar.py's peer broke).
+    here = os.path.dirname(os.path.abspath(__file__))
+    ours = {os.path.splitext(os.path.basename(f))[0] for f in glob.glob(os.path.join(here, "*.py"))}
+    installed = importlib.metadata.packages_distributions()  # top-level import name -> distributions
+    clash = {m: installed[m] for m in sorted(ours & set(installed))}
+    assert not clash, f"flat modules named like installed packages: {clash}"
 
 
 def naive(rows, weight, token_ids, slots):
@@ -33,10 +46,10 @@ def test_fallback_matches_naive(dtype, seed):
     token_ids[slots < 0] = -7                                    # garbage ids on invalid entries
     want = naive(rows, weight, token_ids, slots)
     got = rows.clone()
-    kernels.gather_rows_reference(got, weight, token_ids, slots)
+    cuda_gather.gather_rows_reference(got, weight, token_ids, slots)
     assert torch.equal(got, want)
     got = rows.clone()
-    kernels.gather_rows_(got, weight, token_ids, slots)          # the custom op
+    cuda_gather.gather_rows_(got, weight, token_ids, slots)          # the custom op
     assert torch.equal(got, want)
 
 
@@ -44,17 +57,17 @@ def test_fallback_edge_cases():
     rows, weight = torch.randn(4, 8), torch.randn(10, 8)
     for slots in (torch.full((5,), -1), torch.empty(0, dtype=torch.long)):  # nothing / none valid
         got = rows.clone()
-        kernels.gather_rows_(got, weight, torch.zeros_like(slots), slots)
+        cuda_gather.gather_rows_(got, weight, torch.zeros_like(slots), slots)
         assert torch.equal(got, rows)
     got = rows.clone()                                           # int32 indices, single valid
-    kernels.gather_rows_(got, weight, torch.tensor([3, 9], dtype=torch.int32),
+    cuda_gather.gather_rows_(got, weight, torch.tensor([3, 9], dtype=torch.int32),
                          torch.tensor([-1, 2], dtype=torch.int32))
     assert torch.equal(got[2], weight[9]) and torch.equal(got[[0, 1, 3]], rows[[0, 1, 3]])
 
 
 def test_custom_op_traces_fullgraph():
     def step(rows, weight, tok, slots):
-        kernels.gather_rows_(rows, weight, tok, torch.where(slots % 2 == 0, slots, -1))
+        cuda_gather.gather_rows_(rows, weight, tok, torch.where(slots % 2 == 0, slots, -1))
         return rows.sum()
 
     compiled = torch.compile(step, fullgraph=True, backend="eager")
@@ -67,16 +80,16 @@ def test_custom_op_traces_fullgraph():
 
 
 def test_copy_stream_helpers_cpu():
-    assert kernels.copy_stream("cpu") is None and kernels.new_event("cpu") is None
+    assert cuda_gather.copy_stream("cpu") is None and cuda_gather.new_event("cpu") is None
     ran = []
-    with kernels.on_copy_stream(None, None, torch.zeros(1)):
+    with cuda_gather.on_copy_stream(None, None, torch.zeros(1)):
         ran.append(1)
-    kernels.wait_event(None)
+    cuda_gather.wait_event(None)
     assert ran == [1]
 
 
 def test_ext_name_versioned_by_source():
-    assert kernels.EXT_NAME.startswith("nanospec_gather_") and len(kernels.EXT_NAME) == 28
+    assert cuda_gather.EXT_NAME.startswith("nanospec_gather_") and len(cuda_gather.EXT_NAME) == 28
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
@@ -84,7 +97,7 @@ def test_nvcc_compiles_kernel(tmp_path):
     # The standalone kernel + launcher is plain CUDA: compile it to a real object
     # (ptxas runs, so device code errors surface) and check the 16-byte vector path exists.
     src = tmp_path / "gather.cu"
-    src.write_text(kernels.CUDA_KERNEL_SRC)
+    src.write_text(cuda_gather.CUDA_KERNEL_SRC)
     arch = ["-gencode", "arch=compute_90,code=sm_90"]
     r = subprocess.run([NVCC, "-c", "-O3", *arch, str(src), "-o", str(tmp_path / "gather.o")],
                        capture_output=True, text=True)
@@ -108,7 +121,7 @@ def test_nvcc_compiles_full_source(tmp_path):
     from torch.utils.cpp_extension import include_paths
     inc = [f"-I{p}" for p in [str(tmp_path / "stub"), *include_paths(), sysconfig.get_paths()["include"]]]
     src = tmp_path / "full.cu"
-    src.write_text(kernels.CUDA_SRC)
+    src.write_text(cuda_gather.CUDA_SRC)
     r = subprocess.run([NVCC, "-c", "-O3", "-std=c++20", "--expt-relaxed-constexpr", *inc,
                         "-gencode", "arch=compute_90,code=sm_90", str(src), "-o", str(tmp_path / "f.o")],
                        capture_output=True, text=True)
@@ -119,7 +132,7 @@ def test_nvcc_compiles_full_source(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [4096, 576, 13])              # 16-byte, 16-byte, scalar paths
 def test_cuda_kernel_matches_fallback(dtype, d):
-    assert kernels.cuda_ext_available(), "CUDA extension failed to build"
+    assert cuda_gather.cuda_ext_available(), "CUDA extension failed to build"
     g = torch.Generator().manual_seed(d)
     S, V, n = 64, 1000, 40
     weight = torch.randn(V, d, generator=g).to(dtype).cuda()
@@ -128,8 +141,8 @@ def test_cuda_kernel_matches_fallback(dtype, d):
     slots[torch.rand(n, generator=g) < 0.3] = -1
     tok = torch.randint(0, V, (n,), generator=g)
     want = rows.clone()
-    kernels.gather_rows_reference(want, weight, tok.cuda(), slots.cuda())
+    cuda_gather.gather_rows_reference(want, weight, tok.cuda(), slots.cuda())
     got = rows.clone()
-    kernels.gather_rows_(got, weight, tok.cuda(), slots.cuda())
+    cuda_gather.gather_rows_(got, weight, tok.cuda(), slots.cuda())
     torch.cuda.synchronize()
     assert torch.equal(got, want)
