@@ -13,7 +13,8 @@ allows, in increasing slot order, one dot product per key (one FMA chain over th
 horizontal sum; in the AVX-512 BF16 build one vdpbf16ps chain over its pairs, 1.1-1.2x faster verification
 passes of 11-26 rows at 300-1,000 keys on Zen 4, in the key's own vector lane, from a transposed copy of the
 keys kept next to the cache, scoring whole 16-slot blocks and keeping the allowed keys' scores: no horizontal
-sum per key, 1.05-1.17x faster passes of 11-26 rows and 1.17x faster 1,000-token prefills on Zen 5), then a
+sum per key, 1.05-1.17x faster passes of 11-26 rows and 1.17x faster 1,000-token prefills on Zen 5; the
+AVX-512F build reads the same transposed keys with one fp32 FMA chain over the head dimension per lane), then a
 two-pass softmax in that order. Tree nodes come after their ancestors (draft.Tree),
 so a node sees the prefix and then its ancestors in the same order and with the same values as the
 autoregressive token at its position sees them. A token's bits therefore never depend on how many rows
@@ -53,7 +54,7 @@ static inline __m256 rbf8(__m256 f) {
                                  _mm256_set1_epi32((int)0xffff0000u));
     return _mm256_blendv_ps(_mm256_castsi256_ps(r), f, _mm256_cmp_ps(f, f, _CMP_UNORD_Q));
 }
-#ifdef __AVX512BF16__
+#ifdef __AVX512F__
 /* rbf8 over 16 lanes: the same integer rounding lane for lane */
 static inline __m512 rbf16v(__m512 f) {
     __m512i u = _mm512_castps_si512(f);
@@ -131,7 +132,7 @@ static inline V NAME(V x) { \
     return P##_mul_ps(p, CAST(e)); \
 }
 EXP_FN(exp8, __m256, __m256i, _mm256, _mm256_round_ps, _mm256_castsi256_ps)
-#ifdef __AVX512BF16__
+#ifdef __AVX512F__
 EXP_FN(exp16, __m512, __m512i, _mm512, _mm512_roundscale_ps, _mm512_castsi512_ps)
 #endif
 
@@ -174,9 +175,9 @@ static inline __attribute__((always_inline)) void pv(const float* const* p, cons
 }
 
 #ifdef __AVX512BF16__
-/* The AVX-512 BF16 build (cpu_gemm.ISA): the same two loops with 16-lane registers. Each (query, key) score is
-   one chain of vdpbf16ps over the head dimension's pairs in order (q is bf16-exact: RoPE rounds it to bf16),
-   then a fixed reduction; 32 multiply-adds per instruction against 8 per AVX2 FMA. hd % 32 == 0. */
+/* The AVX-512 BF16 build (cpu_gemm.ISA): dots() with 16-lane registers. Each (query, key) score is one chain of
+   vdpbf16ps over the head dimension's pairs in order (q is bf16-exact: RoPE rounds it to bf16), then a fixed
+   reduction; 32 multiply-adds per instruction against 8 per AVX2 FMA. hd % 32 == 0. */
 static inline __attribute__((always_inline)) void dots512(const uint32_t* const* qb, const uint16_t* K, const int* ks,
         long hd, float scale, float* const* s, long j0, const int G, const int MK) {
     __m512 acc[4][4];
@@ -194,23 +195,46 @@ static inline __attribute__((always_inline)) void dots512(const uint32_t* const*
     for (int h = 0; h < G; h++) for (int i = 0; i < MK; i++) s[h][j0 + i] = _mm512_reduce_add_ps(acc[h][i]) * scale;
 }
 
+#endif
+
+#ifdef __AVX512F__
 /* The scores with the keys in the lanes (kt: the cache's transposed keys of one KV head, [slot / 16][hd / 2][16]:
-   16 slots' pairs side by side, written with each key): per (query, slot) one chain of vdpbf16ps over the head
-   dimension's pairs in order in that slot's lane, times the scale, into sl[h][slot] for slot blocks b0 ..
-   b0 + MB. No horizontal sum per score (dots512's 16-lane reduction, whose shuffles bound attention). A lane's
-   chain is the same in any block and pass: row-invariant. */
+   16 slots' pairs side by side, written with each key): per (query, slot) one chain over the head dimension in
+   order in that slot's lane, times the scale, into sl[h][slot] for slot blocks b0 .. b0 + MB. No horizontal sum
+   per score (a 16-lane reduction per key, whose shuffles bound attention). A lane's chain is the same in any
+   block and pass: row-invariant. The AVX-512 BF16 build chains vdpbf16ps over the pairs (q is bf16-exact: RoPE
+   rounds it to bf16); the AVX-512F build widens each pair to two fp32 keys (a shift, a mask) and chains FMAs
+   over d, so it holds fewer blocks in registers (LANES_MB). */
+#ifdef __AVX512BF16__
+#define LANES_MB 4
+#else
+#define LANES_MB 2
+#endif
 static inline __attribute__((always_inline)) void lanes512(const uint32_t* const* qb, const uint32_t* kt, long hd,
         float scale, float* const* sl, long b0, const int G, const int MB) {
-    __m512 acc[6][4];
+    __m512 acc[6][LANES_MB];
     const long H2 = hd / 2;
     for (int h = 0; h < G; h++) for (int i = 0; i < MB; i++) acc[h][i] = _mm512_setzero_ps();
     for (long d = 0; d < H2; d++) {
-        __m512bh kv[4];
+#ifdef __AVX512BF16__
+        __m512bh kv[LANES_MB];
         for (int i = 0; i < MB; i++) kv[i] = (__m512bh)_mm512_loadu_si512(kt + ((b0 + i) * H2 + d) * 16);
         for (int h = 0; h < G; h++) {
             __m512bh qv = (__m512bh)_mm512_set1_epi32((int)qb[h][d]);
             for (int i = 0; i < MB; i++) acc[h][i] = _mm512_dpbf16_ps(acc[h][i], qv, kv[i]);
         }
+#else
+        __m512 k0[LANES_MB], k1[LANES_MB];
+        for (int i = 0; i < MB; i++) {
+            __m512i u = _mm512_loadu_si512(kt + ((b0 + i) * H2 + d) * 16);
+            k0[i] = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+            k1[i] = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
+        }
+        for (int h = 0; h < G; h++) {
+            __m512 q0 = _mm512_set1_ps(fbf((uint16_t)qb[h][d])), q1 = _mm512_set1_ps(fbf((uint16_t)(qb[h][d] >> 16)));
+            for (int i = 0; i < MB; i++) acc[h][i] = _mm512_fmadd_ps(q1, k1[i], _mm512_fmadd_ps(q0, k0[i], acc[h][i]));
+        }
+#endif
     }
     const __m512 sc = _mm512_set1_ps(scale);
     for (int h = 0; h < G; h++)
@@ -250,7 +274,7 @@ static inline __attribute__((always_inline)) float softmax_row(float* sh, long n
     mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, 0xb1));
     __m256 sum8 = _mm256_setzero_ps();
     j = 0;
-#ifdef __AVX512BF16__
+#ifdef __AVX512F__
     for (const __m512 m16 = _mm512_broadcastss_ps(_mm256_castps256_ps128(mv)); j + 16 <= n; j += 16) {
         __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + j), m16));  /* two 8-lane steps of the sum below */
         _mm512_storeu_ps(sh + j, e);
@@ -319,7 +343,7 @@ static void attend(const float* const* q, const uint16_t* K, const uint16_t* V, 
 }
 
 
-#ifdef __AVX512BF16__
+#ifdef __AVX512F__
 /* o[i][c0 .. c0 + 16 CB) = sum over query i's keys j (in key order) of p[i][j] * V[ks[i][j]][c] for NQ queries
    of one KV head: their common leading run of slots 0 .. m - 1 first, one load and widening of each value row
    for all of them, then each query's own rest. Every accumulator is one FMA chain over its query's keys in
@@ -375,9 +399,9 @@ static void attend_rows(const float* const* q, const uint16_t* V, const int* con
     switch (NQ) {  /* (constant query counts: the accumulators stay in registers) */
 #define LANES(NQC) \
         case NQC: \
-            for (; b + 4 <= pb; b += 4) lanes512(qb, kt, hd, scale, s, b, NQC, 4); \
+            for (; b + LANES_MB <= pb; b += LANES_MB) lanes512(qb, kt, hd, scale, s, b, NQC, LANES_MB); \
             for (; b < pb; b++) lanes512(qb, kt, hd, scale, s, b, NQC, 1); \
-            for (; b + 4 <= nbmax; b += 4) lanes512(qb, kt, hd, scale, sl, b, NQC, 4); \
+            for (; b + LANES_MB <= nbmax; b += LANES_MB) lanes512(qb, kt, hd, scale, sl, b, NQC, LANES_MB); \
             for (; b < nbmax; b++) lanes512(qb, kt, hd, scale, sl, b, NQC, 1); \
             break;
         LANES(1) LANES(2) LANES(3) LANES(4) LANES(5) LANES(6)
@@ -422,7 +446,7 @@ static void silu_mul(const float* gu, float* h, long T, long I) {
         const float *g = gu + t * 2 * I, *u = g + I;
         float* o = h + t * I;
         long i = q % nb * 64;
-#ifdef __AVX512BF16__
+#ifdef __AVX512F__
         for (; i + 16 <= i1; i += 16) {
             __m512 gt = _mm512_loadu_ps(g + i);
             __m512 sl = _mm512_div_ps(gt, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gt))));
@@ -438,7 +462,7 @@ enum { W_IN, W_QKV, B_QKV, W_O, W_POST, W_GU, W_DOWN, W_HID, NW };
 
 /* x [T, D] bf16, in place: the rows after all L layers. tab [L, NW] pointers (packed weights, norms, bias
    or 0). cs, sn [T, hd] bf16 RoPE rows; mask [T, S] (bool bytes) over the cache's S slots; cpos [T] the
-   slots this pass writes; kv [L, 2, Hkv, S, hd] bf16; kt (AVX-512 BF16 build with hd % 32 == 0, or 0) the same
+   slots this pass writes; kv [L, 2, Hkv, S, hd] bf16; kt (AVX-512 builds with hd % 32 == 0, or 0) the same
    keys transposed, [L, Hkv, ceil(S / 16), hd / 2, 16] bf16 pairs (lanes512's layout), written with them and
    read instead of K for the scores. aux [T, n_aux, D]: slot j gets the input of layer
    aux_of[j] (repeats allowed). An EAGLE-3 layer (tab's W_HID set: its hidden_norm) takes q/k/v from
@@ -450,7 +474,7 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
                 const uint16_t* fnorm, int threads) {
     const long Q = H * hd, KV = Hkv * hd, NQKV = Q + 2 * KV, g = H / Hkv;
     const long nbs = (S + 15) / 16, H2 = hd / 2;  /* kt's slot blocks and pairs */
-#ifndef __AVX512BF16__
+#ifndef __AVX512F__
     kt = 0;
 #endif
     if (hd % 32) kt = 0;
@@ -545,7 +569,7 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
             }
             const uint32_t* ktj = kt ? kt + (l * Hkv + j) * nbs * H2 * 16 : 0;
             (void)ktj; (void)pq; (void)ls;  /* (the AVX2 build has no transposed keys) */
-#ifdef __AVX512BF16__
+#ifdef __AVX512F__
             if (ktj) attend_rows(qs, Vc + j * S * hd, kq, nq, pq, hd, scale, ss, os, ktj, ls, NQ);
             else
 #endif
@@ -627,7 +651,7 @@ def transposed_keys(kv: Tensor) -> Tensor:
     scores with the keys in the vector lanes need no horizontal sum per key (lanes512); kept next to the cache
     and written with each key (transposing per pass cost 2 ms at 1,200 keys, BENCHMARKS.md session 15)."""
     L, _, Hkv, S, hd = kv.shape
-    if cpu_gemm.ISA != "avx512bf16" or hd % 32 or kv.dtype != torch.bfloat16:
+    if cpu_gemm.ISA not in ("avx512bf16", "avx512") or hd % 32 or kv.dtype != torch.bfloat16:
         return kv.new_empty(0, dtype=torch.int32)
     nb = -(-S // 16)
     k = torch.zeros(L, Hkv, nb * 16, hd, dtype=kv.dtype, device=kv.device)

@@ -1,6 +1,7 @@
 """The CPU linear layer for bf16 weights: a small kernel built with the system C compiler on first use, in one
-of two variants chosen by the CPU's flags: AVX-512 BF16 dot products where the CPU has them (Zen 4, Cooper
-Lake, Sapphire Rapids and later), else AVX2/FMA (NANOSPEC_CPU_ISA=avx2 forces the portable one).
+of three variants chosen by the CPU's flags: AVX-512 BF16 dot products where the CPU has them (Zen 4, Cooper
+Lake, Sapphire Rapids and later), else AVX-512F FMAs (Skylake-SP, Cascade Lake, Ice Lake), else AVX2/FMA
+(NANOSPEC_CPU_ISA=avx512 or avx2 forces a smaller one).
 
 Why: on CPUs without a bf16 dot-product instruction (AVX2, plain AVX-512) torch's bf16 GEMM costs about the
 same per row at any row count (measured: 16 rows = 7x one row on an AVX2 EPYC), and on an AVX-512 BF16 EPYC
@@ -11,14 +12,16 @@ panel into several rows of the pass at a time, so extra rows cost multiply-adds,
   BLIS's 6 x 16 AVX2 shape); while a panel computes, the next one is prefetched into L2 (measured on the
   AVX2 EPYC, the default model's GEMMs against the earlier 4 x 3 dot-product tiles, alternating: 1.10x at 1
   row, 1.21x at 8, 1.30x at 16; BENCHMARKS.md, session 11).
+- AVX-512F: the AVX2 kernel's FMAs in 16-lane registers, panels of 64 rows into up to 6 rows (24 accumulators);
+  the same bits as the AVX2 kernel (test_cpu_gemm checks it), twice its work per instruction.
 - AVX-512 BF16: panels of 64 rows, pairs of k side by side, into up to 6 rows at a time with vdpbf16ps (24
   accumulators); each instruction does 32 multiply-adds, 4x an AVX2 FMA (BENCHMARKS.md, session 12).
 
 Row-invariant by construction: every output element is one fp32 chain over k in order (FMAs, or dot
 products of k pairs), plus the bias, whatever the tile, the row count or the row's place in the pass. A
 token's bits never depend on how many tokens share its pass, which is what exact mode needs (exact.py then
-finds that every pass size agrees). The sum is rounded to bf16 once, round-to-nearest-even. The two variants
-round differently from each other, but a machine only ever runs one.
+finds that every pass size agrees). The sum is rounded to bf16 once, round-to-nearest-even. The BF16 variant
+rounds differently from the two FMA ones, but a machine only ever runs one.
 
 `linear(x, w, b)` uses the kernel where `enabled()` says it pays on this machine (a timing check of the
 model's shapes, run once per machine and cached, see `choose`), else `F.linear`. NANOSPEC_CPU_GEMM=torch
@@ -117,8 +120,8 @@ typedef void (*tile_fn)(const void* x, long kx, const uint16_t* P, const uint16_
    of nearly equal height (8 rows with mtmax 6: 4 + 4, not 6 + 2), as each tile's chains must be many enough to
    hide the latency; row blocks of at most 48 keep a block's x in L2 while the panels stream. While a panel computes,
    the next one is prefetched into L2, so memory and arithmetic overlap: all of it by the first tile (spread = 0),
-   or, where the row block has several tiles, a share by each (spread = 1; a lone tile streams its panel with
-   the hardware prefetcher). The later tiles find their panel in cache and give the hardware prefetcher no
+   or, where the row block has several tiles, a share by each (spread = 1: a lone tile streams its panel with
+   the hardware prefetcher; spread = 2: a lone tile prefetches all of it, as with 0). The later tiles find their panel in cache and give the hardware prefetcher no
    misses to follow. Row-invariant by construction when each tile computes every output the same way whatever
    its height. */
 static void tiled(const tile_fn* tiles, long mtmax, long panel, int spread, const void* x, long kx, long M, long K,
@@ -137,7 +140,8 @@ static void tiled(const tile_fn* tiles, long mtmax, long panel, int spread, cons
         long m = mb;
         for (long t = 0; t < nt; t++) {
             long h = (mend - m) / (nt - t) + ((mend - m) % (nt - t) != 0);
-            long l0 = spread ? L * t / nt : 0, l1 = spread ? (nt > 1 ? L * (t + 1) / nt : 0) : (t == 0 ? L : 0);
+            long l0 = spread && nt > 1 ? L * t / nt : 0,
+                 l1 = spread && nt > 1 ? L * (t + 1) / nt : (t == 0 && spread != 1 ? L : 0);
             tiles[h](x, kx, P, b, y, yf, N, m, p, l1 > l0 ? next : 0, l0, l1);
             m += h;
         }
@@ -180,7 +184,61 @@ static inline __attribute__((always_inline)) void tile(const float* x, long K, c
         long N, long m, long p, const char* pf, long l0, long l1) { (void)l0; (void)l1; tile((const float*)x, K, P, b, y, yf, N, m, p, pf, MT); }
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 static const tile_fn tiles[7] = {0, t1, t2, t3, t4, t5, t6};
+#define FMA_PANEL 16
+#define FMA_SPREAD 0  /* the first tile prefetches the whole next panel */
+"""
 
+# The AVX-512F kernel (Skylake-SP, Cascade Lake, Ice Lake: AVX-512 without bf16 dot products): the AVX2 kernel's
+# arithmetic in 16-lane registers, the AVX-512 BF16 kernel's shape (panels of 64, tiles of up to 6 rows).
+GEMM_AVX512 = r"""
+/* MT (<= 6) rows of x times the 64 weight rows of packed panel p (P[p][k][64]: per k, two groups of 32 values
+   interleaved [n0, n16, n1, n17, ...], pack()), so each 64-byte load becomes the fp32 vectors of 16 rows with one
+   shift and one mask, and every x value is one broadcast: 4 * MT FMAs per k, into 24 of the 32 registers.
+   Each output is one fp32 FMA chain over k in order, as in the AVX2 kernel: the two give the same bits, and
+   each instruction does twice an AVX2 FMA's work (measured on an Ice Lake Xeon, the default model's GEMMs in
+   one process, alternating: 16 rows 1.5x, 60 rows 1.6-2x the AVX2 kernel, 1-4 rows the same: memory-bound). */
+static inline __attribute__((always_inline)) void tile(const float* x, long K, const uint16_t* P, const uint16_t* b,
+        uint16_t* y, float* yf, long N, long m0, long p, const char* pf, long l0, long l1, const int MT) {
+    __m512 acc[6][4];  /* in registers: the loops over it are unrolled (MT is a constant) */
+    for (int i = 0; i < MT; i++) for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_ps();
+    const float* x0 = x + m0 * K;
+    const __m512i* w = (const __m512i*)(P + p * 64 * K);
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    long due = 0, l = l0;
+    #pragma GCC unroll 2
+    for (long k = 0; k < K; k++) {
+        if (pf)  /* this tile's share of the next panel, spread evenly over its k loop (as the BF16 kernel) */
+            for (due += l1 - l0; due >= K; due -= K, l++) _mm_prefetch(pf + l * 64, _MM_HINT_T0);
+        __m512 wv[4];
+        for (int v = 0; v < 2; v++) {
+            __m512i u = _mm512_loadu_si512(w + 2 * k + v);
+            wv[2 * v] = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+            wv[2 * v + 1] = _mm512_castsi512_ps(_mm512_and_si512(u, hi));
+        }
+        for (int i = 0; i < MT; i++) {
+            __m512 xv = _mm512_set1_ps(x0[i * K + k]);
+            for (int v = 0; v < 4; v++) acc[i][v] = _mm512_fmadd_ps(xv, wv[v], acc[i][v]);
+        }
+    }
+    float out[16];
+    for (int i = 0; i < MT; i++) for (int v = 0; v < 4; v++) {
+        _mm512_storeu_ps(out, acc[i][v]);
+        store16(out, b, y, yf, N, m0 + i, p * 64 + v * 16);
+    }
+}
+#define TILE(MT) static void t##MT(const void* x, long K, const uint16_t* P, const uint16_t* b, uint16_t* y, float* yf, \
+        long N, long m, long p, const char* pf, long l0, long l1) { tile((const float*)x, K, P, b, y, yf, N, m, p, pf, l0, l1, MT); }
+TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
+static const tile_fn tiles[7] = {0, t1, t2, t3, t4, t5, t6};
+#define FMA_PANEL 64
+/* a lone tile (1-6 rows) prefetches the whole next panel, as the AVX2 kernel's first tile does (measured on an Ice
+   Lake Xeon: 4 rows 1.1x faster than leaving it to the hardware prefetcher); several tiles share it out, as the
+   BF16 kernel's do */
+#define FMA_SPREAD 2
+"""
+
+# The two FMA kernels' entry points (after their tiles, FMA_PANEL and FMA_SPREAD)
+FMA_ENTRY = r"""
 /* y[M, N] (bf16; or yf, fp32 holding bf16 values) = xf[M, K] @ W[N, K]^T (+ b[N]); xf fp32 holding bf16
    values, b bf16; P: W packed by pack(); xs: scratch the AVX-512 BF16 kernel needs (unused here). Every
    output is one fp32 FMA chain over k in order, plus the bias, rounded once: the same whatever the tile, the
@@ -188,7 +246,7 @@ static const tile_fn tiles[7] = {0, t1, t2, t3, t4, t5, t6};
 static void gemm_rows(const float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N, uint16_t* y,
                       float* yf, uint16_t* xs) {
     (void)xs;
-    tiled(tiles, 6, 16, 0, xf, K, M, K, P, b, N, y, yf);
+    tiled(tiles, 6, FMA_PANEL, FMA_SPREAD, xf, K, M, K, P, b, N, y, yf);
 }
 
 /* y[M, N] = x[M, K] @ W[N, K]^T (+ b[N]); x, b, y bf16; P: W packed by pack(); xf: fp32 scratch [M, K] */
@@ -285,19 +343,25 @@ def cpu_flags() -> set[str]:
 
 
 def pick_isa() -> str:
-    """'avx512bf16' where the CPU has AVX-512 BF16 dot products (and NANOSPEC_CPU_ISA does not say avx2), else
-    'avx2'. Decided from the CPU's flags, not timed: a bf16 dot product does twice an FMA's work per lane."""
+    """'avx512bf16' where the CPU has AVX-512 BF16 dot products, 'avx512' where it has AVX-512F without them, else
+    'avx2'; NANOSPEC_CPU_ISA=avx512 or avx2 asks for a smaller one. Decided from the CPU's flags, not timed: a bf16
+    dot product does twice an FMA's work per lane, and a 16-lane FMA twice an 8-lane one."""
     want = os.environ.get(ISA_ENV, "auto")
-    if want not in ("auto", "avx2"):
-        raise ValueError(f"{ISA_ENV} must be auto or avx2, got {want!r}")
-    return "avx512bf16" if want == "auto" and {"avx512f", "avx512_bf16"} <= cpu_flags() else "avx2"
+    if want not in ("auto", "avx512", "avx2"):
+        raise ValueError(f"{ISA_ENV} must be auto, avx512 or avx2, got {want!r}")
+    flags = cpu_flags()
+    if want == "auto" and {"avx512f", "avx512_bf16"} <= flags:
+        return "avx512bf16"
+    return "avx512" if want in ("auto", "avx512") and "avx512f" in flags else "avx2"
 
 
 ISA = pick_isa()
-SOURCE = COMMON + (GEMM_AVX512BF16 if ISA == "avx512bf16" else GEMM_AVX2)
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"] + (["-mavx512f", "-mavx512bf16"] if ISA == "avx512bf16" else [])
+SOURCE = COMMON + {"avx512bf16": GEMM_AVX512BF16, "avx512": GEMM_AVX512 + FMA_ENTRY, "avx2": GEMM_AVX2 + FMA_ENTRY}[ISA]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"] + {
+    "avx512bf16": ["-mavx512f", "-mavx512bf16"], "avx512": ["-mavx512f"], "avx2": []}[ISA]
 # the packed layout (pack()): panels of PANEL weight rows, KB consecutive k of a row side by side
-PANEL, KB = (64, 2) if ISA == "avx512bf16" else (16, 1)
+PANEL, KB = {"avx512bf16": (64, 2), "avx512": (64, 1), "avx2": (16, 1)}[ISA]
+HALF = 8 if ISA == "avx2" else 16  # FMA kernels: a k's 2 * HALF values per load interleave two halves of rows
 
 
 def cache_dir() -> Path:
@@ -358,8 +422,8 @@ def load(source: str, stem: str):
 
 # where (weight row c of a panel, k offset j) sits among a k group's PANEL * KB values: AVX2 [n0, n8, n1, n9, ...]
 # (one k; see its tile()), AVX-512 BF16 [n0k0, n0k1, n1k0, n1k1, ...] (a pair of k)
-_PLACE = (torch.tensor([2 * c if c < 8 else 2 * (c - 8) + 1 for c in range(16)]) if ISA == "avx2"
-          else torch.arange(PANEL * KB))
+_PLACE = (torch.tensor([c // (2 * HALF) * 2 * HALF + 2 * (c % HALF) + c % (2 * HALF) // HALF for c in range(PANEL)])
+          if KB == 1 else torch.arange(PANEL * KB))
 
 
 def pack(w: Tensor) -> Tensor:
@@ -371,8 +435,8 @@ def pack(w: Tensor) -> Tensor:
     wp = torch.cat([w, w.new_zeros(P * PANEL - N, K)]) if P * PANEL > N else w
     # one strided copy (an index by _PLACE was 10x slower): AVX2 interleaves each panel's two halves of 8 rows;
     # AVX-512 BF16 puts each row's pair of k side by side, a transpose of 32-bit pairs
-    if ISA == "avx2":
-        return wp.reshape(P, 2, 8, K).permute(0, 3, 2, 1).reshape(P, K, 16)
+    if KB == 1:
+        return wp.reshape(P, PANEL // (2 * HALF), 2, HALF, K).permute(0, 4, 1, 3, 2).reshape(P, K, PANEL)
     return wp.view(torch.int32).reshape(P, PANEL, K // 2).transpose(1, 2).contiguous().view(w.dtype).reshape(P, K // 2, PANEL * 2)
 
 
@@ -439,7 +503,7 @@ def kernel_linear(x: Tensor, packed: Tensor, N: int, b: Tensor | None = None) ->
     K = x.shape[-1]
     x2 = x.reshape(-1, K).contiguous()
     y = torch.empty(x2.shape[0], N, dtype=torch.bfloat16)
-    xf = torch.empty(x2.shape[0], K) if ISA == "avx2" else None  # the AVX2 kernel widens x into it
+    xf = torch.empty(x2.shape[0], K) if KB == 1 else None  # the FMA kernels widen x into it
     kernel()(x2.data_ptr(), 0 if xf is None else xf.data_ptr(), x2.shape[0], K, packed.data_ptr(), 0 if b is None else b.data_ptr(), N,
              y.data_ptr(), torch.get_num_threads())
     return y.view(*x.shape[:-1], N)

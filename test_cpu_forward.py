@@ -119,7 +119,7 @@ def test_compact_kv_moves_every_layer(target, monkeypatch):
     for i, layer in enumerate(m.layers):
         c = layer.self_attn.kv_cache
         assert torch.equal(c.k[0], m.kv[i, 0]) and torch.equal(c.v[0], m.kv[i, 1])
-    if cpu_gemm.ISA == "avx512bf16":  # the keys' transposed copy moves with them
+    if cpu_gemm.ISA in ("avx512bf16", "avx512"):  # the keys' transposed copy moves with them
         assert m.kt.numel() and torch.equal(m.kt, cpu_forward.transposed_keys(m.kv))
     else:
         assert m.kt.numel() == 0
@@ -133,13 +133,13 @@ def test_compact_kv_moves_every_layer(target, monkeypatch):
 
 @torch.no_grad()
 def test_transposed_keys_follow_the_cache(target, monkeypatch):
-    """The AVX-512 BF16 pass scores from a transposed copy of the keys (cpu_forward.transposed_keys): every fused
+    """The AVX-512 passes score from a transposed copy of the keys (cpu_forward.transposed_keys): every fused
     pass writes it with the keys, a pass through the PyTorch layers (a [1, 1, T, S] mask) rebuilds it, and
     its scores give the logits of the pass that reads K (to bf16 rounding) with rows still independent of
     their pass (the tree test above)."""
     m = load(target, True, monkeypatch)
-    if cpu_gemm.ISA != "avx512bf16":
-        pytest.skip("the transposed keys are read by the AVX-512 BF16 build only")
+    if cpu_gemm.ISA not in ("avx512bf16", "avx512"):
+        pytest.skip("the transposed keys are read by the AVX-512 builds only")
     m(toks(40), torch.arange(40))
     assert torch.equal(m.kt, cpu_forward.transposed_keys(m.kv))
     mask = (m.seq_range[None, :] <= torch.arange(40, 45)[:, None])[None, None]

@@ -162,28 +162,63 @@ def test_the_timing_check_runs():
 
 
 def test_isa_choice(monkeypatch):
-    """The variant follows the CPU's flags; NANOSPEC_CPU_ISA=avx2 forces the portable one; anything else is an
-    error."""
+    """The variant follows the CPU's flags; NANOSPEC_CPU_ISA=avx512 or avx2 asks for a smaller one (never one the
+    CPU lacks); anything else is an error."""
     monkeypatch.delenv(cpu_gemm.ISA_ENV, raising=False)
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512_bf16"})
     assert cpu_gemm.pick_isa() == "avx512bf16"
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+    assert cpu_gemm.pick_isa() == "avx512"
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"avx2", "fma"})
+    assert cpu_gemm.pick_isa() == "avx2"
+    monkeypatch.setenv(cpu_gemm.ISA_ENV, "avx512")
     assert cpu_gemm.pick_isa() == "avx2"
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512_bf16"})
+    assert cpu_gemm.pick_isa() == "avx512"
     monkeypatch.setenv(cpu_gemm.ISA_ENV, "avx2")
     assert cpu_gemm.pick_isa() == "avx2"
     monkeypatch.setenv(cpu_gemm.ISA_ENV, "amx")
-    with pytest.raises(ValueError, match="auto or avx2"):
+    with pytest.raises(ValueError, match="auto, avx512 or avx2"):
         cpu_gemm.pick_isa()
     assert cpu_gemm.ISA in cpu_gemm.machine_id()  # answers timed with one variant are not reused by the other
 
 
-@pytest.mark.skipif(cpu_gemm.ISA == "avx2", reason="this process already tests the AVX2 kernel")
-def test_the_portable_kernel_too(tmp_path):
-    """On an AVX-512 BF16 CPU the AVX2 kernel (what AVX2-only CPUs run) passes this file's and the fused pass's
-    tests too, in a process of its own (the variant is fixed at import)."""
+SMALLER = [isa for isa in ("avx512", "avx2") if isa != cpu_gemm.ISA and cpu_gemm.ISA != "avx2"
+           and (isa == "avx2" or "avx512f" in cpu_gemm.cpu_flags())]
+
+
+@pytest.mark.parametrize("isa", SMALLER or [pytest.param("avx2", marks=pytest.mark.skip("this process tests the AVX2 kernel"))])
+def test_the_smaller_kernels_too(tmp_path, isa):
+    """On an AVX-512 CPU the kernels that smaller CPUs run (AVX2-only; AVX-512 without bf16) pass this file's and
+    the fused pass's tests too, each in a process of its own (the variant is fixed at import)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, cpu_gemm.ISA_ENV: "avx2", "NANOSPEC_CACHE": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not portable",
+    env = {**os.environ, cpu_gemm.ISA_ENV: isa, "NANOSPEC_CACHE": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not smaller and not agree",
                         "test_cpu_gemm.py", "test_cpu_forward.py"], cwd=here, env=env, capture_output=True, text=True)
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+PRODUCTS = """
+import sys, torch, cpu_gemm
+g = torch.Generator().manual_seed(0)
+out = []
+for N, K, bias in [(96, 576, False), (130, 64, True), (49, 136, True), (3, 8, False), (200, 1536, False)]:
+    w, b = torch.randn(N, K, generator=g).bfloat16(), torch.randn(N, generator=g).bfloat16() if bias else None
+    x = torch.randn(61, K, generator=g).bfloat16()
+    out += [cpu_gemm.kernel_linear(x[:r], cpu_gemm.pack(w), N, b) for r in (1, 2, 5, 7, 12, 13, 16, 26, 61)]
+torch.save((cpu_gemm.ISA, out), sys.argv[1])
+"""
+
+
+@pytest.mark.skipif("avx512f" not in cpu_gemm.cpu_flags(), reason="needs a CPU with AVX-512F")
+def test_fma_kernels_agree_bit_for_bit(tmp_path):
+    """The AVX-512F kernel is the AVX2 kernel's arithmetic in wider registers: every output is the same fp32 FMA
+    chain over k in order, so the two give the same bits for every shape, row count and padded panel."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    got = {}
+    for isa in ("avx512", "avx2"):
+        env = {**os.environ, cpu_gemm.ISA_ENV: isa, "NANOSPEC_CACHE": str(tmp_path), "PYTHONPATH": here}
+        subprocess.run([sys.executable, "-c", PRODUCTS, str(tmp_path / isa)], cwd=here, env=env, check=True)
+        got[isa] = torch.load(tmp_path / isa)
+    assert got["avx512"][0] == "avx512" and got["avx2"][0] == "avx2"
+    assert all(torch.equal(a, b) for a, b in zip(got["avx512"][1], got["avx2"][1]))
