@@ -363,6 +363,10 @@ def make_plots(out_dir: Path, tag: str, fig1, S, methods, tasks, log):
                     if pts:
                         ax.plot([p["size"] for p in pts], [p["oracle"] for p in pts], "kx", ms=8,
                                 label=pre + "oracle (Eq. 1)")
+            if not ax.lines:  # no vocabulary of the run measured this (a head that never drafted): no empty figure
+                plt.close(fig)
+                log(f"figure {fname}: no data points in this run, not drawn")
+                continue
             ax.set_xscale("log", base=2)
             ax.set_xlabel("draft vocabulary size (rows)")
             ax.set_ylabel(ylabel)
