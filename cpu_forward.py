@@ -377,7 +377,7 @@ static inline __attribute__((always_inline)) void pv_rows(const float* const* p,
    the pass (a few rows' heads): query i has its own keys ks[i][0 .. n[i]) and leading run pre[i]. The rows
    share the loads of what they share: every query scores every 16-slot block up to the last one any of them
    needs (a block's scores that a query's mask does not allow are dropped, as attend_g drops them), and the
-   value rows of their common leading run (pv_rows). Each score is still its own vdpbf16ps chain in its lane
+   value rows of their common leading run (pv_rows). Each score is still its own chain in its lane (lanes512)
    and each output its own FMA chain over its query's keys in order: the bits of one row alone. Why: a tree's
    rows all read the same context; one row at a time, a 16-row verification at 750 keys spent 2.7 ms in
    attention against 0.85 ms for one row (Zen 5), its value widening and key loads repeated per row. */

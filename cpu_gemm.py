@@ -121,8 +121,8 @@ typedef void (*tile_fn)(const void* x, long kx, const uint16_t* P, const uint16_
    hide the latency; row blocks of at most 48 keep a block's x in L2 while the panels stream. While a panel computes,
    the next one is prefetched into L2, so memory and arithmetic overlap: all of it by the first tile (spread = 0),
    or, where the row block has several tiles, a share by each (spread = 1: a lone tile streams its panel with
-   the hardware prefetcher; spread = 2: a lone tile prefetches all of it, as with 0). The later tiles find their panel in cache and give the hardware prefetcher no
-   misses to follow. Row-invariant by construction when each tile computes every output the same way whatever
+   the hardware prefetcher; spread = 2: a lone tile prefetches all of it, as with 0). The later tiles find their
+   panel in cache and give the hardware prefetcher no misses to follow. Row-invariant by construction when each tile computes every output the same way whatever
    its height. */
 static void tiled(const tile_fn* tiles, long mtmax, long panel, int spread, const void* x, long kx, long M, long K,
                   const uint16_t* P, const uint16_t* b, long N, uint16_t* y, float* yf) {
@@ -196,7 +196,7 @@ GEMM_AVX512 = r"""
    shift and one mask, and every x value is one broadcast: 4 * MT FMAs per k, into 24 of the 32 registers.
    Each output is one fp32 FMA chain over k in order, as in the AVX2 kernel: the two give the same bits, and
    each instruction does twice an AVX2 FMA's work (measured on an Ice Lake Xeon, the default model's GEMMs in
-   one process, alternating: 16 rows 1.5x, 60 rows 1.6-2x the AVX2 kernel, 1-4 rows the same: memory-bound). */
+   one process, alternating: 16 rows 1.4-1.5x, 60 rows 1.6-2x the AVX2 kernel, 1-4 rows the same: memory-bound). */
 static inline __attribute__((always_inline)) void tile(const float* x, long K, const uint16_t* P, const uint16_t* b,
         uint16_t* y, float* yf, long N, long m0, long p, const char* pf, long l0, long l1, const int MT) {
     __m512 acc[6][4];  /* in registers: the loops over it are unrolled (MT is a constant) */
@@ -421,7 +421,8 @@ def load(source: str, stem: str):
 
 
 # where (weight row c of a panel, k offset j) sits among a k group's PANEL * KB values: AVX2 [n0, n8, n1, n9, ...]
-# (one k; see its tile()), AVX-512 BF16 [n0k0, n0k1, n1k0, n1k1, ...] (a pair of k)
+# (one k; see its tile()), AVX-512F the same per 32 rows [n0, n16, n1, n17, ..., n32, n48, ...], AVX-512 BF16
+# [n0k0, n0k1, n1k0, n1k1, ...] (a pair of k)
 _PLACE = (torch.tensor([c // (2 * HALF) * 2 * HALF + 2 * (c % HALF) + c % (2 * HALF) // HALF for c in range(PANEL)])
           if KB == 1 else torch.arange(PANEL * KB))
 
@@ -433,8 +434,8 @@ def pack(w: Tensor) -> Tensor:
     N, K = w.shape
     P = -(-N // PANEL)
     wp = torch.cat([w, w.new_zeros(P * PANEL - N, K)]) if P * PANEL > N else w
-    # one strided copy (an index by _PLACE was 10x slower): AVX2 interleaves each panel's two halves of 8 rows;
-    # AVX-512 BF16 puts each row's pair of k side by side, a transpose of 32-bit pairs
+    # one strided copy (an index by _PLACE was 10x slower): the FMA kernels interleave the two halves of each
+    # 2 * HALF rows of a panel; AVX-512 BF16 puts each row's pair of k side by side, a transpose of 32-bit pairs
     if KB == 1:
         return wp.reshape(P, PANEL // (2 * HALF), 2, HALF, K).permute(0, 4, 1, 3, 2).reshape(P, K, PANEL)
     return wp.view(torch.int32).reshape(P, PANEL, K // 2).transpose(1, 2).contiguous().view(w.dtype).reshape(P, K // 2, PANEL * 2)
