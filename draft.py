@@ -256,11 +256,12 @@ class VocabDrafter:
         vocab, dev = self.vocab, nxt.device
         on_path = torch.arange(nxt.shape[0], device=dev) < a.L
         em_rows, em_ok = self.rows_of(nxt)
-        hits = (vocab.contains(em_rows) & em_ok & on_path).sum()
-        act = vocab.active_size().long()
-        m = self.metrics
-        m.add_(torch.stack([hits, a.L.long(), act, torch.zeros_like(act), torch.ones_like(act)]))
-        m[3:4].copy_(torch.maximum(m[3:4], act.view(1)))
+        if not cpu_draft.metrics(self, em_rows, em_ok, a.L):  # (CPU: the same in one C call)
+            hits = (vocab.contains(em_rows) & em_ok & on_path).sum()
+            act = vocab.active_size().long()
+            m = self.metrics
+            m.add_(torch.stack([hits, a.L.long(), act, torch.zeros_like(act), torch.ones_like(act)]))
+            m[3:4].copy_(torch.maximum(m[3:4], act.view(1)))
         ver = (a.top if a.top is not None and a.top.shape[1] == vocab.k_ver   # [D+1, k_ver]
                else cpu_draft.topk_rows(a.logits, a.path, vocab.k_ver))
         drows, dvalid = self.rows_of(a.tree.tokens)

@@ -208,3 +208,26 @@ def test_head_update_in_c_is_the_pytorch_pass(env, monkeypatch):
         assert ((lm_on - lm_off).abs() <= lm_off.abs() * 2 ** -7).all()
         lengths.add(int(a.L))
     assert used and len(lengths) > 1
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("pruned,fill", [(False, False), (False, True), (True, False)])
+def test_window_metrics_in_c_are_the_pytorch_metrics(env, monkeypatch, pruned, fill):
+    """observe's coverage and active-size metrics in C (cpu_draft.metrics) add up to the PyTorch version's over a
+    whole generation: hits, emitted, active sum and max, steps; with fill rows and with a pruned head."""
+    m, head = load(env, monkeypatch, pruned)
+    # fill rows: the tokens the target emits, so some of its tokens score through a fill row (free slot)
+    fill_ids = torch.tensor(sorted(set(Engine(m).generate(list(range(30, 60)), 40)[0]))) if fill else None
+    got, used, real = {}, [], cpu_draft.metrics
+    for c in ("on", "off"):
+        monkeypatch.setattr(cpu_draft, "metrics", (lambda *x: used.append(1) or real(*x)) if c == "on"
+                            else (lambda *x: False))
+        # a small window of the target's top-1 misses some emitted tokens, which fill rows may then score
+        vocab = make_vocab("nanospec", head.lm_weight(), w_max=24, k_pre=1, k_ver=1,
+                           max_append=dr.append_width(10, 3, 1), fill=fill_ids)
+        d = dr.EagleDrafter(head, vocab, 4, 3, 10)
+        out, _ = Engine(m, drafter=d).generate(list(range(30, 60)), 40)
+        got[c] = (out, d.metrics.tolist())
+    assert used and got["on"] == got["off"]
+    hits, emitted, act_sum, act_max, steps = got["on"][1]
+    assert steps > 3 and 0 < hits <= emitted and act_max > 0 and act_sum >= act_max
