@@ -181,9 +181,13 @@ def read_bandwidth_gbs() -> float:
 def profile(model, name: str, dtype: str, ctx: int, rows_list: list[int]):
     """One target pass after a ctx-token prefill (plain arithmetic, the fastest eager path), split into its
     GEMMs alone (the same weights and shapes, back to back), its attention alone (the same SDPA calls over
-    the same cache), and the rest (norms, RoPE, cache writes, residuals, dispatch), against the floor of
-    reading every weight once at this machine's measured bandwidth."""
+    the same cache), and the rest (norms, RoPE, cache writes, residuals, dispatch), against two floors measured
+    here: reading every weight once at this machine's bandwidth, and the pass's GEMM multiply-adds at this
+    machine's peak with cpu_gemm's instruction (cpu_gemm.peak_gflops). A T-row pass costs at least the larger;
+    its ratio to the measured one-row pass is the best a T-node verification can cost against today's decode
+    step on this CPU, whatever the code."""
     a, dev = model.args, model.lm_head.weight.device
+    rows_list = sorted(set(rows_list) | {1})  # the one-row pass (decode) is what the others compare with
     S = (ctx + max(rows_list) + 64 + 63) // 64 * 64  # what Engine.plan allocates for such a request
     model.setup_caches(1, S)
     model(torch.randint(0, a.vocab_size, (1, ctx)), torch.arange(ctx))
@@ -191,13 +195,25 @@ def profile(model, name: str, dtype: str, ctx: int, rows_list: list[int]):
     weight_bytes = sum(w.numel() * w.element_size() for w in {m.weight.data_ptr(): m.weight for m in linears}.values())
     bw = read_bandwidth_gbs()
     floor = weight_bytes / bw / 1e6
+    flops_row = 2 * sum(m.in_features * m.out_features for m in linears)  # every linear layer once per row
+    peak = cpu_gemm.peak_gflops() if dev.type == "cpu" else None
     kv, fused = model.layers[0].self_attn.kv_cache, model.cpu_pass
     print(f"\n{name}, {dtype}, {torch.get_num_threads()} threads, {machine_id()}; "
           f"{'fused CPU pass (cpu_forward.py)' if fused is not None else 'PyTorch layers'}; context {ctx} tokens, KV cache "
           f"{S} slots ({str(kv.k.dtype)[6:]}); weights {weight_bytes / 1e6:.0f} MB; read bandwidth {bw:.1f} GB/s, "
           f"so reading the weights once takes {floor:.1f} ms")
-    print("| rows | whole pass ms | GEMMs alone ms | attention alone ms | the rest ms | whole / weight floor |\n"
-          "|---|---|---|---|---|---|")
+    if peak:
+        print(f"GEMM multiply-adds {flops_row / 1e9:.3f} GFLOP per row; this CPU's peak with cpu_gemm's instruction "
+              f"({cpu_gemm.ISA}) {peak:.0f} GFLOP/s over {torch.get_num_threads()} threads, so at least "
+              f"{flops_row / peak / 1e6:.2f} ms of arithmetic per row")
+    print("| rows | whole pass ms | GEMMs alone ms | attention alone ms | the rest ms | whole / weight floor "
+          "| floor ms (weights, arithmetic) | floor / 1-row pass |\n|---|---|---|---|---|---|---|---|")
+    one = []  # the measured one-row pass (the first size)
+
+    def floors(T, whole):
+        one.append(whole)
+        f = max(floor, T * flops_row / peak / 1e6) if peak else floor
+        return f"| {fmt_ms(f)} | {f / one[0]:.2f}x |"
     g = torch.Generator().manual_seed(0)
     for T in rows_list:
         tok = torch.randint(0, a.vocab_size, (1, T), generator=g).to(dev)
@@ -207,7 +223,8 @@ def profile(model, name: str, dtype: str, ctx: int, rows_list: list[int]):
             xs = [(p, N, torch.randn(T, K, generator=g).bfloat16()) for p, N, K in fused.gemms]
             head = torch.randn(1, T, a.dim, generator=g).bfloat16()
             gemms = median_ms(lambda: [cpu_gemm.kernel_linear(x, p, N) for p, N, x in xs] + [model.lm_head(head)])
-            print(f"| {T} | {fmt_ms(whole)} | {fmt_ms(gemms)} | (in the fused pass) | {fmt_ms(whole - gemms)} | {whole / floor:.1f}x |")
+            print(f"| {T} | {fmt_ms(whole)} | {fmt_ms(gemms)} | (in the fused pass) | {fmt_ms(whole - gemms)} | {whole / floor:.1f}x "
+                  + floors(T, whole))
             continue
         xs = {m: torch.randn(1, T, m.in_features, generator=g).to(dev, m.weight.dtype) for m in linears}
         gemms = median_ms(lambda: [m(x) for m, x in xs.items()])
@@ -215,7 +232,8 @@ def profile(model, name: str, dtype: str, ctx: int, rows_list: list[int]):
         mask = model.causal_mask(pos)
         attn = median_ms(lambda: [torch.nn.functional.scaled_dot_product_attention(
             q, kv.k, kv.v, attn_mask=mask, enable_gqa=a.n_kv_heads != a.n_heads) for _ in model.layers])
-        print(f"| {T} | {fmt_ms(whole)} | {fmt_ms(gemms)} | {fmt_ms(attn)} | {fmt_ms(whole - gemms - attn)} | {whole / floor:.1f}x |")
+        print(f"| {T} | {fmt_ms(whole)} | {fmt_ms(gemms)} | {fmt_ms(attn)} | {fmt_ms(whole - gemms - attn)} | {whole / floor:.1f}x "
+              + floors(T, whole))
 
 
 if __name__ == "__main__":

@@ -392,6 +392,58 @@ def c_function(source: str, stem: str, name: str, argtypes: tuple):
     return _FNS[stem, name]
 
 
+# The machine's multiply-add peak with the kernel's own instruction (bench_ar.py --profile's arithmetic floor):
+# vdpbf16ps where the build has AVX-512 BF16, else a 16- or 8-lane fp32 FMA
+PEAK = r"""
+#include <immintrin.h>
+#include <omp.h>
+/* iters rounds of 24 independent chains per thread (enough to hide the instruction's latency), no memory
+   traffic; returns GFLOP/s over `threads` threads (FLOPS per instruction: 2 per lane and product) */
+double peak_gflops(long iters, int threads) {
+    double t0 = omp_get_wtime(), sink = 0;
+    #pragma omp parallel num_threads(threads) reduction(+:sink)
+    {
+#if defined(__AVX512BF16__)
+        typedef __m512 vec;
+        const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3c00);  /* bf16 2^-7 */
+#define STEP(a) a = _mm512_dpbf16_ps(a, x, x)
+#define FLOPS 64
+#elif defined(__AVX512F__)
+        typedef __m512 vec;
+        const __m512 x = _mm512_set1_ps(0.999f), y = _mm512_set1_ps(1e-4f);
+#define STEP(a) a = _mm512_fmadd_ps(a, x, y)
+#define FLOPS 32
+#else
+        typedef __m256 vec;
+        const __m256 x = _mm256_set1_ps(0.999f), y = _mm256_set1_ps(1e-4f);
+#define STEP(a) a = _mm256_fmadd_ps(a, x, y)
+#define FLOPS 16
+#endif
+        vec a[24];
+        for (int i = 0; i < 24; i++) __builtin_memset(&a[i], 0, sizeof(vec));
+        for (long it = 0; it < iters; it++) {
+            #pragma GCC unroll 24
+            for (int i = 0; i < 24; i++) STEP(a[i]);
+        }
+        for (int i = 0; i < 24; i++) { float f; __builtin_memcpy(&f, &a[i], 4); sink += f; }
+    }
+    double t = omp_get_wtime() - t0;
+    return sink == -1.0 ? 0 : (double)iters * 24 * FLOPS * threads / t / 1e9;  /* (sink: keep the chains) */
+}
+"""
+
+
+def peak_gflops(threads: int | None = None, reps: int = 5) -> float | None:
+    """The best of reps runs of PEAK (about 0.1 s each): this machine's multiply-add peak in GFLOP/s with the kernel's
+    instruction over `threads` threads (default: torch's); None where the kernels cannot be built here."""
+    fn = c_function(PEAK, "cpu_peak", "peak_gflops", (I_, ctypes.c_int))
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_double
+    threads = threads or torch.get_num_threads()
+    return max(fn(2_000_000, threads) for _ in range(reps))
+
+
 def kernel():
     """The GEMM's C function, or None (not x86 with AVX2+FMA, or no C compiler). Built once, cached on disk."""
     return c_function(SOURCE, "cpu_gemm", "linear_bf16", (P_, P_, I_, I_, P_, P_, I_, P_, ctypes.c_int))
