@@ -134,6 +134,7 @@ def parse_args(argv=None):
     g.add_argument("--spec-k", type=int, default=None, help="n-gram chain length (default 10)")
     g.add_argument("--ngram-min", type=int, default=1)
     g.add_argument("--ngram-max", type=int, default=3)
+    g.add_argument("--ngram-occurrences", type=int, default=8, help="prompt lookup: merge the continuations of this many earlier occurrences of the matched suffix into one tree (1: the most recent one's chain)")
     g.add_argument("--w-max", type=int, default=3072)
     g.add_argument("--k-pre", type=int, default=3)
     g.add_argument("--k-ver", type=int, default=3)

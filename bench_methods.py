@@ -137,7 +137,8 @@ def build_method(m: Method, model: Transformer, heads: dict, freq_path: Path | N
     c = dr.DraftConfig(m.kind if m.kind in ("ar", "ngram") else m.head, tree_topk=args.tree_topk,
                        tree_depth=args.tree_depth, tree_nodes=args.tree_nodes, spec_k=args.spec_k,
                        ngram_min=args.ngram_min, ngram_max=args.ngram_max, k_pre=args.k_pre, k_ver=args.k_ver,
-                       ablation=m.ablation, static=m.compiled, ngram=m.hybrid)
+                       ablation=m.ablation, static=m.compiled, ngram=m.hybrid,
+                       ngram_occurrences=args.ngram_occurrences)
     if m.kind in ("ar", "ngram"):
         m.engine = build_engine(model, None, replace(c, draft="none" if m.kind == "ar" else "ngram"), sampling, **kw)
         return

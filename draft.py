@@ -29,6 +29,7 @@ hybrid has them): budget_sizes(key) and budget_start(key), a source's sizes and 
 budget_setup(key, b) -> seconds a draft of b nodes pays once first (the late head's start), and
 setup_paid() -> the seconds such set-ups took since the last call (kept out of the step times).
 """
+import heapq
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,6 +171,29 @@ def chain_tree(tokens: Tensor, valid: Tensor | None = None, q: Tensor | None = N
     if valid is None:
         valid = torch.ones(N, dtype=torch.bool, device=tokens.device)
     return Tree(tokens, ar - 1, ar, anc, valid, q, N - 1)
+
+
+def lookup_tree_of(root: Tensor, tok: list[int], par: list[int], pad_to: int = 0) -> Tree:
+    """The Tree of a root and the nodes below it (tok, par: node i + 1's token and parent, parents first), padded
+    with invalid nodes to 1 + pad_to (a static shape for --compile). A chain takes chain_tree's cached shape."""
+    pad = max(pad_to - len(tok), 0)
+    dev = root.device
+    if par == list(range(len(par))):  # a chain (or the root alone)
+        valid = None if not pad else torch.tensor([True] * (1 + len(tok)) + [False] * pad, device=dev)
+        return chain_tree(torch.tensor([int(root)] + tok + [0] * pad, device=dev), valid)
+    parents = [-1] + par + [0] * pad
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    N = len(parents)
+    anc = []  # ancestor-or-self rows, built on the host (N <= k + 1 is small): the parent's row and itself
+    for i in range(N):
+        row = list(anc[parents[i]]) if i else [False] * N
+        row[i] = True
+        anc.append(row)
+    return Tree(torch.tensor([int(root)] + tok + [0] * pad, device=dev), torch.tensor(parents, device=dev),
+                torch.tensor(depth, device=dev), torch.tensor(anc, device=dev),
+                torch.tensor([True] * (1 + len(tok)) + [False] * pad, device=dev), None, max(depth))
 
 
 def check_tree_budget(topk: int, depth: int, nodes: int):
@@ -498,7 +522,9 @@ def match_key(n: int, chain: list[int]) -> str:
 
 class NgramDrafter:
     """Prompt lookup: the longest suffix (nmax..nmin tokens) seen earlier in prompt + output proposes
-    the tokens that followed it. It searches a host-side token list (as llama.cpp's lookup does), so its
+    the tokens that followed it: a chain where its earlier occurrences agree, else a tree of their
+    continuations, best first (lookup_tree; budget keys and the hybrid's merge use the most recent chain,
+    match()). It searches a host-side token list (as llama.cpp's lookup does), so its
     draft and update read the root and the accepted tokens from the device (graphable = False); on CPU
     that costs nothing, on CUDA two tiny copies after the step's sync."""
 
@@ -506,13 +532,16 @@ class NgramDrafter:
     reads_states, reads_top = False, 0  # update reads the accepted tokens only
     prompt_logits = 0
 
-    def __init__(self, k=10, nmin=1, nmax=3, static=False):
+    def __init__(self, k=10, nmin=1, nmax=3, static=False, occurrences=8):
         if not 1 <= nmin <= nmax:
             raise ValueError(f"need 1 <= --ngram-min <= --ngram-max, got {nmin}, {nmax}")
         if k < 1:
             raise ValueError(f"--spec-k must be >= 1, got {k}")
+        if occurrences < 1:
+            raise ValueError(f"--ngram-occurrences must be >= 1, got {occurrences}")
         self.k, self.nmin, self.nmax = k, nmin, nmax
         self.depth, self.nodes = k, k + 1
+        self.occurrences = occurrences  # earlier occurrences whose continuations make the tree (lookup_tree)
         # static: always propose k + 1 nodes (invalid padding), so a compiled verify step is traced once
         # instead of once per proposal length (each CPU inductor compile costs tens of seconds); for --compile
         self.static = static
@@ -537,20 +566,65 @@ class NgramDrafter:
         history per step cost 0.24 ms at 600 tokens and 0.6 ms at 1,500 in Python (5% of a CPU decode step, and
         it grows with the text); an n-gram -> last start map, extended by the tokens added since the last call,
         costs microseconds (as llama.cpp's lookup keeps one)."""
+        n, starts = self.starts(hist)
+        return (n, hist[starts[-1] + n:starts[-1] + n + self.k]) if n else (0, [])
+
+    def starts(self, hist: list[int]) -> tuple[int, list[int]]:
+        """(n, starts): the longest suffix of hist (nmax..nmin tokens) seen earlier in it, and where it started
+        earlier, oldest first (a list the index owns: read it, do not keep it); (0, []) where none is."""
         seen = getattr(self, "_seen", None)
         if seen is None or len(hist) < len(seen) or hist[:len(seen)] != seen:  # another text: index it afresh
             seen = self._seen = []
-            self._last = {n: {} for n in range(self.nmin, self.nmax + 1)}
+            self._at = {n: {} for n in range(self.nmin, self.nmax + 1)}
         L, m = len(hist), len(seen)
-        for n, last in self._last.items():  # every n-gram that starts before the suffix's own start, L - n
+        for n, at in self._at.items():  # every n-gram that starts before the suffix's own start, L - n
             for s in range(max(m - n, 0), L - n):
-                last[tuple(hist[s:s + n])] = s  # later starts overwrite: the most recent occurrence
+                at.setdefault(tuple(hist[s:s + n]), []).append(s)  # in order: the most recent start last
         seen.extend(hist[m:])
         for n in range(min(self.nmax, L - 1), self.nmin - 1, -1):
-            s = self._last[n].get(tuple(hist[L - n:]))
-            if s is not None:
-                return n, hist[s + n:s + n + self.k]
+            starts = self._at[n].get(tuple(hist[L - n:]))
+            if starts:
+                return n, starts
         return 0, []
+
+    def lookup_tree(self, hist: list[int]) -> tuple[list[int], list[int]]:
+        """(tokens, parents) of the draft below the root hist[-1]: the continuations of the suffix's last
+        `occurrences` earlier occurrences (up to k tokens each) merged into a trie, its nodes best first by how
+        many continuations pass through them (ties: the shallower, then the more recent one's), parents before
+        children, at most k of them: so every prefix is the best tree of its size (budget.py verifies prefixes).
+        One occurrence, or several that agree, make match()'s chain. Why: where the text repeats with variations
+        (a short match followed by different words), the siblings catch what the most recent continuation misses:
+        replayed offline on session 20's 60 Spec-Bench l10 outputs (greedy acceptance, a fixed size every step),
+        tau 2.31 -> 2.45 at 11 nodes, 2.23 -> 2.34 at 8, 1.94 -> 1.98 at 4 against the most recent chain."""
+        n, starts = self.starts(hist)
+        if not n:
+            return [], []
+        kids, tok, par, count, dep = {}, [], [], [], []  # the trie: node i (the root is -1) = tok[i] below par[i]
+        for s in reversed(starts[-self.occurrences:]):  # the most recent first: it wins ties
+            cur = -1
+            for t in hist[s + n:s + n + self.k]:
+                i = kids.get((cur, t))
+                if i is None:
+                    i = kids[cur, t] = len(tok)
+                    tok.append(t), par.append(cur), count.append(0), dep.append(dep[cur] + 1 if cur >= 0 else 1)
+                count[i] += 1
+                cur = i
+        if par == list(range(-1, len(tok) - 1)):  # one chain (the continuations agree): nothing to order
+            return tok, list(range(len(tok)))
+        children = {}
+        for i in range(len(tok)):
+            children.setdefault(par[i], []).append(i)
+        # best first: the most continuations through a node, then the shallower (a sibling at depth 1 is right
+        # more often than a node three guesses deep), then the more recent
+        order, frontier = [], [(-count[i], dep[i], i) for i in children[-1]]
+        heapq.heapify(frontier)
+        while frontier and len(order) < self.k:
+            i = heapq.heappop(frontier)[2]
+            order.append(i)
+            for j in children.get(i, ()):
+                heapq.heappush(frontier, (-count[j], dep[j], j))
+        pos = {old: new + 1 for new, old in enumerate(order)}  # node index in the tree (the root is 0)
+        return [tok[i] for i in order], [pos.get(par[i], 0) for i in order]
 
     def match_scan(self, hist: list[int]) -> tuple[int, list[int]]:
         """match() by scanning the history (its reference, for the tests)."""
@@ -567,12 +641,8 @@ class NgramDrafter:
 
     def draft(self, root: Tensor, n: Tensor, budget: int | None = None) -> Tree:
         r = int(root)
-        prop = self.propose(self.hist + [r])
-        if not self.static:
-            return chain_tree(torch.tensor([r] + prop, device=root.device))
-        pad = self.k - len(prop)
-        valid = torch.tensor([True] * (1 + len(prop)) + [False] * pad, device=root.device)
-        return chain_tree(torch.tensor([r] + prop + [0] * pad, device=root.device), valid)
+        tok, par = self.lookup_tree(self.hist + [r])
+        return lookup_tree_of(root, tok, par, self.k if self.static else 0)
 
     def update(self, a: Accepted):
         # history = every token before the next root: this step's root (path[0]), then the accepted tokens
@@ -588,8 +658,8 @@ class HybridDrafter:
     The chain is merged into the tree where they agree: its tokens follow the tree's nodes from the root as
     long as the tree holds them, and the rest hangs below the last one. Node order (what budget.py's
     prefixes cut): the root, the tree nodes the chain agrees with, the chain's own continuation, then the
-    other tree nodes best first; parents still come before children. A budget below the whole tree gets the
-    chain alone, or where there is no chain an EAGLE tree drafted for that budget (EagleDrafter.shape_for).
+    other tree nodes best first; parents still come before children. A budget below the whole tree gets
+    prompt lookup's own tree alone (the chain, with siblings where earlier occurrences continued otherwise), or where there is no chain an EAGLE tree drafted for that budget (EagleDrafter.shape_for).
     It is one tree verified once, so the output is the target's as for any tree. Both drafters learn from every step (NanoSpec's window sees the
     chain's tokens too). Reads host values (the chain search): graphable = False.
 
@@ -631,8 +701,8 @@ class HybridDrafter:
 
     def budget_sizes(self, key: str | None = None) -> list[int]:
         """budget.Budgets' sizes for a source of drafts (None: every size either may verify). Where prompt lookup
-        has a chain, the sizes below the merged tree are the chain alone, so they stop at the whole chain
-        (1 + k nodes, prompt lookup's own largest step: on a CPU it often pays where the merged tree does
+        has a chain, the sizes below the merged tree are prompt lookup's tree alone, so they stop at its whole
+        size (1 + k nodes, prompt lookup's own largest step: on a CPU it often pays where the merged tree does
         not); then the merged tree. Without a chain they stop at the EAGLE tree."""
         e = self.eagle.nodes  # without a chain every size from the EAGLE tree's up drafts the EAGLE tree
         tree = [s for s in SIZES if s < e] + [e]
@@ -685,14 +755,17 @@ class HybridDrafter:
         chain = self.proposal[2] if self.proposal[:2] == (m, r) else self.ngram.propose(self.ngram.hist + [r])
         small = budget is not None and 1 < budget < self.nodes and not self.ngram.static
         if small and chain:
-            # Below the whole tree's budget, where prompt lookup has a chain, the hybrid verifies the chain
-            # alone and does not draft the EAGLE tree: where the budget reaches no further than the chain the
-            # prefix is the same anyway (node order above), and past it the tree's draft costs more than its
-            # extra nodes win on a CPU. The whole tree (budget.py's largest size, and budget None) is the
-            # merged tree, so the budget still weighs EAGLE against the rest.
-            self.source = ["eagle"] + ["ngram"] * len(chain)
+            # Below the whole tree's budget, where prompt lookup has a chain, the hybrid verifies prompt
+            # lookup's own tree alone (NgramDrafter.lookup_tree: the chain, with siblings where earlier
+            # occurrences continue differently) and does not draft the EAGLE tree: where the continuations
+            # agree and the budget reaches no further than the chain, that is the merged tree's prefix anyway
+            # (node order above), and past it the EAGLE tree's draft costs more than its extra nodes win on a
+            # CPU. The whole tree (budget.py's largest size, and budget None) is the merged tree (the most
+            # recent chain), so the budget still weighs EAGLE against the rest.
+            tok, par = self.ngram.lookup_tree(self.ngram.hist + [r])  # the chain, or the trie of several
+            self.source = ["eagle"] + ["ngram"] * len(tok)
             self.skipped += 1
-            return chain_tree(torch.cat([root.view(1), torch.tensor(chain, dtype=root.dtype, device=root.device)]))
+            return lookup_tree_of(root, tok, par)
         self._catch_up()
         t = self.eagle.draft(root, n, budget if small else None)  # no chain, small budget: a tree of that size
         if small or (not chain and not self.ngram.static):
@@ -817,6 +890,7 @@ class DraftConfig:
     ablation: str | None = None  # NanoSpec ablation: ctx | ext | noasync | nofill
     static: bool = False  # n-gram chains padded to spec_k + 1 nodes: one compiled verify shape
     ngram: bool | None = False  # EAGLE heads: merge a prompt-lookup chain into the tree; None: on for EAGLE heads
+    ngram_occurrences: int = 8  # prompt lookup's tree: continuations of this many earlier occurrences
 
     def tree(self, device) -> tuple[int, int, int]:
         """(top-k, depth, nodes) with this device's defaults filled in."""
@@ -854,7 +928,7 @@ def make_drafter(c: DraftConfig, target: Transformer, sampling: Sampling | None 
     if c.draft == "ngram":
         if c.vocab != "full":
             raise ValueError("--vocab does not apply to --draft ngram (it has no LM head)")
-        return NgramDrafter(c.spec_k or 10, c.ngram_min, c.ngram_max, static=c.static)
+        return NgramDrafter(c.spec_k or 10, c.ngram_min, c.ngram_max, static=c.static, occurrences=c.ngram_occurrences)
     dev, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
     if head is None:
         path = resolve_checkpoint(c.draft, patterns=DRAFT_PATTERNS)
@@ -866,7 +940,7 @@ def make_drafter(c: DraftConfig, target: Transformer, sampling: Sampling | None 
         topk, depth, nodes = c.tree(dev)
         if c.ngram is False:
             return EagleDrafter(head, eagle_vocab(c, head, target), topk, depth, nodes, target.lm_head)
-        ngram = NgramDrafter(c.spec_k or 10, c.ngram_min, c.ngram_max, static=c.static)
+        ngram = NgramDrafter(c.spec_k or 10, c.ngram_min, c.ngram_max, static=c.static, occurrences=c.ngram_occurrences)
         return HybridDrafter(EagleDrafter(head, eagle_vocab(c, head, target, ngram.k), topk, depth, nodes,
                                           target.lm_head), ngram)
     if c.ngram:

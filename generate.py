@@ -581,6 +581,7 @@ def parse_args(argv=None):
     g.add_argument("--spec-k", type=int, default=None, help="chain length for draft models (5) and n-grams (10)")
     g.add_argument("--ngram-min", type=int, default=1)
     g.add_argument("--ngram-max", type=int, default=3)
+    g.add_argument("--ngram-occurrences", type=int, default=8, help="prompt lookup: merge the continuations of this many earlier occurrences of the matched suffix into one tree (1: the most recent one's chain)")
     v = p.add_argument_group("draft vocabulary")
     v.add_argument("--vocab", default=None, help="full | freq:PATH[:K] | nanospec (default: nanospec with the shipped "
                    "head, else full)")
@@ -640,7 +641,7 @@ def draft_config(args) -> dr.DraftConfig:
     vocab = args.vocab or ("nanospec" if args.draft is None and shipped else "full")
     return dr.DraftConfig(draft, vocab, args.tree_topk, args.tree_depth, args.tree_nodes, args.spec_k,
                           args.ngram_min, args.ngram_max, args.w_max, args.k_pre, args.k_ver, args.vocab_ablation,
-                          static=args.compile, ngram=args.ngram)
+                          static=args.compile, ngram=args.ngram, ngram_occurrences=args.ngram_occurrences)
 
 
 def stats_line(st: Stats, model: Transformer) -> str:

@@ -45,6 +45,7 @@ def test_cli_draft_mismatch_errors(draft_env, tmp_path, capsys):
     other, _ = write_tiny_hf(tmp_path / "other", vocab_size=300)
     for argv in (["--draft", str(other)], ["--tree-nodes", "500", "--draft", str(write_eagle_head(tmp_path / "h", cfg, version=3))],
                  ["--vocab", "nanospec"], ["--draft", "ngram", "--ngram-min", "4", "--ngram-max", "2"],
+                 ["--draft", "ngram", "--ngram-occurrences", "0"],
                  ["--draft", str(tmp_path / "missing")]):
         assert main(["--checkpoint", str(path), "--raw", "--prompt", "x", "--max-new-tokens", "2", *argv]) == 2
         err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and "Writing model shards" not in ln]
@@ -177,6 +178,65 @@ def test_ngram_index_matches_the_scan():
             assert got == d.match_scan(hist), (trial, hist)
             hits += got[0] > 0
     assert hits > 1000  # most steps have a chain (the small vocabularies repeat)
+
+
+def test_lookup_tree_merges_earlier_continuations_best_first():
+    """Prompt lookup's tree: the continuations of the suffix's earlier occurrences as a trie, nodes ordered by how
+    many continuations pass through them, then the shallower, then the more recent; at most k nodes; one chain
+    where they agree."""
+    d = dr.NgramDrafter(k=4)
+    # [1, 2] was followed by [4, 1, 2] (the most recent) and by [3, 1, 2, 4]: one each, so depth first-level siblings
+    assert d.lookup_tree([1, 2, 3, 1, 2, 4, 1, 2]) == ([4, 3, 1, 1], [0, 0, 1, 2])
+    # [3, 1, 2] twice and [4, 1, 2] once (the most recent): the more supported path first
+    assert dr.NgramDrafter(k=3).lookup_tree([1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2]) == ([3, 1, 2], [0, 1, 2])
+    assert d.lookup_tree([1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2]) == ([3, 1, 2, 4], [0, 1, 2, 0])
+    assert d.lookup_tree([1, 2, 3, 1, 2]) == ([3, 1, 2], [0, 1, 2])  # one occurrence: match()'s chain
+    assert d.lookup_tree([5, 6, 7]) == ([], [])
+    t = dr.lookup_tree_of(torch.tensor(2), [4, 3, 1, 1], [0, 0, 1, 2])
+    assert t.tokens.tolist() == [2, 4, 3, 1, 1] and t.parents.tolist() == [-1, 0, 0, 1, 2]
+    assert t.depth.tolist() == [0, 1, 1, 2, 2] and t.max_depth == 2 and t.valid.all()
+    assert torch.equal(t.anc, dr.ancestor_mask(t.parents, 2))
+    p = dr.lookup_tree_of(torch.tensor(2), [4, 3, 1, 1], [0, 0, 1, 2], pad_to=6)  # --compile: k + 1 nodes always
+    assert p.tokens.shape[0] == 7 and p.valid.tolist() == [True] * 5 + [False] * 2
+    assert torch.equal(p.anc, dr.ancestor_mask(p.parents, 2)) and torch.equal(p.prefix(5).anc, t.anc)
+
+
+def test_lookup_tree_properties():
+    """On random histories: at most k nodes, parents first, distinct siblings, every root-to-node path a prefix of
+    one of the last `occurrences` continuations, each node's support at least its later siblings'; one
+    occurrence gives match()'s chain; the first node is the most common next token."""
+    import random
+    rng, branched = random.Random(2), 0
+    for trial in range(300):
+        k, occ = rng.choice([2, 4, 10]), rng.choice([1, 3, 8])
+        d = dr.NgramDrafter(k, rng.choice([1, 2]), 3, occurrences=occ)
+        V = rng.choice([3, 5, 9])
+        hist = [rng.randrange(V) for _ in range(rng.randrange(2, 60))]
+        tok, par = d.lookup_tree(hist)
+        n, chain = d.match(hist)
+        assert (n == 0) == (tok == [])
+        if not tok:
+            continue
+        starts = [s for s in range(len(hist) - n) if hist[s:s + n] == hist[len(hist) - n:]][-occ:]
+        conts = [hist[s + n:s + n + k] for s in starts]
+        assert len(tok) <= k and all(0 <= p <= i for i, p in enumerate(par))
+        paths = [[]]
+        for t, p in zip(tok, par):
+            paths.append(paths[p] + [t])
+            assert any(c[:len(paths[-1])] == paths[-1] for c in conts)
+        for i in range(len(tok)):
+            kids = [tok[j] for j in range(len(tok)) if par[j] == i]
+            assert len(kids) == len(set(kids))
+        support = [sum(c[:len(q)] == q for c in conts) for q in paths[1:]]
+        for i in range(len(tok)):
+            later = [j for j in range(i + 1, len(tok)) if par[j] == par[i]]
+            assert all(support[i] >= support[j] for j in later)
+        firsts = [c[0] for c in conts]
+        assert firsts.count(tok[0]) == max(firsts.count(x) for x in firsts)
+        if occ == 1:
+            assert tok == chain and par == list(range(len(tok)))
+        branched += len(set(par)) < len(par)
+    assert branched > 50  # most random histories repeat with variations
 
 
 def test_ngram_budget_sources_by_match_length():

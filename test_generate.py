@@ -90,6 +90,19 @@ def test_greedy_lossless_every_drafter(tiny, kind, max_new):
             assert st.mean_accepted_length > 3.0  # the self-draft is always right
 
 
+@pytest.mark.parametrize("budget", [False, True])
+def test_greedy_lossless_with_lookup_trees(tiny, monkeypatch, budget):
+    """Prompt lookup's trees with siblings (earlier occurrences continued differently) verify to the target's
+    own greedy output, whole or as the budget's prefixes."""
+    m = target(tiny[0])
+    shapes, real = [], dr.lookup_tree_of
+    monkeypatch.setattr(dr, "lookup_tree_of", lambda root, tok, par, pad_to=0: shapes.append(par) or real(root, tok, par, pad_to))
+    eng = Engine(m, drafter=dr.NgramDrafter(k=4), budget=budget)
+    for p in PROMPTS + [LOOKUP_PROMPT]:
+        assert eng.generate(p, 40)[0] == autoregressive(m, p, 40), p
+    assert sum(len(set(par)) < len(par) for par in shapes) >= 2  # trees with siblings were verified
+
+
 @pytest.mark.parametrize("topk,depth,nodes", [(1, 1, 2), (2, 4, 9), (4, 3, 37), (5, 2, 12)])
 def test_greedy_lossless_tree_shapes(tiny, topk, depth, nodes):
     m = target(tiny[0])
@@ -169,9 +182,14 @@ def _chi2_sf(x, dof):
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64)))
 
 
+# a prompt whose last token, 0, was followed twice by each token a and then by two different tokens: prompt
+# lookup's first tree (root = the first sampled token) has siblings below the root whatever that token is
+LOOKUP_PROMPT = [t for a in range(12) for t in (0, a, 1 + a % 10, 0, a, 1 + (a + 3) % 10)] + [11, 0]
+
+
 @pytest.mark.parametrize("kind,samp,prefix", [("eagle3", Sampling(1.0), None), ("model", Sampling(1.0), None),
                                               ("eagle2", Sampling(0.8, top_k=6, top_p=0.9), None),
-                                              ("eagle3", Sampling(1.0), 3)])
+                                              ("eagle3", Sampling(1.0), 3), ("ngram", Sampling(1.0), None)])
 def test_speculative_sampling_is_exact(tmp_path, monkeypatch, kind, samp, prefix):
     """The joint law of generated tokens 2 and 3 (both come from the first speculative step) must equal the
     target's. Exact probabilities come from teacher forcing; chi-square goodness of fit over 1500 seeded runs
@@ -195,15 +213,20 @@ def test_speculative_sampling_is_exact(tmp_path, monkeypatch, kind, samp, prefix
     tiny = (path, heads, dpath, root)
     eng = Engine(m, samp, drafter=make_drafter(kind, tiny, m, topk=3, depth=2, nodes=6, w_max=8, sampling=samp),
                  budget=prefix is not None)
-    prompt = [1, 4, 7]
+    prompt = LOOKUP_PROMPT if kind == "ngram" else [1, 4, 7]  # prompt lookup: a first tree with siblings
+    if kind == "ngram":
+        d = eng.drafter
+        branched = [len(set(d.lookup_tree(prompt + [t])[1])) < len(d.lookup_tree(prompt + [t])[1]) for t in range(V)]
+        assert all(branched)
     # exact P(t2, t3) = sum_t1 P(t1) P(t2|t1) P(t3|t1,t2)
-    m.setup_caches(V * V, 8)
+    T = len(prompt)
+    m.setup_caches(V * V, T + 2)
     seqs = torch.tensor([[*prompt, a, b] for a in range(V) for b in range(V)])
     with torch.no_grad():
-        probs = logits_to_probs(m(seqs, torch.arange(5)), samp).double()  # [V*V, 5, V]
-    p1 = probs[0, 2]  # [V] (same prefix for every row)
-    p2 = probs[::V, 3]  # [V(t1), V(t2)]
-    p3 = probs[:, 4].view(V, V, V)  # [t1, t2, t3]
+        probs = logits_to_probs(m(seqs, torch.arange(T + 2)), samp).double()  # [V*V, T + 2, V]
+    p1 = probs[0, T - 1]  # [V] (same prefix for every row)
+    p2 = probs[::V, T]  # [V(t1), V(t2)]
+    p3 = probs[:, T + 1].view(V, V, V)  # [t1, t2, t3]
     joint = (p1[:, None, None] * p2[:, :, None] * p3).sum(0).flatten()  # [V*V]
     n = 1500
     counts = torch.zeros(V * V, dtype=torch.float64)
@@ -221,15 +244,16 @@ def test_speculative_sampling_is_exact(tmp_path, monkeypatch, kind, samp, prefix
     assert pval > 1e-4, (stat, pval)
 
 
-def test_sampler_catches_a_biased_acceptance(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["eagle3", "ngram"])
+def test_sampler_catches_a_biased_acceptance(tmp_path, monkeypatch, kind):
     """Guard for the test above: a deliberately wrong acceptance rule (always accept the first child)
-    must fail the same chi-square check."""
+    must fail the same chi-square check (prompt lookup's case too: its first tree, with siblings)."""
 
     def wrong(tree, probs):
         return accept_greedy(tree, torch.nn.functional.one_hot(tree.tokens[tree.parents.clamp(min=0)] * 0 + tree.tokens[1], probs.shape[-1]).float())
     monkeypatch.setattr(g, "accept_sample", lambda tree, probs: accept_sample_biased(tree, probs))
     with pytest.raises(AssertionError):
-        test_speculative_sampling_is_exact(tmp_path, monkeypatch, "eagle3", Sampling(1.0), None)
+        test_speculative_sampling_is_exact(tmp_path, monkeypatch, kind, Sampling(1.0), None)
 
 
 def accept_sample_biased(tree, probs):
@@ -644,6 +668,7 @@ def test_hybrid_skips_the_eagle_tree_when_the_budget_verifies_only_the_chain(tin
     tok, n = prefilled(m, [d], PROMPTS[2])
     chain = [7, 8, 9]
     d.ngram.propose = lambda hist: chain
+    d.ngram.lookup_tree = lambda hist: (chain, [0, 1, 2])  # the continuations agree: the lookup tree is the chain
     with torch.no_grad():
         full = d.draft(tok, n)
         calls = []
@@ -655,6 +680,12 @@ def test_hybrid_skips_the_eagle_tree_when_the_budget_verifies_only_the_chain(tin
             assert torch.equal(t.prefix(b).tokens, full.prefix(b).tokens), b
             assert torch.equal(t.prefix(b).anc, full.prefix(b).anc), b
         assert d.draft(tok, n, 9).tokens.tolist() == [int(tok)] + chain and not calls
+        d.ngram.lookup_tree = lambda hist: ([7, 8, 5], [0, 1, 0])  # they differ: siblings below the root
+        t = d.draft(tok, n, 4)
+        assert not calls and t.tokens.tolist() == [int(tok), 7, 8, 5] and t.parents.tolist() == [-1, 0, 1, 0]
+        assert t.anc.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]] and t.max_depth == 2
+        assert d.source == ["eagle", "ngram", "ngram", "ngram"]
+        d.ngram.lookup_tree = lambda hist: (chain, [0, 1, 2])
         assert torch.equal(d.draft(tok, n, d.nodes).tokens, full.tokens) and len(calls) == 1
         assert torch.equal(d.draft(tok, n).tokens, full.tokens) and len(calls) == 2
         d.ngram.propose = lambda hist: []
@@ -662,7 +693,7 @@ def test_hybrid_skips_the_eagle_tree_when_the_budget_verifies_only_the_chain(tin
         assert torch.equal(t4.tokens, real(tok, n, 4).tokens) and t4.tokens.shape[0] == 4 and len(calls) == 3
         assert d.source == ["eagle"] * 4
         assert d.draft(tok, n, d.nodes).tokens.shape[0] == d.eagle.nodes and len(calls) == 4
-    assert d.stats()["chain_only_steps"] == 4  # the 4 chain steps above (b = 2, 3, 4, 9)
+    assert d.stats()["chain_only_steps"] == 5  # the 5 lookup steps above (b = 2, 3, 4, 9, and 4 with siblings)
 
 
 def test_eagle_tree_for_a_small_budget_is_drafted_at_its_size(tiny):
