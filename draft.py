@@ -564,8 +564,8 @@ class NgramDrafter:
         """(n, chain): the longest suffix of hist, nmax..nmin tokens, seen earlier in it, and the tokens that
         followed its most recent occurrence (up to k); (0, []) where none is. Why an index: a scan of the whole
         history per step cost 0.24 ms at 600 tokens and 0.6 ms at 1,500 in Python (5% of a CPU decode step, and
-        it grows with the text); an n-gram -> last start map, extended by the tokens added since the last call,
-        costs microseconds (as llama.cpp's lookup keeps one)."""
+        it grows with the text); an n-gram -> starts map (starts()), extended by the tokens added since the last
+        call, costs microseconds (as llama.cpp's lookup keeps one)."""
         n, starts = self.starts(hist)
         return (n, hist[starts[-1] + n:starts[-1] + n + self.k]) if n else (0, [])
 
