@@ -175,7 +175,9 @@ def chain_tree(tokens: Tensor, valid: Tensor | None = None, q: Tensor | None = N
 
 def lookup_tree_of(root: Tensor, tok: list[int], par: list[int], pad_to: int = 0) -> Tree:
     """The Tree of a root and the nodes below it (tok, par: node i + 1's token and parent, parents first), padded
-    with invalid nodes to 1 + pad_to (a static shape for --compile). A chain takes chain_tree's cached shape."""
+    with invalid nodes to 1 + pad_to (a static shape for --compile: then max_depth is pad_to whatever the tree,
+    as for a padded chain, so the accepted path's padded length does not change and nothing retraces). A chain
+    takes chain_tree's cached shape."""
     pad = max(pad_to - len(tok), 0)
     dev = root.device
     if par == list(range(len(par))):  # a chain (or the root alone)
@@ -193,7 +195,7 @@ def lookup_tree_of(root: Tensor, tok: list[int], par: list[int], pad_to: int = 0
         anc.append(row)
     return Tree(torch.tensor([int(root)] + tok + [0] * pad, device=dev), torch.tensor(parents, device=dev),
                 torch.tensor(depth, device=dev), torch.tensor(anc, device=dev),
-                torch.tensor([True] * (1 + len(tok)) + [False] * pad, device=dev), None, max(depth))
+                torch.tensor([True] * (1 + len(tok)) + [False] * pad, device=dev), None, pad_to or max(depth))
 
 
 def check_tree_budget(topk: int, depth: int, nodes: int):

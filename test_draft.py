@@ -198,6 +198,7 @@ def test_lookup_tree_merges_earlier_continuations_best_first():
     assert torch.equal(t.anc, dr.ancestor_mask(t.parents, 2))
     p = dr.lookup_tree_of(torch.tensor(2), [4, 3, 1, 1], [0, 0, 1, 2], pad_to=6)  # --compile: k + 1 nodes always
     assert p.tokens.shape[0] == 7 and p.valid.tolist() == [True] * 5 + [False] * 2
+    assert p.max_depth == 6 == dr.lookup_tree_of(torch.tensor(2), [4, 3], [0, 1], pad_to=6).max_depth  # a static bound
     assert torch.equal(p.anc, dr.ancestor_mask(p.parents, 2)) and torch.equal(p.prefix(5).anc, t.anc)
 
 
