@@ -116,36 +116,44 @@ typedef void (*tile_fn)(const void* x, long kx, const uint16_t* P, const uint16_
 
 /* y[M, N] (bf16; or yf, fp32 holding bf16 values) = x[M, K] @ W[N, K]^T (+ b[N]) through a kernel's tiles, over
    packed panels of `panel` weight rows (panel x K bf16 each). Work-shared over the threads of the enclosing parallel
-   region (serial outside one): each thread takes whole panels. The rows are cut into ceil(rows / mtmax) tiles
+   region (serial outside one), ending in a barrier: each thread takes one contiguous run of (row block, panel)
+   pairs, or, where the kernel has half-panel tiles (halves: tiles of a panel's first or last panel / 2 columns,
+   their p = 2 x panel + half), of half pairs, and a thread's two halves of one panel are one whole tile. Why
+   halves: the default model's o and down products have 9 panels of 64; two threads took 5 and 4, one idle a
+   tenth of the product, at every row count (memory-bound or not). The rows are cut into ceil(rows / mtmax) tiles
    of nearly equal height (8 rows with mtmax 6: 4 + 4, not 6 + 2), as each tile's chains must be many enough to
    hide the latency; row blocks of at most 48 keep a block's x in L2 while the panels stream. While a panel computes,
    the next one is prefetched into L2, so memory and arithmetic overlap: all of it by the first tile (spread = 0),
    or, where the row block has several tiles, a share by each (spread = 1: a lone tile streams its panel with
    the hardware prefetcher; spread = 2: a lone tile prefetches all of it, as with 0). The later tiles find their
-   panel in cache and give the hardware prefetcher no misses to follow. Row-invariant by construction when each tile computes every output the same way whatever
-   its height. */
-static void tiled(const tile_fn* tiles, long mtmax, long panel, int spread, const void* x, long kx, long M, long K,
-                  const uint16_t* P, const uint16_t* b, long N, uint16_t* y, float* yf) {
+   panel in cache and give the hardware prefetcher no misses to follow. Row-invariant by construction when each
+   tile computes every output the same way whatever its height or width. */
+static void tiled(const tile_fn* tiles, const tile_fn* halves, long mtmax, long panel, int spread, const void* x,
+                  long kx, long M, long K, const uint16_t* P, const uint16_t* b, long N, uint16_t* y, float* yf) {
     const long NP = (N + panel - 1) / panel, L = panel * K / 32;  /* 64-byte lines per panel */
-    const long NB = (M + 47) / 48;
-    /* one work-shared loop over (row block, panel) pairs, not a loop per row block: a product of 9 panels
-       (576 outputs) over 2 threads left one idle a ninth of every row block's time, and a barrier after each
-       block; with many blocks (a prefill) the pairs divide evenly. The blocks are of nearly equal height (60
-       rows: 30 + 30, not 48 + 12), as a thread may take a whole block */
-    #pragma omp for schedule(static)
-    for (long q = 0; q < NB * NP; q++) {
+    /* the blocks are of nearly equal height (60 rows: 30 + 30, not 48 + 12), as a thread may take a whole block;
+       one run over all (row block, panel) pairs, not a loop per row block: with many blocks (a prefill) the
+       pairs divide evenly */
+    const long NB = (M + 47) / 48, S = halves ? 2 : 1, NI = NB * NP * S;
+    const long nth = omp_get_num_threads(), me = omp_get_thread_num();
+    const long i1 = NI * (me + 1) / nth;
+    for (long i = NI * me / nth; i < i1;) {
+        const long q = i / S, e = (q + 1) * S < i1 ? (q + 1) * S : i1;  /* this thread's part of pair q: [i, e) */
         const long mb = M * (q / NP) / NB, mend = M * (q / NP + 1) / NB, p = q % NP;
         long rows = mend - mb, nt = (rows + mtmax - 1) / mtmax;
-        const char* next = p + 1 < NP ? (const char*)(P + (p + 1) * panel * K) : 0;
+        const char* next = p + 1 < NP && (q + 1) * S < i1 ? (const char*)(P + (p + 1) * panel * K) : 0;
         long m = mb;
         for (long t = 0; t < nt; t++) {
             long h = (mend - m) / (nt - t) + ((mend - m) % (nt - t) != 0);
             long l0 = spread && nt > 1 ? L * t / nt : 0,
                  l1 = spread && nt > 1 ? L * (t + 1) / nt : (t == 0 && spread != 1 ? L : 0);
-            tiles[h](x, kx, P, b, y, yf, N, m, p, l1 > l0 ? next : 0, l0, l1);
+            if (e - i == S) tiles[h](x, kx, P, b, y, yf, N, m, p, l1 > l0 ? next : 0, l0, l1);
+            else halves[h](x, kx, P, b, y, yf, N, m, 2 * p + i % 2, l1 > l0 ? next : 0, l0, l1);
             m += h;
         }
+        i = e;
     }
+    #pragma omp barrier
 }
 """
 
@@ -184,6 +192,7 @@ static inline __attribute__((always_inline)) void tile(const float* x, long K, c
         long N, long m, long p, const char* pf, long l0, long l1) { (void)l0; (void)l1; tile((const float*)x, K, P, b, y, yf, N, m, p, pf, MT); }
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 static const tile_fn tiles[7] = {0, t1, t2, t3, t4, t5, t6};
+#define FMA_HALVES 0  /* panels of 16: the products' panel counts are even */
 #define FMA_PANEL 16
 #define FMA_SPREAD 0  /* the first tile prefetches the whole next panel */
 """
@@ -198,11 +207,15 @@ GEMM_AVX512 = r"""
    each instruction does twice an AVX2 FMA's work (measured on an Ice Lake Xeon, the default model's GEMMs in
    one process, alternating: 16 rows 1.4-1.5x, 60 rows 1.6-2x the AVX2 kernel, 1-4 rows the same: memory-bound). */
 static inline __attribute__((always_inline)) void tile(const float* x, long K, const uint16_t* P, const uint16_t* b,
-        uint16_t* y, float* yf, long N, long m0, long p, const char* pf, long l0, long l1, const int MT) {
-    __m512 acc[6][4];  /* in registers: the loops over it are unrolled (MT is a constant) */
-    for (int i = 0; i < MT; i++) for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_ps();
+        uint16_t* y, float* yf, long N, long m0, long p, const char* pf, long l0, long l1, const int MT, const int NVH) {
+    /* NVH = 4: the whole panel p; NVH = 2: the half panel p (panel p / 2's 32 columns from 32 x (p % 2): the
+       second of each k's two 64-byte loads, or the first) */
+    __m512 acc[6][4];  /* in registers: the loops over it are unrolled (MT and NVH are constants) */
+    for (int i = 0; i < MT; i++) for (int v = 0; v < NVH; v++) acc[i][v] = _mm512_setzero_ps();
     const float* x0 = x + m0 * K;
-    const __m512i* w = (const __m512i*)(P + p * 64 * K);
+    const long half = NVH == 4 ? 0 : p % 2;
+    const long n0 = NVH == 4 ? p * 64 : p / 2 * 64 + half * 32;
+    const __m512i* w = (const __m512i*)(P + (NVH == 4 ? p : p / 2) * 64 * K) + half;
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
     long due = 0, l = l0;
     #pragma GCC unroll 2
@@ -210,26 +223,30 @@ static inline __attribute__((always_inline)) void tile(const float* x, long K, c
         if (pf)  /* this tile's share of the next panel, spread evenly over its k loop (as the BF16 kernel) */
             for (due += l1 - l0; due >= K; due -= K, l++) _mm_prefetch(pf + l * 64, _MM_HINT_T0);
         __m512 wv[4];
-        for (int v = 0; v < 2; v++) {
+        for (int v = 0; v < NVH / 2; v++) {
             __m512i u = _mm512_loadu_si512(w + 2 * k + v);
             wv[2 * v] = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
             wv[2 * v + 1] = _mm512_castsi512_ps(_mm512_and_si512(u, hi));
         }
         for (int i = 0; i < MT; i++) {
             __m512 xv = _mm512_set1_ps(x0[i * K + k]);
-            for (int v = 0; v < 4; v++) acc[i][v] = _mm512_fmadd_ps(xv, wv[v], acc[i][v]);
+            for (int v = 0; v < NVH; v++) acc[i][v] = _mm512_fmadd_ps(xv, wv[v], acc[i][v]);
         }
     }
     float out[16];
-    for (int i = 0; i < MT; i++) for (int v = 0; v < 4; v++) {
+    for (int i = 0; i < MT; i++) for (int v = 0; v < NVH; v++) {
         _mm512_storeu_ps(out, acc[i][v]);
-        store16(out, b, y, yf, N, m0 + i, p * 64 + v * 16);
+        store16(out, b, y, yf, N, m0 + i, n0 + v * 16);
     }
 }
 #define TILE(MT) static void t##MT(const void* x, long K, const uint16_t* P, const uint16_t* b, uint16_t* y, float* yf, \
-        long N, long m, long p, const char* pf, long l0, long l1) { tile((const float*)x, K, P, b, y, yf, N, m, p, pf, l0, l1, MT); }
+        long N, long m, long p, const char* pf, long l0, long l1) { tile((const float*)x, K, P, b, y, yf, N, m, p, pf, l0, l1, MT, 4); } \
+    static void h##MT(const void* x, long K, const uint16_t* P, const uint16_t* b, uint16_t* y, float* yf, \
+        long N, long m, long p, const char* pf, long l0, long l1) { tile((const float*)x, K, P, b, y, yf, N, m, p, pf, l0, l1, MT, 2); }
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 static const tile_fn tiles[7] = {0, t1, t2, t3, t4, t5, t6};
+static const tile_fn half_tiles[7] = {0, h1, h2, h3, h4, h5, h6};
+#define FMA_HALVES half_tiles  /* 9-panel products split evenly over 2 threads (tiled()) */
 #define FMA_PANEL 64
 /* a lone tile (1-6 rows) prefetches the whole next panel, as the AVX2 kernel's first tile does (measured on an Ice
    Lake Xeon: 4 rows 1.1x faster than leaving it to the hardware prefetcher); several tiles share it out, as the
@@ -246,7 +263,7 @@ FMA_ENTRY = r"""
 static void gemm_rows(const float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N, uint16_t* y,
                       float* yf, uint16_t* xs) {
     (void)xs;
-    tiled(tiles, 6, FMA_PANEL, FMA_SPREAD, xf, K, M, K, P, b, N, y, yf);
+    tiled(tiles, FMA_HALVES, 6, FMA_PANEL, FMA_SPREAD, xf, K, M, K, P, b, N, y, yf);
 }
 
 /* y[M, N] = x[M, K] @ W[N, K]^T (+ b[N]); x, b, y bf16; P: W packed by pack(); xf: fp32 scratch [M, K] */
@@ -312,7 +329,7 @@ static const tile_fn tiles[7] = {0, t1, t2, t3, t4, t5, t6};
    once, whatever the tile, the row count or the row's place in the pass. */
 static void gemm_pairs(const uint32_t* x, long M, long K, const uint16_t* P, const uint16_t* b, long N, uint16_t* y,
                        float* yf) {
-    tiled(tiles, 6, 16 * NV, 1, x, K / 2, M, K, P, b, N, y, yf);
+    tiled(tiles, 0, 6, 16 * NV, 1, x, K / 2, M, K, P, b, N, y, yf);
 }
 
 /* the fused pass's interface (cpu_forward.py): xf [M, K] fp32 holding bf16 values, made bf16 (exact) in xs

@@ -47,6 +47,25 @@ def test_rows_are_invariant_by_construction():
     assert torch.equal(cpu_gemm.kernel_linear(x3, p, 96), full[:12].view(2, 6, 96))
 
 
+def test_any_thread_count_gives_the_same_bits():
+    """Work is dealt to the threads in half panels where the kernel has half-panel tiles (AVX-512F: one thread
+    may take half of a panel, as in the default model's 9-panel products over 2 threads); one thread takes whole
+    panels only. Every thread count gives the bits of one thread, at any row count, padded panel included."""
+    before = torch.get_num_threads()
+    try:
+        for N in (130, 576, 49):
+            w = rand(N, 576, seed=N)
+            p, x = cpu_gemm.pack(w), rand(16, 576, seed=7)
+            torch.set_num_threads(1)
+            ref = {r: cpu_gemm.kernel_linear(x[:r], p, N) for r in (1, 5, 16)}
+            for threads in (2, 3, 4):
+                torch.set_num_threads(threads)
+                for r, y in ref.items():
+                    assert torch.equal(cpu_gemm.kernel_linear(x[:r], p, N), y), (N, threads, r)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_pack_layout_round_trips():
     """unpack(pack(w)) is w, the padded panel included, and pack_rows_ replaces exactly the rows it is given."""
     P, KB = cpu_gemm.PANEL, cpu_gemm.KB
