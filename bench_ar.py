@@ -180,8 +180,9 @@ def read_bandwidth_gbs() -> float:
 @torch.no_grad()
 def profile(model, name: str, dtype: str, ctx: int, rows_list: list[int]):
     """One target pass after a ctx-token prefill (plain arithmetic, the fastest eager path), split into its
-    GEMMs alone (the same weights and shapes, back to back), its attention alone (the same SDPA calls over
-    the same cache), and the rest (norms, RoPE, cache writes, residuals, dispatch), against two floors measured
+    GEMMs and its attention (the fused CPU pass: its own phases, timed inside it by its phase-timing build, plus
+    the LM head alone, pass sizes alternating; the PyTorch layers: the same GEMMs alone, back to back, and the same
+    SDPA calls over the same cache), and the rest (norms, RoPE, cache writes, residuals, dispatch), against two floors measured
     here: reading every weight once at this machine's bandwidth, and the pass's GEMM multiply-adds at this
     machine's peak with cpu_gemm's instruction (cpu_gemm.peak_gflops). A T-row pass costs at least the larger;
     its ratio to the measured one-row pass is the best a T-node verification can cost against today's decode
@@ -206,7 +207,9 @@ def profile(model, name: str, dtype: str, ctx: int, rows_list: list[int]):
         print(f"GEMM multiply-adds {flops_row / 1e9:.3f} GFLOP per row; this CPU's peak with cpu_gemm's instruction "
               f"({cpu_gemm.ISA}) {peak:.0f} GFLOP/s over {torch.get_num_threads()} threads, so at least "
               f"{flops_row / peak / 1e6:.2f} ms of arithmetic per row")
-    print("| rows | whole pass ms | GEMMs alone ms | attention alone ms | the rest ms | whole / weight floor "
+    parts = "GEMMs ms (in the pass + LM head) | attention ms (in the pass)" if fused is not None else \
+        "GEMMs alone ms | attention alone ms"
+    print(f"| rows | whole pass ms | {parts} | the rest ms | whole / weight floor "
           "| floor ms (weights, arithmetic) | floor / 1-row pass |\n|---|---|---|---|---|---|---|---|")
     one = []  # the measured one-row pass (the first size)
 
@@ -215,17 +218,27 @@ def profile(model, name: str, dtype: str, ctx: int, rows_list: list[int]):
         f = max(floor, T * flops_row / peak / 1e6) if peak else floor
         return f"| {fmt_ms(f)} | {f / one[0]:.2f}x |"
     g = torch.Generator().manual_seed(0)
+    toks = {T: (torch.randint(0, a.vocab_size, (1, T), generator=g).to(dev), ctx + torch.arange(T, device=dev))
+            for T in rows_list}
+    if fused is not None:  # the fused pass's phases, timed inside it (its phase-timing build), and the LM head alone
+        heads = {T: torch.randn(1, T, a.dim, generator=g).bfloat16() for T in rows_list}
+        cpu_forward.timed(True)
+        try:
+            whole, phases, head = alternate({T: lambda T=T: model(*toks[T]) for T in rows_list},
+                                            cpu_forward.phase_times, {T: lambda T=T: model.lm_head(heads[T]) for T in rows_list})
+        finally:
+            cpu_forward.timed(False)
+        for T in rows_list:
+            ph = {k: statistics.median(p[k] for p in phases[T]) for k in cpu_forward.PHASES}
+            gemms, attn = ph["GEMMs"] + head[T], ph["attention"]
+            print(f"| {T} | {fmt_ms(whole[T])} | {fmt_ms(gemms)} | {fmt_ms(attn)} | {fmt_ms(whole[T] - gemms - attn)} | "
+                  f"{whole[T] / floor:.1f}x " + floors(T, whole[T]))
+        print("(the fused pass's GEMMs and attention are its own phases, timed inside it, the LM head's alone; "
+              "pass sizes alternate, medians of 15 rounds)")
+        return
     for T in rows_list:
-        tok = torch.randint(0, a.vocab_size, (1, T), generator=g).to(dev)
-        pos = ctx + torch.arange(T, device=dev)
+        tok, pos = toks[T]
         whole = median_ms(lambda: model(tok, pos))
-        if fused is not None:  # the fused pass's products (q/k/v and gate/up fused) and the LM head
-            xs = [(p, N, torch.randn(T, K, generator=g).bfloat16()) for p, N, K in fused.gemms]
-            head = torch.randn(1, T, a.dim, generator=g).bfloat16()
-            gemms = median_ms(lambda: [cpu_gemm.kernel_linear(x, p, N) for p, N, x in xs] + [model.lm_head(head)])
-            print(f"| {T} | {fmt_ms(whole)} | {fmt_ms(gemms)} | (in the fused pass) | {fmt_ms(whole - gemms)} | {whole / floor:.1f}x "
-                  + floors(T, whole))
-            continue
         xs = {m: torch.randn(1, T, m.in_features, generator=g).to(dev, m.weight.dtype) for m in linears}
         gemms = median_ms(lambda: [m(x) for m, x in xs.items()])
         q = torch.randn(1, a.n_heads, T, a.head_dim, generator=g).to(dev, kv.k.dtype)
@@ -235,6 +248,25 @@ def profile(model, name: str, dtype: str, ctx: int, rows_list: list[int]):
         print(f"| {T} | {fmt_ms(whole)} | {fmt_ms(gemms)} | {fmt_ms(attn)} | {fmt_ms(whole - gemms - attn)} | {whole / floor:.1f}x "
               + floors(T, whole))
 
+
+def alternate(passes: dict, phase_times, heads: dict, rounds: int = 15):
+    """Each pass size once per round, in turn (so a machine's slow minute lands on every size alike): the whole
+    pass's median ms, its phases per round (phase_times() after each pass), and the LM head's median ms."""
+    whole, phases, head = {T: [] for T in passes}, {T: [] for T in passes}, {T: [] for T in passes}
+    for T in passes:  # warm-up
+        passes[T](), heads[T]()
+    phase_times()
+    for _ in range(rounds):
+        for T, fn in passes.items():
+            t0 = time.perf_counter()
+            fn()
+            whole[T].append(time.perf_counter() - t0)
+            phases[T].append(phase_times())
+            t0 = time.perf_counter()
+            heads[T]()
+            head[T].append(time.perf_counter() - t0)
+    med = lambda d: {T: statistics.median(v) * 1000 for T, v in d.items()}  # noqa: E731
+    return med(whole), phases, med(head)
 
 if __name__ == "__main__":
     main()

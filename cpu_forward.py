@@ -43,6 +43,17 @@ SOURCE = cpu_gemm.SOURCE + r"""
 #include <string.h>
 #include <omp.h>
 
+/* NANOSPEC_PHASES (phase_kernel(): bench_ar.py --profile): thread 0 adds the wall time since the last barrier of
+   the pass to its kind's total at each barrier, so the kinds add up to the pass (each one's waits included) */
+enum { PH_GEMM, PH_ATTN, PH_NORM, PH_ROPE, PH_SILU, PH_RESID, PH_SETUP, PH_N };
+#ifdef NANOSPEC_PHASES
+static double PHT[PH_N], ph_last;
+#define PH(c) do { if (omp_get_thread_num() == 0) { double t_ = omp_get_wtime(); PHT[c] += t_ - ph_last; ph_last = t_; } } while (0)
+void phase_times(double* out) { for (int i = 0; i < PH_N; i++) { out[i] = PHT[i]; PHT[i] = 0; } }
+#else
+#define PH(c) do { } while (0)
+#endif
+
 static inline float rbf(float f) { uint16_t h = to_bf16(f); uint32_t u = (uint32_t)h << 16; float r; memcpy(&r, &u, 4); return r; }
 static inline float fbf(uint16_t h) { uint32_t u = (uint32_t)h << 16; float r; memcpy(&r, &u, 4); return r; }
 
@@ -503,6 +514,9 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
     kt = 0;
 #endif
     if (hd % 32) kt = 0;
+#ifdef NANOSPEC_PHASES
+    ph_last = omp_get_wtime();
+#endif
     float* sl = kt ? malloc(sizeof(float) * threads * 6 * nbs * 16) : 0;  /* slot-indexed scores, per thread */
     const float scale = 1.f / sqrtf((float)hd);
     long wide = NQKV > 2 * I ? NQKV : 2 * I;
@@ -532,6 +546,7 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
     }
     for (long i = 0; i < T * D; i++) xr[i] = fbf(x[i]);
     if (ef) for (long i = 0; i < T * D; i++) ef[i] = fbf(emb[i]);
+    PH(PH_SETUP);
     #pragma omp parallel num_threads(threads)
     {
     for (long l = 0; l < L; l++) {
@@ -543,6 +558,7 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
                 #pragma omp for schedule(static)
                 for (long t = 0; t < T; t++)
                     for (long d = 0; d < D; d++) aux[(t * n_aux + j) * D + d] = to_bf16(xr[t * D + d]);
+                PH(PH_RESID);
             }
         long kin = D;
         if (w[W_HID] && ef) {  /* EAGLE-3: [norm(embedding); norm(hidden)], embedding first */
@@ -550,7 +566,9 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
             rmsnorm(xr, (const uint16_t*)w[W_HID], h + D, 2 * D, T, D, eps);
             kin = 2 * D;
         } else rmsnorm(xr, (const uint16_t*)w[W_IN], h, D, T, D, eps);
+        PH(PH_NORM);
         gemm_rows(h, T, kin, (const uint16_t*)w[W_QKV], (const uint16_t*)w[B_QKV], NQKV, 0, y, xs);  /* [T, q | k | v] */
+        PH(PH_GEMM);
         #pragma omp for schedule(static)
         for (long t = 0; t < T; t++) {
             float* r = y + t * NQKV;
@@ -569,6 +587,7 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
                 }
             }
         }
+        PH(PH_ROPE);
         /* tasks: (block of up to rb rows, KV head, block of up to hb of the heads sharing it); a head's
            arithmetic is the same in any block, so the blocks only balance the threads (one head per task when
            rows are few) and share loads (attend_rows) */
@@ -607,23 +626,33 @@ void stack_bf16(const int64_t* tab, long L, long D, long H, long Hkv, long hd, l
             attend(qs, Kc + j * S * hd, Vc + j * S * hd, kq[0], nq[0], hd, scale, ss, os, G);
             for (int i = 0; i < NQ; i++) for (long d = 0; d < hd; d++) os[i][d] = rbf(os[i][d]);
         }
+        PH(PH_ATTN);
         gemm_rows(h, T, Q, (const uint16_t*)w[W_O], 0, D, 0, o, xs);
+        PH(PH_GEMM);
         #pragma omp for schedule(static)
         for (long i = 0; i < T * D; i++) xr[i] = rbf(xr[i] + o[i]);
+        PH(PH_RESID);
         rmsnorm(xr, (const uint16_t*)w[W_POST], h, D, T, D, eps);
+        PH(PH_NORM);
         gemm_rows(h, T, D, (const uint16_t*)w[W_GU], 0, 2 * I, 0, y, xs);  /* [T, gate | up] */
+        PH(PH_GEMM);
         silu_mul(y, h, T, I);
+        PH(PH_SILU);
         gemm_rows(h, T, I, (const uint16_t*)w[W_DOWN], 0, D, 0, o, xs);
+        PH(PH_GEMM);
         #pragma omp for schedule(static)
         for (long i = 0; i < T * D; i++) xr[i] = rbf(xr[i] + o[i]);
+        PH(PH_RESID);
     }
     /* the model's final norm (fnorm, or 0: none), here rather than in torch after the call: its eight small ops
        met cold caches after the pass and cost about 0.2 ms a pass (measured on Zen 5) */
     if (fnorm) rmsnorm(xr, fnorm, h, D, T, D, eps);
+    PH(PH_NORM);
     }
     const float* fin = fnorm ? h : xr;
     for (long i = 0; i < T * D; i++) x[i] = to_bf16(fin[i]);
     free(xr); free(h); free(y); free(o); free(keys); free(nk); free(sc); free(ef); free(xs); free(sl);
+    PH(PH_SETUP);
 }
 
 /* the accepted path's KV into place: for i < n, cache slot src[i] -> slot dst[i] of every layer's K and V rows
@@ -655,9 +684,37 @@ def kernel():
     """The loaded C function, or None where cpu_gemm's kernel cannot be built here."""
     if cpu_gemm.kernel() is None:
         return None
+    if _TIMED[0]:
+        return phase_kernel()
     P, I = cpu_gemm.P_, cpu_gemm.I_
     return cpu_gemm.c_function(SOURCE, "cpu_forward", "stack_bf16", (P, I, I, I, I, I, I, ctypes.c_float, I, I, P,
                                                                      P, P, P, P, P, P, P, P, I, P, P, ctypes.c_int))
+
+
+# The pass's kinds of work, in phase_times()'s order (the C enum PH_*)
+PHASES = ("GEMMs", "attention", "norms", "RoPE + KV writes", "SiLU", "residuals", "set-up")
+PHASE_SOURCE = "#define NANOSPEC_PHASES\n" + SOURCE  # the same pass, timing its phases (bench_ar.py --profile)
+_TIMED = [False]
+
+
+def phase_kernel():
+    P, I = cpu_gemm.P_, cpu_gemm.I_
+    return cpu_gemm.c_function(PHASE_SOURCE, "cpu_forward_phases", "stack_bf16", (P, I, I, I, I, I, I, ctypes.c_float, I,
+                                                                                 I, P, P, P, P, P, P, P, P, P, I, P, P, ctypes.c_int))
+
+
+def timed(on: bool):
+    """Run the fused pass as its phase-timing build from now on (on) or the plain one (off): the same arithmetic."""
+    _TIMED[0] = bool(on)
+
+
+def phase_times() -> dict[str, float]:
+    """Milliseconds per kind of work (PHASES) in the timed build's passes since the last call: thread 0's wall time
+    between the pass's barriers, each kind's waits for the other threads included; the kinds add up to the passes."""
+    fn = cpu_gemm.c_function(PHASE_SOURCE, "cpu_forward_phases", "phase_times", (cpu_gemm.P_,))
+    out = torch.zeros(len(PHASES), dtype=torch.float64)
+    fn(out.data_ptr())
+    return dict(zip(PHASES, (out * 1e3).tolist()))
 
 
 def compact(kv: Tensor, kt: Tensor, src: list[int], dst: list[int]) -> bool:

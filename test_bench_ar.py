@@ -9,23 +9,30 @@ from conftest import write_tiny_hf
 from model import load_model
 
 
-def test_profile_prints_one_row_per_pass_size(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_profile_prints_one_row_per_pass_size(tmp_path, capsys, monkeypatch, dtype):
+    """float32: the PyTorch layers, their GEMMs and attention timed alone; bfloat16 (where the fused CPU pass runs):
+    its GEMM and attention phases timed inside it, which leave a non-negative rest."""
     path, _ = write_tiny_hf(tmp_path / "t")
     monkeypatch.setattr(bench_ar, "read_bandwidth_gbs", lambda: 10.0)  # a 1 GiB read is not a unit test
     monkeypatch.setattr(bench_ar.cpu_gemm, "peak_gflops", lambda: 1e-3)  # a slow CPU: the arithmetic floor counts
     monkeypatch.setattr(sys, "argv", ["bench_ar.py", "--checkpoint", str(path), "--profile", "--context", "20",
-                                      "--rows", "4", "--dtype", "float32"])
+                                      "--rows", "4", "--dtype", dtype])
     bench_ar.main()
     out = capsys.readouterr().out
     rows = [ln for ln in out.splitlines() if ln.startswith("| ") and ln[2].isdigit()]
     assert [r.split("|")[1].strip() for r in rows] == ["1", "4"]  # the one-row pass is always measured
     assert "reading the weights once takes" in out and "ms of arithmetic per row" in out
-    m = load_model(path, dtype=torch.float32)
+    m = load_model(path, dtype=getattr(torch, dtype))
+    fused = m.cpu_pass is not None
+    assert ("timed inside it" in out) == fused and not bench_ar.cpu_forward._TIMED[0]
     flops = 2 * sum(l.in_features * l.out_features for l in m.modules() if isinstance(l, torch.nn.Linear))
     ones = []
     for T, r in zip((1, 4), rows):
         whole, gemms, attn = (float(c) for c in r.split("|")[2:5])
         assert whole > 0 and gemms > 0 and attn > 0
+        if fused:  # the phases are parts of the pass
+            assert gemms + attn <= whole * 1.05
         floor, ratio = r.split("|")[7:9]
         assert float(floor) == pytest.approx(T * flops / 1e-3 / 1e6, rel=0.01)  # above the weight floor here
         ones.append(whole)

@@ -2,6 +2,7 @@
 of its pass (tree nodes = autoregressive decoding), aux states, one-tensor KV compaction, compile, the switch;
 an EAGLE-3 head's layer in the same C pass, and lossless drafting through it."""
 import json
+import time
 
 import pytest
 import torch
@@ -173,6 +174,28 @@ def test_compiles_as_one_op(target, monkeypatch):
     step = torch.compile(lambda t, pos: m(t, pos), fullgraph=True, backend="eager")
     assert torch.equal(step(toks(1, 3), torch.tensor([20])), eager)
     assert torch.equal(m.kv[:, :, :, :21], kv[:, :, :, :21])
+
+
+@torch.no_grad()
+def test_phase_timing_build_is_the_same_pass(target, monkeypatch):
+    """bench_ar.py --profile's build of the pass (cpu_forward.timed) gives the plain build's bits, and its phases
+    are times of that pass: none negative, GEMMs and attention among them, together within the pass's time."""
+    m = load(target, True, monkeypatch)
+    p = toks(30)
+    plain = m(p, torch.arange(30))
+    cpu_forward.phase_times()
+    cpu_forward.timed(True)
+    try:
+        t0 = time.perf_counter()
+        got = m(p, torch.arange(30))
+        whole = (time.perf_counter() - t0) * 1e3
+        ph = cpu_forward.phase_times()
+    finally:
+        cpu_forward.timed(False)
+    assert torch.equal(got, plain)
+    assert list(ph) == list(cpu_forward.PHASES) and all(v >= 0 for v in ph.values())
+    assert ph["GEMMs"] > 0 and ph["attention"] > 0 and sum(ph.values()) <= whole
+    assert cpu_forward.phase_times()["GEMMs"] == 0  # read and reset
 
 
 def test_off_switch_and_domain(target, monkeypatch):
