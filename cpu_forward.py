@@ -853,7 +853,6 @@ class Stack:
     def __init__(self, a, layers):
         self.args, self.L = a, len(layers)
         self.keep, rows = [], []
-        self.gemms = []  # (packed weight, N, K) per product, in pass order (bench_ar.py --profile times them)
         for layer in layers:
             at, mlp = layer.self_attn, layer.mlp
             hid = getattr(layer, "hidden_norm", None)  # EAGLE-3: q/k/v read [norm(embedding); norm(hidden)]
@@ -864,8 +863,6 @@ class Stack:
                   layer.post_attention_layernorm.weight.detach(), cpu_gemm.pack(gu), pack_of(mlp.down_proj),
                   None if hid is None else hid.weight.detach()]
             self.keep += [t for t in ts if t is not None]
-            self.gemms += [(ts[1], qkv.shape[0], qkv.shape[1]), (ts[3], a.dim, a.n_heads * a.head_dim),
-                           (ts[5], gu.shape[0], a.dim), (ts[6], a.dim, a.intermediate_size)]
             rows.append([0 if t is None else t.data_ptr() for t in ts])
             for lin in (at.q_proj, at.k_proj, at.v_proj, mlp.gate_proj, mlp.up_proj):
                 lin.packed = None  # their products now come from the fused copies (the torch path uses F.linear)
