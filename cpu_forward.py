@@ -423,7 +423,9 @@ static void attend_rows(const float* const* q, const uint16_t* V, const int* con
     long nbmax = 0, m = pre[0];
     for (int i = 0; i < NQ; i++) {
         for (long d = 0; d < hd; d += 2) qbuf[i][d / 2] = (uint32_t)to_bf16(q[i][d]) | (uint32_t)to_bf16(q[i][d + 1]) << 16;
+#ifndef __AVX512BF16__  /* (the BF16 build's scores read the pairs) */
         for (long d = 0; d < hd; d++) qwide[i][d] = rbf(q[i][d]);
+#endif
         qb[i] = qbuf[i];
         qf[i] = qwide[i];
         const long nb = n[i] ? ((long)ks[i][n[i] - 1] >> 4) + 1 : 0;
