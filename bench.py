@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-import draft as dr
+import draft_config as dc
 import generate
 from bench_latency import latency_mode
 from bench_methods import Method, build_method, expand_methods, fmt_k, parse_k, run_benchmark
@@ -111,7 +111,8 @@ def parse_args(argv=None):
                    help="sampling temperature (default 0, greedy); above 0 outputs differ run to run, so the "
                         "guard that compares every method's tokens with autoregressive decoding is off")
     p.add_argument("--out", default=str(REPO / "results"), help="report folder (default results/)")
-    p.add_argument("--tag", default=None, help="report file stem suffix (default: builtin or the questions file's name)")
+    p.add_argument("--tag", default=None, help="report file stem suffix (default: builtin or the questions file's name); "
+                   "name what the run varies, e.g. specbench_l10_greedy_icelake")
     p.add_argument("--cache", default=None, help="cache folder (default: OUT/cache)")
     p.add_argument("--shape", default="llama3.1-8b", help=f"named shape for Table 6 and --latency: {', '.join(SHAPES)} (default llama3.1-8b)")
     p.add_argument("--latency", action="store_true", help="GPU latency mode: random weights of --shape, no download")
@@ -146,11 +147,11 @@ def run(args, log) -> int:
         torch.device(args.device)
     except RuntimeError:
         raise UsageError(f"unknown device {args.device!r}") from None
-    dflt = dr.TREE_CPU if (torch.device(args.device).type == "cpu" and not args.latency) else dr.TREE_GPU
+    dflt = dc.TREE_CPU if (torch.device(args.device).type == "cpu" and not args.latency) else dc.TREE_GPU
     args.tree_topk = dflt[0] if args.tree_topk is None else args.tree_topk
     args.tree_depth = dflt[1] if args.tree_depth is None else args.tree_depth
     args.tree_nodes = dflt[2] if args.tree_nodes is None else args.tree_nodes
-    dr.check_tree_budget(args.tree_topk, args.tree_depth, args.tree_nodes)
+    dc.check_tree_budget(args.tree_topk, args.tree_depth, args.tree_nodes)
     if args.latency:
         return latency_mode(args, log)
     if args.max_new_tokens < 1:
@@ -288,10 +289,9 @@ def run(args, log) -> int:
         build_method(m, model, heads, freq_path, args, sampling, sync)
         if m.compiled:
             # One KV-cache size for every request, so the compiled steps (and CUDA graphs) are built once, in the
-            # warm-up, instead of once per cache-size bucket inside timed runs. generate.Engine keys this on
-            # `graphs` (fixed buffers); on CPU it only fixes the size.
-            m.engine.graphs = True
-            m.engine.max_seq = args.max_seq or min(limit, (longest + 63) // 64 * 64)
+            # warm-up, instead of once per cache-size bucket inside timed runs (exact.Planner's `fixed`, as for
+            # CUDA graphs' fixed buffers); on CPU it only fixes the size.
+            m.engine.planner.fixed = args.max_seq or min(limit, (longest + 63) // 64 * 64)
     tasks = list(dict.fromkeys(q.task for q in questions))
     n_gen = sum(len(q.turns) for q in questions)
     log(f"{len(questions)} questions ({n_gen} generations per method) in {len(tasks)} tasks x {len(methods)} methods: "

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import draft as dr
+import draft_config as dc
 import cuda_gather
 from bench_report import command_line, md_table
 from eagle import EagleConfig, EagleHead, attach
@@ -139,7 +139,7 @@ def latency_mode(args, log) -> int:
     if 32768 < a.vocab_size:
         vocabs.append(("freq 32k", FreqVocab(W, torch.randperm(a.vocab_size, generator=g)[:32768]), 32768))
     ns = make_vocab("nanospec", W, w_max=W_max, k_pre=args.k_pre, k_ver=args.k_ver,
-                    max_append=dr.append_width(N, D, args.k_ver))
+                    max_append=dc.append_width(N, D, args.k_ver))
     ns.reset(torch.randperm(a.vocab_size, generator=g)[:W_max].to(dev))
     vocabs.append((f"nanospec {W_max}", ns, W_max))
     ns.wait()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-import draft as dr
+import draft_config as dc
 from generate import Engine, UsageError, build_engine
 from model import Transformer
 
@@ -134,7 +134,7 @@ def _timed(obj, attr: str, acc: dict, key: str, sync):
 def build_method(m: Method, model: Transformer, heads: dict, freq_path: Path | None, args, sampling, sync):
     """Attach an Engine to m (EAGLE methods share the loaded head; each has its own vocabulary state)."""
     kw = dict(compile=m.compiled, backend=args.compile_backend, exact=False if m.fast else args.exact, budget=m.budget)
-    c = dr.DraftConfig(m.kind if m.kind in ("ar", "ngram") else m.head, tree_topk=args.tree_topk,
+    c = dc.DraftConfig(m.kind if m.kind in ("ar", "ngram") else m.head, tree_topk=args.tree_topk,
                        tree_depth=args.tree_depth, tree_nodes=args.tree_nodes, spec_k=args.spec_k,
                        ngram_min=args.ngram_min, ngram_max=args.ngram_max, k_pre=args.k_pre, k_ver=args.k_ver,
                        ablation=m.ablation, static=m.compiled, ngram=m.hybrid,

@@ -6,12 +6,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from generate import UsageError
 from tokenizer import Tokenizer
 from model import ModelArgs, Transformer
 from sampling import Sampling, logits_to_probs, sample_from
-from vocab import build_freq
+from vocab_freq import build_freq
 
 
 # ---------------------------------------------------------------- workload
@@ -55,39 +56,39 @@ _RAG_2 = (
     "Passage 3: The river is known for its population of freshwater pearl mussels, which were declared "
     "protected in 1998 after surveys found fewer than a thousand adults.")
 
-BUILTIN_QUESTIONS = [  # written for this project; a few per Spec-Bench task, plus code completion
-    dict(question_id="b1", category="mt_bench", turns=[
+_BUILTIN = [  # (category, turns), written for this project: a few per Spec-Bench task, plus code completion
+    ("mt_bench", [
         "Write a short blog post about a weekend trip to a mountain village, mentioning the food and the people you met.",
         "Rewrite your post as a poem of at most eight lines."]),
-    dict(question_id="b2", category="mt_bench", turns=[
+    ("mt_bench", [
         "A farmer has 17 sheep and all but 9 run away. How many sheep are left? Explain your reasoning.",
         "Now make up a similar trick question of your own and give its answer."]),
-    dict(question_id="b3", category="translation", turns=[
+    ("translation", [
         "Translate the following German sentence into English: \"Der Zug nach Berlin hat wegen eines Sturms "
         "zwei Stunden Verspätung, deshalb warten viele Reisende im Bahnhofscafé.\""]),
-    dict(question_id="b4", category="translation", turns=[
+    ("translation", [
         "Translate into English: \"La bibliothèque municipale ouvrira une nouvelle salle d'étude le mois "
         "prochain, avec des ordinateurs gratuits pour les étudiants.\""]),
-    dict(question_id="b5", category="summarization", turns=[_SUMMARY_1 + "\n\nSummarize the text above in two sentences."]),
-    dict(question_id="b6", category="summarization", turns=[_SUMMARY_2 + "\n\nSummarize the report above for a manager."]),
-    dict(question_id="b7", category="qa", turns=["Why does the sky look blue during the day but red at sunset?"]),
-    dict(question_id="b8", category="qa", turns=["What is the difference between a virus and a bacterium?"]),
-    dict(question_id="b9", category="math_reasoning", turns=[
+    ("summarization", [_SUMMARY_1 + "\n\nSummarize the text above in two sentences."]),
+    ("summarization", [_SUMMARY_2 + "\n\nSummarize the report above for a manager."]),
+    ("qa", ["Why does the sky look blue during the day but red at sunset?"]),
+    ("qa", ["What is the difference between a virus and a bacterium?"]),
+    ("math_reasoning", [
         "A shop sells pencils at 3 for $1.20. Tom buys 12 pencils and pays with a $10 bill. How much change "
         "does he get? Think step by step."]),
-    dict(question_id="b10", category="math_reasoning", turns=[
+    ("math_reasoning", [
         "A train travels 150 km in 2 hours and then 90 km in 1.5 hours. What is its average speed for the "
         "whole trip? Show your work."]),
-    dict(question_id="b11", category="rag", turns=[_RAG_1 + "\n\nUsing the passages above, answer: when was the "
-                                                   "lamp electrified, and who was the last resident keeper?"]),
-    dict(question_id="b12", category="rag", turns=[_RAG_2 + "\n\nUsing the passages above, answer: why was the "
-                                                   "Carrow Dam built and what else does it do?"]),
-    dict(question_id="b13", category="code", turns=[
+    ("rag", [_RAG_1 + "\n\nUsing the passages above, answer: when was the lamp electrified, and who was the last "
+             "resident keeper?"]),
+    ("rag", [_RAG_2 + "\n\nUsing the passages above, answer: why was the Carrow Dam built and what else does it do?"]),
+    ("code", [
         "Write a Python function is_palindrome(s) that ignores case and punctuation, and add a few tests."]),
-    dict(question_id="b14", category="code", turns=[
+    ("code", [
         "Complete this function:\n```python\ndef running_max(xs):\n    \"\"\"Return a list whose element i is "
         "the maximum of xs[:i+1].\"\"\"\n```"]),
 ]
+BUILTIN_QUESTIONS = [dict(question_id=f"b{i}", category=c, turns=t) for i, (c, t) in enumerate(_BUILTIN, 1)]
 WARMUP_PROMPT = "Name three colours."
 
 
@@ -202,7 +203,6 @@ def write_random_eagle3(path: Path, cfg: dict, seed: int = 0, dtype=torch.bfloat
     """A randomly initialised full-vocabulary EAGLE-3 head in the official layout (fc over the 3 aux
     states, midlayer.*, norm, lm_head). Untrained: its drafts are almost never accepted; it exists so
     that every code path and the drafting cost can be measured before a trained head is at hand."""
-    from safetensors.torch import save_file
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)

@@ -1,43 +1,31 @@
 """The speculative budget: how many of the drafted tree's nodes to verify this step, or none at all.
 
 Why: a step of b verified nodes pays when E[tokens it emits] / its time beats autoregressive decoding's one
-token per decode step, and both sides depend on the machine (what a b-row target pass costs next to one row:
-about 2x at 16 rows on an AVX2 CPU with cpu_gemm, 1.0x on a GPU) and on the request (how often the drafter is
-right: prompt lookup on a summary, or nothing on novel text at temperature 1). So the engine measures both
-while it generates and picks the best of a small fixed set of sizes (static shapes: one compiled step per
-size), instead of trusting a CPU/CUDA default.
+token per decode step, and both depend on the machine (a 16-row target pass costs about 2x one row on an
+AVX2 CPU with cpu_gemm, 1.0x on a GPU) and on the request (prompt lookup on a summary, or nothing on novel
+text at temperature 1). So the engine measures both while it generates and picks the best of a small fixed
+set of sizes (static shapes: one compiled step per size).
 
-The model. Drafted trees list their nodes best first with parents before children (draft.py), so the first
-b nodes are a tree of budget b; asked for b nodes, EAGLE drafts a search scaled to b (cheaper, nearly the same
-nodes: EagleDrafter.shape_for) and the hybrid the prompt-lookup chain where it has one. A node is accepted when
-it and its ancestors match the target, whatever else the tree holds, so E[tokens | b] = 1 + sum_{i<b} p_i,
-with p_i the running acceptance rate of node rank i (the bonus token is the 1). Each size's step time (its draft, its
-verification, the sync and the drafter's update) is a running average, measured. Size 1 is autoregressive
-decoding: no draft, a one-row pass, and the drafter's update (it keeps the drafter in step with the text).
-The whole tree and autoregressive decoding are tried first, `settle` times each: twice where a size's
-first step pays one-time set-up (a compiled step's new shape, a CUDA graph's capture, CUDA kernels' first
-launch), once for eager CPU steps, which have none (a whole-tree step there costs several decode steps:
-on a short answer a second one is a tenth of its time); sizes between are estimated until chosen and timed
-(from the machine's pass costs where the engine has them, see seconds()). Afterwards every
-`probe`-th step re-measures what the current choice does not: while speculating, in turn the next size up
-(the acceptance of deeper nodes) and an autoregressive step; while decoding autoregressively, in turn the most
-promising speculative size (cheap: often the prompt-lookup chain alone, draft.HybridDrafter) and the size above
-it. That is the fallback's way back: when the text becomes predictable again, the probes see it. While
-autoregressive decoding keeps winning, the probes thin out (the gap doubles up to max_gap steps) and take at
-most `probe_share` (5%) of the request's time, so hopeless text (high temperature, novel content) loses at
-most that much to them, by construction rather than by a tuned gap.
+The model. Drafted trees list their nodes best first, parents before children (draft.py), so the first b
+nodes are a tree of budget b, and a node is accepted when it and its ancestors match: E[tokens | b] = 1 +
+sum_{i<b} p_i, p_i the running acceptance rate of node rank i (the bonus token is the 1). Each size's step
+time (draft, verification, sync, the drafter's update) is a running average; size 1 is autoregressive
+decoding. The whole tree and size 1 are timed first, `settle` times each (twice where a first step pays
+one-time set-up: a compiled shape, a CUDA graph's capture; once for eager CPU steps); sizes between are
+estimated until chosen (seconds()). Then every `probe`-th step re-measures what the current choice does
+not: while speculating, the next size up or an autoregressive step; while decoding autoregressively, the
+most promising speculative size or the one above it, which is the way back when the text turns
+predictable. While autoregressive decoding keeps winning the probes thin out (up to max_gap steps apart) and
+take at most `probe_share` (5%) of the request's time, so hopeless text loses at most that, by construction.
 
-A draft that first pays a one-time set-up (the hybrid's EAGLE head, which starts late: draft.HybridDrafter)
-waits for it as in ski rental: the request takes the best size that needs no set-up instead (autoregressive
-decoding, or prompt lookup's chain alone) until the steps held back would have saved, by the budget's own
-estimates of the sizes that need it against those that do not, as much as the set-up costs, and as long as
-the same saving over the rest of the request (at most max_new_tokens) would repay it again; then it drafts. So a head that gains
-little per step never starts in a request too short to pay it back (on Spec-Bench its start cost more than a
-whole 256-token answer's gain), nor near a request's end, and one that gains much starts after a few steps.
-Its estimate comes from the source's own steps, which stop while it waits: so where they are still few (under
-two decayed steps at the first rank, e.g. one carried EAGLE step with nothing accepted), a probe may pay the
-set-up within the probe share (Budgets.start_probe) instead of waiting for savings it cannot see.
+A draft that first pays a one-time set-up (the hybrid's lazy head, draft_hybrid.py) waits for it as in ski
+rental: the best size without it until the steps held back would have saved as much as the set-up costs,
+and the same saving over the rest of the request would repay it again. So a head that gains little never
+starts in a short request (on Spec-Bench its start cost more than a whole 256-token answer's gain), and one
+that gains much starts after a few steps (Budgets.start_probe: a probe may start it on thin evidence).
 """
+from draft import Accepted, Drafter, chained
+
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -51,7 +39,7 @@ class Budget:
         assert self.sizes[0] == 1, "autoregressive decoding (size 1) is always a choice"
         nodes = self.nodes = self.sizes[-1]
         self.start = start if start in self.sizes else nodes
-        self.pass_s = pass_s  # {size: seconds} of the target's pass on this machine (Engine.pass_costs), or None
+        self.pass_s = pass_s  # {size: seconds} of the target's pass on this machine (budget_memory.pass_costs), or None
         self.settle = settle  # steps of a size before its time counts (the first ones may pay one-time set-up)
         self.probe_share = probe_share  # while decoding autoregressively: most of the time probes may take
         # seconds of those probes and of every step; Budgets passes one dict to all its sources, so the cap holds
@@ -73,11 +61,10 @@ class Budget:
         return (self.hits[i] + 0.025) / (self.trials[i] + 0.05)
 
     def tokens(self, b: int) -> float:
-        """Expected tokens emitted by a step verifying the first b nodes. A rank never tried yet counts as
-        likely as the deepest tried rank before it (nodes come best first, so acceptance falls with rank), or
-        the prior where none was: a flat 1/2 for every untried rank promised the merged tree's 15 nodes past a
-        chain 7.5 tokens, so each request paid a 26-node step to learn otherwise (measured, 12 short answers:
-        1.08x faster decoding with this rule, the same tokens)."""
+        """Expected tokens emitted by a step verifying the first b nodes. An untried rank counts as likely as
+        the deepest tried rank before it (acceptance falls with rank), or the prior where none was: a flat 1/2
+        promised the merged tree's 15 nodes past a chain 7.5 tokens (this rule: 1.08x faster decoding on 12
+        short answers, the same tokens)."""
         total, last = 1.0, None
         for i in range(1, b):
             if self.trials[i] > 0 or last is None:
@@ -88,10 +75,8 @@ class Budget:
     def seconds(self, b: int) -> float:
         """Step time of size b: its running mean once timed `settle` times. Else, with the machine's pass costs,
         the nearest smaller timed size's time plus the passes' difference (a CPU's cost is flat for a few rows,
-        then grows with them: a straight line from one row to the whole tree overrates the middle sizes, and a
-        size never chosen is never timed), plus the drafting overhead where that size is autoregressive
-        decoding's; without them, interpolated linearly between the nearest timed sizes
-        (a verification's cost grows about linearly with its rows on a CPU and stays flat on a GPU)."""
+        then grows: a straight line overrates the middle sizes), plus the drafting overhead above an
+        autoregressive step; without them, interpolated linearly between the nearest timed sizes."""
         known = [s for s in self.sizes if self.timed.get(s, 0) >= self.settle]
         if b in known:
             return self.time[b]
@@ -107,12 +92,11 @@ class Budget:
         return self.time[lo] + (self.time[hi] - self.time[lo]) * (b - lo) / (hi - lo)
 
     def overhead(self) -> float:
-        """Seconds a speculative step of this source took beyond an autoregressive step and the passes'
-        difference (its draft, the tree's bookkeeping, the drafter's update): the least over its sizes timed
-        `settle` times, 0 where none is (or without the machine's pass costs). Why: an untimed size estimated
-        from an autoregressive step alone looked as cheap as its pass; the hybrid's late EAGLE head (whose
-        drafting costs ~2 ms a step on the Zen 5 CPU) then started in a quarter of the MT-bench requests of
-        Spec-Bench and lost there (1.97x against prompt lookup's 2.20x)."""
+        """Seconds a speculative step took beyond an autoregressive step and the passes' difference (draft,
+        bookkeeping, update): the least over its settled sizes, 0 where none is. Why: estimated from an
+        autoregressive step alone an untimed size looked as cheap as its pass, and the hybrid's late head
+        (~2 ms of drafting a step) started on a quarter of Spec-Bench's MT-bench requests and lost there
+        (1.97x against prompt lookup's 2.20x)."""
         if not self.pass_s or self.timed.get(1, 0) < self.settle or 1 not in self.pass_s:
             return 0.0
         ov = [self.time[s] - self.time[1] - max(self.pass_s[s] - self.pass_s[1], 0.0) for s in self.sizes
@@ -125,9 +109,7 @@ class Budget:
     def pick(self) -> int:
         ends = [s for s in (self.start, 1) if self.timed.get(s, 0) < self.settle]
         if ends:
-            b = ends[0]  # the whole tree (or start), then autoregressive decoding, settle times each (with settle 2 the
-            # first time of a size, which may pay one-time set-up, is not kept); sizes between are
-            # interpolated until chosen
+            b = ends[0]  # the whole tree (or start), then autoregressive decoding, settle times each
         else:
             b = best = max(self.sizes, key=self.rate)
             if best > 1:
@@ -203,16 +185,15 @@ class Budget:
 
     def carry(self, old: "Budget", weight: float | None = None):
         """Start from what the same source measured in an earlier request (Budgets' memory), or a sibling source
-        with the same sizes in this one: its acceptance per node rank and its step times, so the whole tree and
-        autoregressive decoding need not be timed again before the first choice; the probes start afresh and
-        re-measure what this request does differently. weight: the acceptance counts as this many steps at
-        most (a sibling's is a guess its own steps soon override)."""
+        with the same sizes in this one: acceptance per rank and step times, so the ends need not be timed
+        again; the probes start afresh. weight: the acceptance counts as this many steps at most (a sibling's
+        is a guess its own steps soon override)."""
         f = 1.0 if weight is None else weight / max(max(old.trials), weight)
         self.hits, self.trials = [h * f for h in old.hits], [t * f for t in old.trials]
         self.time, self.timed = dict(old.time), dict(old.timed)
 
     def state(self) -> dict:
-        """What carry() reads, as JSON (the engine keeps it across processes: Engine's budget_cache)."""
+        """What carry() reads, as JSON (budget_memory.BudgetMemory keeps it across processes)."""
         return dict(sizes=self.sizes, hits=self.hits, trials=self.trials, time={str(k): v for k, v in self.time.items()},
                     timed={str(k): v for k, v in self.timed.items()})
 
@@ -250,13 +231,11 @@ class Budget:
 
 
 class Budgets:
-    """One Budget per source of the next step's drafts (the drafter's budget_key): the hybrid's steps where
-    prompt lookup has a chain and those where only the EAGLE head drafts accept differently at every size
-    (a 4-node step is a chain in one and a small EAGLE tree in the other), so each keeps its own acceptance
-    and step times, and the budget of a step is the one that picked it. sizes_of(key), where given (the
-    drafter's budget_sizes), is a source's own set of sizes and start_of(key) the size it tries first: the
-    hybrid's chain steps add the chain alone (prompt lookup's whole draft), which a size set cut for the
-    merged tree would miss, and start there (a merged tree is probed from it, one size up)."""
+    """One Budget per source of the next step's drafts (the drafter's budget_key): the hybrid's steps with a
+    prompt-lookup chain and those without accept differently at every size (a 4-node step is a chain in one,
+    a small EAGLE tree in the other), so each keeps its own acceptance and step times. sizes_of(key) (the
+    drafter's budget_sizes) is a source's own set of sizes and start_of(key) the size it tries first: the
+    hybrid's chain steps add the chain alone, which sizes cut for the merged tree would miss, and start there."""
 
     START_EVIDENCE = 2.0  # decayed steps of a source's first rank past which no probe pays its set-up (start_probe)
 
@@ -311,13 +290,11 @@ class Budgets:
         return b
 
     def start_probe(self, bud: Budget, setup: float, left: float) -> bool:
-        """May this probe (bud.probing: a speculative size while autoregressive decoding wins) pay the set-up
-        that the ski rental still holds back? Only while the source's first drafted rank has been seen less
-        than START_EVIDENCE (decayed) steps, and only where the set-up fits the probe share of the request's
-        time (so far, times 1 + left); it is billed to the probes then. Why: the estimate that keeps a set-up
-        waiting comes from the source's own steps, and without a start there are no more of them. One unlucky
-        step (an EAGLE tree with nothing accepted: p ~ 0.02 a node, carried into later requests by the
-        engine's memory) would otherwise lock the head out for good, with nothing to probe it again."""
+        """May this probe (bud.probing) pay the set-up the ski rental still holds back? Only while the source's
+        first rank has been seen less than START_EVIDENCE (decayed) steps, and where the set-up fits the probe
+        share of the request's time (so far, times 1 + left); it is billed to the probes then. Why: the
+        estimate that holds a set-up back comes from the source's own steps, which stop while it waits: one
+        unlucky step (nothing accepted, carried by the engine's memory) would lock the head out for good."""
         if not bud.probing or bud.nodes < 2 or bud.trials[1] >= self.START_EVIDENCE:
             return False
         if self.spent["probe"] + setup > bud.probe_share * self.spent["total"] * (1 + left):
@@ -353,3 +330,58 @@ class Budgets:
             d["budget_sources"] = {str(k): dict(share=round(sum(x.chosen.values()) / total, 4), **x.stats())
                                    for k, x in self.of.items()}
         return d
+
+
+class StepBudget:
+    """The budget as a request's loop asks it: each step's nodes (Budgets per source of drafts, or without a
+    memory to fit with the whole tree), its time, and the autoregressive steps the drafter catches up on."""
+
+    MAX_PENDING = 128
+
+    def __init__(self, drafter: Drafter, prompt: list[int], max_new: int, memory=None, settle: int = 2,
+                 pass_s: dict | None = None):  # memory: budget_memory.BudgetMemory
+        self.d, self.prompt, self.max_new, self.memory = drafter, prompt, max_new, memory
+        self.budgets = None if memory is None else Budgets(
+            drafter.nodes, drafter.budget_sizes, drafter.budget_start, settle=settle, pass_s=pass_s,
+            memory=memory.sources, setup_of=drafter.budget_setup)
+        self.pending = []
+
+    def pick(self, out: list[int]) -> int:
+        """Nodes the next step verifies (1: an autoregressive step, no draft); out: the tokens so far."""
+        if self.budgets is None:
+            return self.d.nodes
+        left = (self.max_new - len(out)) / len(out)  # tokens still to come per token so far, at most
+        return self.budgets.pick(self.d.budget_key(self.prompt + out), left)
+
+    def observe(self, b: int, accepted: list[int], seconds: float):
+        """A step verified b nodes and accepted these; seconds: its draft, verification, sync and the
+        drafter's update before it, less the one-time set-ups paid inside (a start is paid once; billed to
+        one size it would make that size look slow in later requests too)."""
+        if self.budgets is not None:
+            self.budgets.observe(b, accepted, seconds - self.d.setup_paid())
+
+    def draft_size(self, b: int) -> int | None:
+        return None if self.budgets is None else b
+
+    def hold(self, a: Accepted, b: int) -> bool:
+        """Keep an autoregressive step back from the drafter when the next one is autoregressive too (a run
+        of them costs one update later, not one each)."""
+        if a.tree.tokens.shape[0] == 1 and b == 1 and len(self.pending) < self.MAX_PENDING:
+            self.pending.append(a)
+            return True
+        return False
+
+    def catch_up(self, a: Accepted) -> Accepted:
+        """a, after the steps held back, as one chain of what the drafter reads."""
+        if not self.pending:
+            return a
+        steps, self.pending = self.pending + [a], []
+        return chained(steps, states=self.d.reads_states, top=self.d.reads_top)
+
+    def finish(self) -> dict:
+        """The request is over: its sources go to the memory; its budget statistics."""
+        if self.budgets is None:
+            return {}
+        self.budgets.keep()
+        self.memory.save()
+        return self.budgets.stats()

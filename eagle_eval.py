@@ -12,8 +12,10 @@ first-level candidates (its top-`tree_k` at the previous position, the tree's fi
 import torch
 
 import vocab as vc
+from draft_config import DraftConfig
 from eagle import load_eagle
 from eagle_ttt import rope_cache, ttt_forward
+from generate import build_engine
 from model import Transformer
 
 KS = (1, 4, 8, 10)
@@ -49,8 +51,8 @@ def recall_table(target: Transformer, head, recs: list[dict], steps: int = 4, vo
             ver = logits.topk(max(k_pre, k_ver), dim=-1).indices  # [T, k]
             cos, sin = rope_cache(T + steps, a.head_dim, a.rope_theta, a.rope_scaling)
             outs = ttt_forward(head, aux, ids[None], steps, cos.to(dev), sin.to(dev))  # [1, T, d] per depth
-            # the full vocabulary's top-K of every row at once, in fp32 (one GEMM per depth; row by row in bf16
-            # it was most of the time on a CPU without bf16 hardware)
+            # the full vocabulary's top-K of every row at once, in fp32: one GEMM per depth (row by row in bf16
+            # it would take most of the time on a CPU without bf16 hardware)
             fulls = [torch.cat([(o[0, a:a + 256].float() @ W32.T).topk(K, dim=-1).indices
                                 for a in range(0, T, 256)]) for o in outs]  # [T, K] per depth
             voc = vc.make_vocab(vocab, W, w_max=w_max, k_pre=k_pre, k_ver=k_ver, eos_ids=target.args.eos_ids,
@@ -87,17 +89,11 @@ def recall_table(target: Transformer, head, recs: list[dict], steps: int = 4, vo
                 ks=list(ks), vocab_spec=vocab)
 
 
-def engine_acceptance(target: Transformer, head_dir, prompts: list[list[int]], vocab: str, max_new_tokens: int,
-                      topk: int, depth: int, nodes: int, steps: int, w_max: int = 3072, k_pre: int = 3,
-                      k_ver: int = 3, ablation: str | None = None) -> dict:
-    """Greedy speculative decoding with the head and the vocabulary, the whole tree verified every step:
-    per depth d, the share of steps that accepted at least d drafted tokens, and τ (tokens per step)."""
-    from draft import DraftConfig
-    from generate import build_engine
-    saved = target.aux_layers
+def accept_hist(target: Transformer, prompts: list[list[int]], c: DraftConfig, max_new_tokens: int) -> dict:
+    """Greedy speculative decoding with c's head through generate.Engine, the whole tree verified every step:
+    {tokens a step emitted (bonus included): steps}, over every prompt."""
+    saved = target.aux_layers  # build_engine points them at the head's; the caller's are put back
     try:
-        c = DraftConfig(str(head_dir), vocab, topk, depth, nodes, w_max=w_max, k_pre=k_pre, k_ver=k_ver,
-                        ablation=ablation)
         eng = build_engine(target, None, c, budget=False)
         hist = {}
         for p in prompts:
@@ -106,9 +102,27 @@ def engine_acceptance(target: Transformer, head_dir, prompts: list[list[int]], v
                 hist[k] = hist.get(k, 0) + v
     finally:
         target.aux_layers = saved
+    return hist
+
+
+def engine_acceptance(target: Transformer, head_dir, prompts: list[list[int]], vocab: str, max_new_tokens: int,
+                      topk: int, depth: int, nodes: int, steps: int, w_max: int = 3072, k_pre: int = 3,
+                      k_ver: int = 3, ablation: str | None = None) -> dict:
+    """With the head and the vocabulary: per depth d, the share of steps that accepted at least d drafted
+    tokens, and τ (tokens per step)."""
+    c = DraftConfig(str(head_dir), vocab, topk, depth, nodes, w_max=w_max, k_pre=k_pre, k_ver=k_ver, ablation=ablation)
+    hist = accept_hist(target, prompts, c, max_new_tokens)
     n = max(sum(hist.values()), 1)
     acc = [round(sum(v for k, v in hist.items() if k - 1 >= d) / n, 4) for d in range(1, steps + 1)]
     return dict(accept=acc, tau=round(sum(k * v for k, v in hist.items()) / n, 3), steps=n)
+
+
+@torch.no_grad()
+def mean_accepted_length(target: Transformer, head_dir, prompts: list[list[int]], max_new_tokens: int = 64,
+                         topk: int = 10, depth: int = 5, nodes: int = 60) -> float:
+    """Tokens emitted per target forward with the head over the full vocabulary (Spec-Bench / vLLM convention)."""
+    hist = accept_hist(target, prompts, DraftConfig(str(head_dir), "full", topk, depth, nodes), max_new_tokens)
+    return sum(k * v for k, v in hist.items()) / max(sum(hist.values()), 1)
 
 
 def load_head(path, target: Transformer):

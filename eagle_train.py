@@ -1,5 +1,6 @@
-"""Train full-vocabulary EAGLE-3 draft heads: batching, training loop, checkpoints, export, CLI (data: eagle_data;
-the head, its training-time-test forward and loss, the target pass: eagle_ttt).
+"""Train full-vocabulary EAGLE-3 draft heads: batching, the training loop, the CLI (data: eagle_data; the head, its
+training-time-test forward and loss, the target pass: eagle_ttt; checkpoints and export: eagle_ckpt; diagnostics:
+eagle_eval).
 
     # data: self-generated (Magpie-style, the default when no dataset is at hand) ...
     python eagle_train.py data --out data/smol.jsonl --num 1000
@@ -25,18 +26,19 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
 
-from draft import DraftConfig
+import eagle_eval as ev
 from download import CheckpointError, resolve_checkpoint
+from eagle_ckpt import CKPT_FORMAT, CKPT_NAME, atomic_save, export_head, init_from, load_checkpoint, signature
 from eagle_data import (TrainError, answer_conversations, log, magpie_data, progress, read_conversations, read_records,
                         write_records)
-from eagle_ttt import TTTLoss, aux_layer_ids, head_config, head_from_config, loss_columns, new_head, target_pass
-from generate import build_engine, one_line_errors
-from model import ModelError, Transformer, load_model
+from eagle_ttt import TTTLoss, aux_layer_ids, head_from_config, loss_columns, new_head, target_pass
+from generate import one_line_errors
+from model import ModelError, load_model
 from tokenizer import Tokenizer
-
-CKPT_NAME = "checkpoint.pt"
-CKPT_FORMAT = 1
 
 
 # ---------------------------------------------------------------- batching
@@ -69,100 +71,6 @@ def collate(recs: list[dict], idx: list[int], pad_id: int, device):
     return tokens.to(device), sup.to(device)
 
 
-# ---------------------------------------------------------------- checkpoints and export
-
-def signature(target: Transformer, head, freeze_lm_head: bool) -> dict:
-    return dict(target=dict(vocab_size=target.args.vocab_size, dim=target.args.dim, n_layers=target.args.n_layers),
-                head=head_config(head), freeze_lm_head=freeze_lm_head)
-
-
-def atomic_save(obj, path: Path):
-    path = Path(path)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)  # a partial write never carries the final name
-
-
-def load_checkpoint(path: Path, expect: dict | None = None) -> dict:
-    try:
-        ck = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise TrainError(f"cannot resume from {path}: not a readable checkpoint ({str(e).splitlines()[0][:120]})") from None
-    if not isinstance(ck, dict) or ck.get("format") != CKPT_FORMAT or "signature" not in ck:
-        raise TrainError(f"cannot resume from {path}: not an eagle_train.py checkpoint")
-    if expect is not None and ck["signature"] != expect:
-        diff = _first_diff(ck["signature"], expect)
-        raise TrainError(f"cannot resume from {path}: it was trained with {diff[0]}={diff[1]!r}, this run has {diff[2]!r}")
-    return ck
-
-
-def _first_diff(a, b, prefix=""):
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b)):
-            if a.get(k) != b.get(k):
-                return _first_diff(a.get(k), b.get(k), f"{prefix}{k}.")
-    return prefix.rstrip("."), a, b
-
-
-def export_head(head, out_dir, dtype=torch.bfloat16, with_lm_head: bool = True):
-    """An EAGLE-3 folder in the official / SpecForge layout (config.json + model.safetensors: fc, midlayer.*,
-    norm, lm_head), as vLLM's and SGLang's LlamaForCausalLMEagle3 load it. Without lm_head the config omits
-    draft_vocab_size: SGLang (load_lm_head_from_target), vLLM and eagle.load_eagle then use the target's."""
-    from safetensors.torch import save_file
-    c, a = head.c, head.c.args
-    cfg = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_act="silu",
-               hidden_size=a.dim, intermediate_size=a.intermediate_size, num_attention_heads=a.n_heads,
-               num_key_value_heads=a.n_kv_heads, head_dim=a.head_dim, rms_norm_eps=a.norm_eps,
-               rope_theta=a.rope_theta, max_position_embeddings=a.max_position_embeddings,
-               vocab_size=a.vocab_size, draft_vocab_size=c.draft_vocab_size, num_hidden_layers=1,
-               tie_word_embeddings=False, target_hidden_size=c.fc_in // 3,
-               eagle_config=dict(eagle_aux_hidden_state_layer_ids=list(c.aux_layers), use_aux_hidden_state=True),
-               torch_dtype=str(dtype).removeprefix("torch."))
-    if a.rope_scaling:
-        cfg["rope_scaling"] = a.rope_scaling
-    sd = {k: v.detach().to("cpu", dtype).contiguous() for k, v in head.state_dict().items()}
-    if not with_lm_head:
-        del sd["lm_head.weight"], cfg["draft_vocab_size"]
-        cfg["load_lm_head_from_target"] = True
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        import shutil
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
-    if out.exists():
-        import shutil
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
-
-
-def init_from(head, folder: Path):
-    """Start from an exported EAGLE-3 head (export_head's folder, e.g. the shipped one): continued training on
-    new data keeps what the head learnt from the old data (which may no longer be at hand). Its shapes and aux
-    layers must be this run's; without lm_head.weight the new head keeps the target's copy."""
-    from safetensors.torch import load_file
-    cfg_p, w_p = folder / "config.json", folder / "model.safetensors"
-    if not (cfg_p.is_file() and w_p.is_file()):
-        raise TrainError(f"--init {folder}: not an EAGLE-3 head folder (config.json + model.safetensors)")
-    aux = json.loads(cfg_p.read_text()).get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
-    if aux is not None and tuple(aux) != tuple(head.c.aux_layers):
-        raise TrainError(f"--init {folder}: its aux layers are {tuple(aux)}, this run's are {tuple(head.c.aux_layers)}")
-    sd, own = load_file(str(w_p)), head.state_dict()
-    extra, missing = set(sd) - set(own), set(own) - set(sd) - {"lm_head.weight"}
-    bad = sorted(k for k in set(sd) & set(own) if sd[k].shape != own[k].shape)
-    if extra or missing or bad:
-        what = (f"unknown tensor {sorted(extra)[0]}" if extra else f"no {sorted(missing)[0]}" if missing
-                else f"{bad[0]} is {tuple(sd[bad[0]].shape)}, this head's is {tuple(own[bad[0]].shape)}")
-        raise TrainError(f"--init {folder}: does not fit this target's head ({what})")
-    with torch.no_grad():
-        for k, v in sd.items():
-            own[k].copy_(v.to(own[k].dtype))
-    log(f"initialised from {folder} ({len(sd)} tensors)")
-
-
 # ---------------------------------------------------------------- training loop
 
 def lr_lambda(warmup: int, total: int, min_ratio: float = 0.0):
@@ -179,7 +87,6 @@ def autocast_ctx(device: torch.device, enabled: bool):
 
 
 def train(args) -> dict:
-    import torch.distributed as dist
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = 0
     device = torch.device(args.device)
@@ -203,7 +110,6 @@ def train(args) -> dict:
 
 
 def _train(args, device, rank, world) -> dict:
-    from torch.utils.data import DistributedSampler
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     out = Path(args.out)
@@ -232,7 +138,6 @@ def _train(args, device, rank, world) -> dict:
                     torch.bfloat16 if args.bf16 else torch.float32)
     ddp = model
     if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
@@ -309,26 +214,6 @@ def _train(args, device, rank, world) -> dict:
     return res
 
 
-# ---------------------------------------------------------------- evaluation
-
-@torch.no_grad()
-def mean_accepted_length(target: Transformer, head_dir, prompts: list[list[int]], max_new_tokens: int = 64,
-                         topk: int = 10, depth: int = 5, nodes: int = 60) -> float:
-    """Greedy speculative decoding with the exported head (full vocabulary) through generate.Engine:
-    tokens emitted per target forward, bonus included (Spec-Bench / vLLM convention)."""
-    saved = target.aux_layers  # build_engine points them at the head's; the trainer's own are put back
-    try:
-        eng = build_engine(target, None, DraftConfig(str(head_dir), "full", topk, depth, nodes), budget=False)
-        emitted = forwards = 0
-        for p in prompts:
-            out, st = eng.generate(list(p), max_new_tokens)
-            emitted += sum(k * v for k, v in st.accept_hist.items())
-            forwards += sum(st.accept_hist.values())
-    finally:
-        target.aux_layers = saved
-    return emitted / max(forwards, 1)
-
-
 # ---------------------------------------------------------------- CLI
 
 def data_meta(args, ckpt_path: Path) -> dict:
@@ -396,7 +281,6 @@ def cmd_export(args):
 
 
 def cmd_eval(args):
-    import eagle_eval as ev
     path = resolve_checkpoint(args.checkpoint)
     target = load_model(path, dtype=getattr(torch, args.dtype))
     head_dir = resolve_checkpoint(args.head, patterns=["config.json", "*.safetensors"])
@@ -440,13 +324,24 @@ def cmd_train(args):
     return 0
 
 
+DTYPES = ["bfloat16", "float16", "float32"]
+
+
+def target_args(p, cpu: bool, dtype_flag: str = "--dtype"):
+    """The flags every command that runs the target shares."""
+    p.add_argument("--checkpoint", default=None, help="target HF folder or hub id (default: embedded SmolLM2)")
+    p.add_argument(dtype_flag, default="bfloat16", choices=DTYPES)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if not cpu else "cpu")
+
+
 def parse_args(argv=None):
     cpu = not torch.cuda.is_available()
     p = argparse.ArgumentParser(description="Train full-vocabulary EAGLE-3 draft heads (training-time test)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("data", help="generate training data with the target (cached jsonl)")
-    d.add_argument("--checkpoint", default=None, help="target HF folder or hub id (default: embedded SmolLM2)")
+    target_args(d, cpu)
     d.add_argument("--out", required=True, help="output jsonl (a .meta.json sidecar records how it was made)")
     d.add_argument("--dataset", default=None, help="ShareGPT/UltraChat jsonl, or ShareGPT's JSON array (a copy cut off mid-record "
                                                    "gives its complete records), whose assistant turns are regenerated; "
@@ -464,14 +359,11 @@ def parse_args(argv=None):
     d.add_argument("--temperature", type=float, default=0.0, help="answer temperature (0 = greedy)")
     d.add_argument("--sampled-frac", type=float, default=0.0, help="self-generated: fraction of answers sampled at --temperature")
     d.add_argument("--batch-size", type=int, default=16)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--device", default="cuda" if not cpu else "cpu")
-    d.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     d.add_argument("--overwrite", action="store_true", help="regenerate even if the cached file matches")
     d.set_defaults(func=cmd_data)
 
     t = sub.add_parser("train", help="train an EAGLE-3 head with training-time test")
-    t.add_argument("--checkpoint", default=None, help="target HF folder or hub id (default: embedded SmolLM2)")
+    target_args(t, cpu, "--target-dtype")
     t.add_argument("--data", required=True, nargs="+", help="jsonl file(s) from `eagle_train.py data`")
     t.add_argument("--out", required=True, help="run folder (checkpoint.pt, history.json)")
     t.add_argument("--export", default=None, help="write the EAGLE-3 folder here at the end")
@@ -495,15 +387,12 @@ def parse_args(argv=None):
     t.add_argument("--aux-layers", default=None, help="three target layer ids, e.g. 2,15,27 (default 2,L//2,L-3)")
     t.add_argument("--rope-theta", type=float, default=None, help="the head's RoPE base (default: the target's)")
     t.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast")
-    t.add_argument("--target-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     t.add_argument("--logits-chunk", type=int, default=512, help="rows per LM-head chunk in the loss")
     t.add_argument("--loss-vocab", type=int, default=0,
                    help="0: exact soft CE over the full vocabulary; N: sampled softmax over N columns (the batch's "
                         "tokens + uniform negatives, log-corrected), much cheaper on CPU")
     t.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (0: only at the end)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--device", default="cuda" if not cpu else "cpu")
-    t.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    t.add_argument("--export-dtype", default="bfloat16", choices=DTYPES)
     t.add_argument("--no-lm-head", action="store_true", help="export without lm_head.weight (frozen head only)")
     t.set_defaults(func=cmd_train)
 
@@ -511,7 +400,7 @@ def parse_args(argv=None):
     e.add_argument("--run", required=True, help="run folder or checkpoint.pt")
     e.add_argument("--out", required=True)
     e.add_argument("--checkpoint", default=None, help="target (default: the one the run used)")
-    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    e.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     e.add_argument("--no-lm-head", action="store_true", help="omit lm_head.weight (it must equal the target's)")
     e.set_defaults(func=cmd_export)
 
@@ -531,7 +420,7 @@ def parse_args(argv=None):
     v.add_argument("--engine-tokens", type=int, default=128,
                    help="new tokens per prompt for the engine's realised acceptance (0: skip it)")
     v.add_argument("--tree", default="8/5/16", help="the engine's tree: top-k/depth/nodes")
-    v.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    v.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     v.add_argument("--json", default=None, help="also write the figures here")
     v.set_defaults(func=cmd_eval)
     return p.parse_args(argv)

@@ -6,102 +6,31 @@
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.utils._pytree as pytree
 from torch import Tensor
 
-import cpu_forward
-import cpu_gemm
-import draft as dr
+import draft_config as dc
+import graphs
+from budget import StepBudget
+from budget_memory import BudgetMemory, pass_costs
 from download import CheckpointError, resolve_checkpoint
-from budget import SIZES, Budget, Budgets
-from exact import MAX_ROWS, Invariance, PassRows, machine_id
-from model import RECENT, ModelError, Transformer, causal_recent, load_model, tree_mask, tree_recent
+from draft import Accepted, Prefill, Tree, chain_tree
+from errors import UsageError
+from exact import PassRows, Planner
+from model import ModelError, Transformer, causal_recent, load_model, tree_mask, tree_recent
 from sampling import Sampling, accept_greedy, accept_greedy_host, accept_sample, logits_to_probs, sample
+from stats import PHASES, Clock, Stats, sync
 from tokenizer import Streamer, Tokenizer
 
 DEFAULT_PROMPT = "What is the capital of France?"
 DEFAULT_HEAD = Path(__file__).resolve().parent / "heads" / "SmolLM2-135M-Instruct-eagle3"  # trained by eagle_train.py
 
 
-class UsageError(Exception):
-    """Bad flags or input; reported as one line."""
-
-
-# ---------------------------------------------------------------- decode loops
-
-@dataclass
-class Stats:
-    new_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    target_forwards: int = 0
-    accept_hist: dict = field(default_factory=dict)  # accepted tokens per target forward -> count
-    phase_s: dict = field(default_factory=dict)  # speculative phases (draft, lm_head, verify, ...)
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def total_s(self):
-        return self.prefill_s + self.decode_s
-
-    def as_dict(self) -> dict:
-        d = dict(new_tokens=self.new_tokens, prefill_s=round(self.prefill_s, 4), decode_s=round(self.decode_s, 4),
-                 tokens_per_s=round(self.new_tokens / max(self.total_s, 1e-9), 2),
-                 decode_tokens_per_s=round(self.new_tokens / max(self.decode_s, 1e-9), 2),
-                 target_forwards=self.target_forwards)
-        if self.accept_hist:
-            d["mean_accepted_length"] = round(self.mean_accepted_length, 3)
-            d["accept_hist"] = {str(k): v for k, v in sorted(self.accept_hist.items())}
-        if self.phase_s:
-            d["phase_s"] = {k: round(v, 4) for k, v in self.phase_s.items()}
-        d.update(self.extra)
-        return d
-
-    @property
-    def mean_accepted_length(self):
-        n = sum(self.accept_hist.values())
-        return sum(k * v for k, v in self.accept_hist.items()) / max(n, 1)
-
-
-def sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def cache_len(prompt_len: int, max_new: int, margin: int, limit: int) -> int:
-    need = prompt_len + max_new + margin
-    if need > limit:
-        raise UsageError(f"prompt of {prompt_len} tokens + {max_new} new tokens exceeds the model's context of {limit} tokens")
-    return min(limit, (need + 63) // 64 * 64)  # round up so nearby lengths share compiled graphs
-
-
 # ---------------------------------------------------------------- the engine
-
-class Clock:
-    """Adds the wall time of each `with clock(phase):` block to phase_s[phase] (on CUDA, unsynced: launch time)."""
-
-    def __init__(self, phase_s: dict):
-        self.phase_s, self.name = phase_s, None
-
-    def __call__(self, name: str) -> "Clock":
-        self.name = name
-        return self
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc):
-        self.phase_s[self.name] += time.perf_counter() - self.t0
-
-
-PHASES = ("draft", "lm_head", "verify", "sync", "update")
-
 
 def accepted_tokens(host: list[int]) -> tuple[int, list[int], list[int]]:
     """host = [L, bonus, path tokens (root first, padded to D+1)..., path node indices...] -> (L, the tokens
@@ -118,7 +47,6 @@ class Engine:
                  budget_cache: str | None = None):
         self.model = model
         self.budget = budget  # fit the verified tree size to this machine and request each step (budget.py)
-        self.budget_memory = {}  # each budget source's state at the end of the last request that used it
         self.sampling = sampling
         self.drafter = drafter
         self.device = model.lm_head.weight.device
@@ -127,89 +55,22 @@ class Engine:
         self.root_path = (torch.zeros(1, dtype=torch.long, device=self.device),
                           torch.ones((), dtype=torch.long, device=self.device))
         self.verify_step, self.advance_step = self._spec_verify, self._spec_advance
-        cuda = self.device.type == "cuda"
-        # CPU: bit-exact greedy output (exact attention + pass sizes this machine's kernels keep row-invariant,
-        # exact.py). exact=None uses it wherever the machine's check passes; True insists; False turns it off.
-        # CUDA's SDPA and cuBLAS kernels are not batch-invariant, so there greedy output equals autoregressive
-        # output up to floating-point near-ties (as in vLLM and SGLang).
-        if exact and cuda:
-            raise UsageError("--exact is CPU-only (CUDA kernels are not batch invariant)")
-        # exact tree verification gathers each node's last RECENT keys: trees must be shallower (chains need not)
-        too_deep = drafter is not None and drafter.depth >= RECENT and drafter.nodes > drafter.depth + 1
-        if exact and too_deep:
-            raise UsageError(f"--tree-depth must be below {RECENT} (exact tree verification), got {drafter.depth}")
-        self.exact_requested = exact
-        self.invariance = None if exact is False or cuda or too_deep else Invariance(model)
-        self.exact = False  # decided per request (plan): the attention check depends on the KV length
+        # exact mode and pass sizes, per request (exact.py); CUDA graphs need fixed buffer addresses: one KV
+        # cache of max_seq slots for every request
+        graphed = compile and self.device.type == "cuda"
+        self.planner = Planner(model, exact, min(max_seq, model.args.max_position_embeddings) if graphed else None,
+                               drafter)
         self.R_dec = self.R_ver = PassRows(1, 1)  # rows of the decode and verify passes of the current request
-        # CUDA graphs need fixed buffer addresses: one KV cache of max_seq slots for every request
-        self.graphs = compile and cuda
         self.compiled = compile
-        self.graph_addresses = None
-        self.max_seq = min(max_seq, model.args.max_position_embeddings)
         # compiled: the drafter's update and next draft run as one step (eager keeps them apart to time each);
         # drafters that read host values (prompt lookup) always run eagerly
-        self.fused_steps = compile and getattr(drafter, "graphable", False)
+        self.fused_steps = compile and drafter is not None and drafter.graphable
         if compile:
-            # reduce-overhead = CUDA graphs on CUDA; on CPU inductor fuses the small per-layer ops.
-            self.decode_fn = torch.compile(self._decode_one, mode="reduce-overhead" if cuda else None,
-                                           fullgraph=True, dynamic=False, backend=backend)
-            if cuda:  # explicit capture of the eager steps: robust with the copy-stream fork/join inside
-                self.verify_step = Graphed(self._spec_verify)
-                self.advance_step = Graphed(self._spec_advance)
-            else:
-                self.verify_step = torch.compile(self._spec_verify, fullgraph=True, dynamic=False, backend=backend)
-                self.advance_step = torch.compile(self._spec_advance, fullgraph=True, dynamic=False, backend=backend)
+            graphs.compile_steps(self, backend)
         # budget_cache: the caller's key of its drafter and sampling settings; with it the budget memory
-        # outlives the process (cache_dir()/budget.json; the CLI gives one, benchmarks start afresh)
-        self.budget_cache = budget_cache if budget and drafter is not None else None
-        self._load_memory()
-
-    def _buffer_addresses(self) -> tuple:
-        """Addresses of the KV caches and RoPE tables of the target and of the drafter's modules (head, model)."""
-        mods = [self.model] + [v for v in vars(self.drafter).values() if isinstance(v, torch.nn.Module)]
-        return tuple(b.data_ptr() for mod in mods for b in mod.buffers())
-
-    def plan(self, T: int, max_new: int, n: int) -> tuple[int, PassRows]:
-        """(KV slots S, rows of each target pass after the prefill) for a request whose passes carry at most
-        n tokens; decides self.exact. Exact mode sizes the cache without the drafter's margin, so that
-        autoregressive and speculative runs attend over the same KV length (one kernel class), and pads passes
-        to the smallest size that this machine keeps row-invariant at that length (exact.py)."""
-        limit = self.model.args.max_position_embeddings
-        S, R = cache_len(T, max_new, n + 1, limit), PassRows(n, n)  # raises when even the plain request does not fit
-        fixed = self.max_seq if self.graphs else None  # one cache size for every request: no re-capture per length
-        if fixed is not None:
-            if T + max_new + n + 1 > fixed:
-                raise UsageError(f"prompt of {T} tokens + {max_new} new tokens exceeds --max-seq {fixed}")
-            S = fixed
-        self.exact = False
-        Re = None
-        if self.invariance is not None and n <= MAX_ROWS:
-            Se = fixed or min(limit, -(-(T + max_new + MAX_ROWS) // 128) * 128)
-            Re = self.invariance.pass_rows(n, Se)
-            if Re is not None and T + max_new + Re.attn + 1 <= Se:
-                self.exact, S, R = True, Se, Re
-        if self.exact_requested and not self.exact:
-            why = (f"a pass of {n} tokens is more than exact mode's {MAX_ROWS} rows" if n > MAX_ROWS else
-                   f"no target pass of {n} to {MAX_ROWS} rows gives every row the same bits on this CPU ({machine_id()})"
-                   if Re is None else "the padded passes do not fit the model's context")
-            raise UsageError(f"--exact: {why}; use --no-exact")
-        return S, R
-
-    @property
-    def exact_attention(self) -> bool:
-        """Exact mode through model.exact_attention's recent-key tables: the PyTorch layers need them, the fused
-        CPU pass (row-invariant by construction, cpu_forward.py) does not."""
-        return self.exact and self.model.cpu_pass is None
-
-    def pass_rows(self, n: int, S: int) -> PassRows:
-        """Rows to pad a target pass of n tokens to, in this request's mode (plan)."""
-        if not self.exact:
-            return PassRows(n, n)
-        R = self.invariance.pass_rows(n, S)
-        if R is None:
-            raise UsageError(f"--exact: no target pass of {n} rows is row-invariant on this CPU; use --no-exact")
-        return R
+        # outlives the process (budget_memory.py; the CLI gives one, benchmarks start afresh)
+        key = f"exact={exact} compile={compile} {budget_cache}" if budget_cache is not None else None
+        self.memory = BudgetMemory(model, drafter, key if budget and drafter is not None else None)
 
     def _decode_one(self, tok: Tensor, pos: Tensor) -> Tensor:
         # tok [1, 1], pos [1] -> next token [1] (sampled on device). Padded to R_dec rows (exact mode, see
@@ -217,7 +78,7 @@ class Engine:
         # the prefix, which the next step overwrites before anything attends to them.
         R = self.R_dec.gemm
         p = pos + torch.arange(R, device=pos.device)
-        logits = self.model(tok.expand(1, R), p, recent=causal_recent(p) if self.exact_attention else None,
+        logits = self.model(tok.expand(1, R), p, recent=causal_recent(p) if self.planner.attention else None,
                             attn_rows=self.R_dec.attn)[:, 0]
         return sample(logits, self.sampling)
 
@@ -234,7 +95,7 @@ class Engine:
             eye = torch.eye(R, dtype=torch.bool, device=anc.device)
             anc = torch.cat([torch.cat([anc, anc.new_zeros(N, P)], 1), eye[N:]], 0)
         mask = tree_mask(m.seq_range, anc, n)
-        recent = tree_recent(anc, depth, n) if self.exact_attention else None
+        recent = tree_recent(anc, depth, n) if self.planner.attention else None
         logits, hid, aux = m(tokens[None], n + depth, mask=mask, cache_pos=n + torch.arange(tokens.shape[0], device=n.device),
                              return_hidden=True, recent=recent, attn_rows=max(self.R_ver.attn, R))
         return logits[0, :N], hid[:, :N], (aux[:, :N] if aux is not None else None)
@@ -268,9 +129,9 @@ class Engine:
         if self.drafter is not None:
             return self._generate_spec(prompt, max_new_tokens, on_tokens)
         m, dev = self.model, self.device
-        S, self.R_dec = self.plan(T, max_new_tokens, 1)
+        S, self.R_dec = self.planner.plan(T, max_new_tokens, 1)
         m.setup_caches(1, S)
-        st = Stats(extra=dict(exact=self.exact))
+        st = Stats(extra=dict(exact=self.planner.exact))
         t0 = time.perf_counter()
         logits = self._prefill(torch.tensor(prompt, device=dev), 0)[0]
         tok = sample(logits, self.sampling)  # [1]
@@ -298,8 +159,8 @@ class Engine:
     # CUDA graph (CUDA --compile): verify = target pass + acceptance + KV compaction; advance = the drafter's
     # update (with its vocabulary's) + the next draft. Between them sits the step's one host sync.
 
-    def _spec_verify(self, tree: dr.Tree, n: Tensor) -> tuple[Tensor, dr.Accepted]:
-        if tree.tokens.shape[0] == 1 and self.R_ver.gemm == 1 and not self.exact_attention:
+    def _spec_verify(self, tree: Tree, n: Tensor) -> tuple[Tensor, Accepted]:
+        if tree.tokens.shape[0] == 1 and self.R_ver.gemm == 1 and not self.planner.attention:
             return self._spec_decode(tree, n)
         logits, hid, aux = self._verify(tree.tokens, tree.depth, tree.anc, n)  # [N, V], [1, N, d], [1, N, 3d]
         if self.sampling.greedy and self.device.type == "cpu" and not torch.compiler.is_compiling():
@@ -313,7 +174,7 @@ class Engine:
             toks = tree.tokens.tolist()
             host = torch.tensor([L, bonus] + [toks[i] for i in p] + p)  # [2 + 2 (D + 1)]
             P = 2 + len(p)  # the Accepted's tensors are views of it: no more allocations
-            return host, dr.Accepted(tree, host[P:], host[0], host[1], logits, hid, aux, n)
+            return host, Accepted(tree, host[P:], host[0], host[1], logits, hid, aux, n)
         if self.sampling.greedy:
             path, L, bonus = accept_greedy(tree, logits)
         else:
@@ -321,9 +182,9 @@ class Engine:
         if tree.tokens.shape[0] > 1:  # (a one-node tree, an autoregressive step, has its KV in place)
             self.model.compact_kv(n + path, n)  # the accepted path's KV moves to slots n .. n + L - 1
         host = torch.cat([L.view(1), bonus.view(1), tree.tokens[path], path])  # what the host needs, in one sync
-        return host, dr.Accepted(tree, path, L, bonus, logits, hid, aux, n)
+        return host, Accepted(tree, path, L, bonus, logits, hid, aux, n)
 
-    def _spec_decode(self, tree: dr.Tree, n: Tensor) -> tuple[Tensor, dr.Accepted]:
+    def _spec_decode(self, tree: Tree, n: Tensor) -> tuple[Tensor, Accepted]:
         """_spec_verify of a one-node tree (an autoregressive step: budget.py's fallback, or no draft): the decode
         step's pass (causal mask: slots <= n, as the tree's mask; the same bits) and the bonus sampled as the
         decode step samples it, without the tree mask, the path search and the KV compaction. Why: those are
@@ -334,76 +195,35 @@ class Engine:
         bonus = sample(logits, self.sampling).view(())
         path, L = self.root_path  # (never written: every reader indexes with them)
         host = torch.cat([L.view(1), bonus.view(1), tree.tokens, path])
-        return host, dr.Accepted(tree, path, L, bonus, logits, hid, aux, n)
+        return host, Accepted(tree, path, L, bonus, logits, hid, aux, n)
 
-    def _spec_advance(self, a: dr.Accepted) -> dr.Tree:
+    def _spec_advance(self, a: Accepted) -> Tree:
         # one graph: the vocabulary gather on the copy stream overlaps the draft backbone and joins right
         # before the first LM-head projection
         self.drafter.update(a)
         return self.drafter.draft(a.bonus.view(1), a.n + a.L)
 
     def _generate_spec(self, prompt: list[int], max_new_tokens: int, on_tokens=None) -> tuple[list[int], Stats]:
-        m, d, dev = self.model, self.drafter, self.device
-        T, eos = len(prompt), set(m.args.eos_ids)
-        S, self.R_ver = self.plan(T, max_new_tokens, d.nodes)
-        sizes_of = getattr(d, "budget_sizes", None)  # a drafter's own size set per source (the hybrid's)
-        # (before the caches: it times passes)
-        pass_s = self.pass_costs(d.nodes, sizes_of() if sizes_of else ()) if self.budget else None
-        m.setup_caches(1, S)
-        d.setup(S)
-        self._check_graphs()
-        st = Stats(phase_s=dict.fromkeys(PHASES, 0.0), extra=dict(exact=self.exact))
-        clock = Clock(st.phase_s)
-        t0 = time.perf_counter()
-        ptoks = torch.tensor(prompt, device=dev)
-        logits, hid, aux = self._prefill(ptoks, d.prompt_logits)
-        tok = sample(logits[-1:], self.sampling)  # [1]
-        d.prefill(dr.Prefill(ptoks, tok, logits, hid, aux))
-        out, n = [int(tok)], torch.tensor(T, device=dev)
-        st.prefill_s, st.target_forwards = time.perf_counter() - t0, 1
+        d, eos = self.drafter, set(self.model.args.eos_ids)
+        S, fit = self._spec_setup(prompt, max_new_tokens)
+        st = Stats(phase_s=dict.fromkeys(PHASES, 0.0), extra=dict(exact=self.planner.exact))
+        tok, out, n = self._spec_prefill(prompt, st)
         if on_tokens:
             on_tokens(out)
-        t_start = t_step = time.perf_counter()
-        # eager CPU steps pay no one-time set-up per shape: one timing step of each end of the budget range
-        settle = 1 if dev.type == "cpu" and not self.compiled else 2
-        budget = self.last_budget = (Budgets(d.nodes, sizes_of, getattr(d, "budget_start", None), settle=settle,
-                                             pass_s=pass_s, memory=self.budget_memory,
-                                             setup_of=getattr(d, "budget_setup", None)) if self.budget else None)
-        paid = getattr(d, "setup_paid", lambda: 0.0)  # one-time set-up inside a step's draft (the hybrid's head)
-        # nodes to verify; 1 = an autoregressive step (no draft); per source of the next drafts (budget_key)
-        left = lambda done: (max_new_tokens - done) / done  # tokens still to come per token so far, at most
-        b = budget.pick(d.budget_key(prompt + out), left(len(out))) if budget else d.nodes
-        with clock("draft"):
-            tree = d.draft(tok, n, b if budget else None) if b > 1 else dr.chain_tree(tok)
-        planned, pending = None, []  # pending: autoregressive steps the drafter has not seen yet
+        clock = Clock(st.phase_s)
+        b = fit.pick(out)  # nodes the next step verifies; 1 = an autoregressive step (no draft)
+        tree = self._draft(tok, n, b, fit, clock)
         while len(out) < max_new_tokens and out[-1] not in eos:
             sub = tree.prefix(b)
-            if sub.tokens.shape[0] != planned:  # a new budget, or an unpadded n-gram chain of another length
-                planned = sub.tokens.shape[0]
-                self.R_ver = self.pass_rows(planned, S)
+            self.R_ver = self.planner.pass_rows(sub.tokens.shape[0], S)
             with clock("verify"):
                 host, acc = self.verify_step(sub, n)  # target pass over the tree, acceptance, KV compaction
             with clock("sync"):
                 L, emitted, nodes = accepted_tokens(host.tolist())  # the one host sync of the step
             acc = dataclasses.replace(acc, tree=tree)  # the drafter learns from every drafted token (NanoSpec)
-            if budget:  # a step's time: the drafter's last update, this draft, the verification and the sync
-                t_step, t = time.perf_counter(), t_step
-                budget.observe(b, nodes, t_step - t - paid())
-                b = budget.pick(d.budget_key(prompt + out + emitted), left(len(out) + len(emitted)))
-            if tree.tokens.shape[0] == 1 and b == 1 and len(pending) < 128:  # autoregressive, and so is the next
-                pending.append(acc)  # the drafter catches up on a run of these later, in one update
-                tree = dr.chain_tree(acc.bonus.view(1))
-            elif self.fused_steps and b > 1 and not pending:
-                with clock("draft"):
-                    tree = self.advance_step(acc)  # update + next draft, one compiled step or CUDA graph
-            else:
-                if pending:
-                    pending, acc = [], dr.chained(pending + [acc], states=d.reads_states, top=d.reads_top)
-                with clock("update"):
-                    d.update(acc)  # the drafter's state and its vocabulary's window follow the accepted path
-                with clock("draft"):
-                    tree = (d.draft(acc.bonus.view(1), acc.n + acc.L, b if budget else None) if b > 1
-                            else dr.chain_tree(acc.bonus.view(1)))
+            fit.observe(b, nodes, clock.lap())
+            b = fit.pick(out + emitted)
+            tree = self._advance(acc, b, fit, clock)  # the drafter's update, then the next draft
             n = n + L
             st.target_forwards += 1
             st.accept_hist[L] = st.accept_hist.get(L, 0) + 1
@@ -411,84 +231,55 @@ class Engine:
             out += emitted
             if on_tokens and emitted:
                 on_tokens(emitted)
-        sync(dev)
-        st.decode_s, st.new_tokens = time.perf_counter() - t_start, len(out)
-        if budget:
-            budget.keep()
-            self._save_memory()
-        st.extra.update(d.stats(), **(budget.stats() if budget else {}))
+        sync(self.device)
+        st.decode_s, st.new_tokens = time.perf_counter() - clock.t0, len(out)
+        st.extra.update(d.stats(), **fit.finish())
         lm = st.extra.pop("lm_head_s", 0.0)  # drafting time spent in the LM head (eager only)
         st.phase_s["lm_head"], st.phase_s["draft"] = lm, st.phase_s["draft"] - lm
         return out, st
 
-    def _memory_file(self) -> tuple[Path, str] | None:
-        """Where the budget memory of this engine's configuration lives across processes, or None (no
-        budget_cache key, or NANOSPEC_BUDGET_CACHE=off): cache_dir()/budget.json, keyed by the machine, the
-        model and its pass (as pass_costs), the device and the caller's key (the drafter's and sampling's
-        settings: acceptance differs with each)."""
-        if self.budget_cache is None or os.environ.get("NANOSPEC_BUDGET_CACHE", "on") == "off":
-            return None
-        key = f"{self.pass_key()} {self.device.type} exact={self.exact_requested} compile={self.compiled} {self.budget_cache}"
-        return cpu_gemm.cache_dir() / "budget.json", key
+    def _spec_setup(self, prompt: list[int], max_new_tokens: int) -> tuple[int, StepBudget]:
+        """Plans the request (KV slots S, pass rows, exact mode), sets up the caches and the drafter -> (S,
+        the request's budget)."""
+        d = self.drafter
+        S, self.R_ver = self.planner.plan(len(prompt), max_new_tokens, d.nodes)
+        # the machine's pass costs, before the caches are set up (it times passes)
+        pass_s = pass_costs(self.model, d.nodes, d.budget_sizes() or ()) if self.budget else None
+        self.model.setup_caches(1, S)
+        d.setup(S)
+        graphs.follow_buffers((self.verify_step, self.advance_step), self.model, d)
+        # eager CPU steps pay no one-time set-up per shape: one timing step of each end of the budget range
+        settle = 1 if self.device.type == "cpu" and not self.compiled else 2
+        return S, StepBudget(d, prompt, max_new_tokens, self.memory if self.budget else None, settle, pass_s)
 
-    def pass_key(self) -> str:
-        """The machine, the model's shapes and dtype, and how its passes run: what a pass's cost depends on."""
-        m = self.model
-        return (f"{cpu_gemm.machine_id()} {cpu_forward.shape_key(m.args)} {m.lm_head.weight.dtype} "
-                f"{'fused pass' if m.cpu_pass is not None else 'layers'} {'kernel' if cpu_gemm.enabled() else 'torch'}")
+    def _spec_prefill(self, prompt: list[int], st: Stats) -> tuple[Tensor, list[int], Tensor]:
+        """The target's prefill, handed to the drafter -> (first token [1], [it], tokens in the KV cache)."""
+        t0 = time.perf_counter()
+        ptoks = torch.tensor(prompt, device=self.device)
+        logits, hid, aux = self._prefill(ptoks, self.drafter.prompt_logits)
+        tok = sample(logits[-1:], self.sampling)  # [1]
+        self.drafter.prefill(Prefill(ptoks, tok, logits, hid, aux))
+        out, n = [int(tok)], torch.tensor(len(prompt), device=self.device)
+        st.prefill_s, st.target_forwards = time.perf_counter() - t0, 1
+        return tok, out, n
 
-    def _load_memory(self):
-        """The last process's budget memory for this configuration: one CLI answer starts from what earlier
-        answers measured (acceptance per node rank, step times, the hybrid head's start price) instead of
-        timing the whole tree and autoregressive decoding and starting the head to learn them again. A missing,
-        stale or unreadable entry leaves the memory empty."""
-        where = self._memory_file()
-        if where is None:
-            return
-        d = cpu_gemm.read_json(where[0]).get(where[1])
-        try:
-            self.budget_memory = {k: Budget.from_state(v) for k, v in d["sources"].items()}
-            rate = float(d.get("start_rate", 0.0))
-        except (TypeError, KeyError, AttributeError, ValueError):
-            self.budget_memory = {}
-            return
-        if hasattr(self.drafter, "start_rate"):
-            self.drafter.start_rate = rate
+    def _draft(self, root: Tensor, n: Tensor, b: int, fit: StepBudget, clock: Clock) -> Tree:
+        with clock("draft"):
+            return self.drafter.draft(root, n, fit.draft_size(b)) if b > 1 else chain_tree(root)
 
-    def _save_memory(self):
-        where = self._memory_file()
-        if where is not None:
-            cpu_gemm.merge_json(where[0], where[1], dict(sources={k: b.state() for k, b in self.budget_memory.items()},
-                                                         start_rate=getattr(self.drafter, "start_rate", 0.0)))
-
-    def pass_costs(self, nodes: int, extra=()) -> dict[int, float] | None:
-        """Seconds of the target's pass at each budget size up to nodes and the extra sizes, on this machine
-        (CPU; measured once and cached per machine, model and pass kind in cache_dir()/pass_cost.json; a second
-        or so): budget.py's estimate for the sizes a request has not timed. None on other devices (budget.py
-        interpolates)."""
-        m = self.model
-        if self.device.type != "cpu":
-            return None
-        sizes = sorted(set([s for s in SIZES if s < nodes] + [nodes] + list(extra)))
-        key = self.pass_key()
-        f = cpu_gemm.cache_dir() / "pass_cost.json"
-        costs = cpu_gemm.read_json(f).get(key, {})
-        missing = [s for s in sizes if str(s) not in costs]
-        if missing:
-            costs.update({str(r): t for r, t in cpu_forward.pass_seconds(m, missing).items()})
-            cpu_gemm.merge_json(f, key, costs)
-        return {s: costs[str(s)] for s in sizes}
-
-    def _check_graphs(self):
-        graphed = [s for s in (self.verify_step, self.advance_step) if isinstance(s, Graphed)]
-        if graphed:  # (torch.compile'd CPU steps guard on their buffers themselves)
-            addresses = self._buffer_addresses()
-            if addresses != self.graph_addresses:
-                # another engine sharing this model or head resized its caches: the captured graphs would
-                # read the freed buffers, so capture again on the new ones
-                for step in graphed:
-                    step.reset()
-                self.graph_addresses = addresses
+    def _advance(self, a: Accepted, b: int, fit: StepBudget, clock: Clock) -> Tree:
+        """The next step's tree (b nodes verified) after this step's outcome: the drafter's update and its next
+        draft, one compiled step or CUDA graph where fused; an autoregressive step followed by another is kept
+        back (fit.hold), and the drafter catches up on the run in one update."""
+        if fit.hold(a, b):
+            return chain_tree(a.bonus.view(1))
+        if self.fused_steps and b > 1 and not fit.pending:
+            with clock("draft"):
+                return self.advance_step(a)
+        a = fit.catch_up(a)
+        with clock("update"):
+            self.drafter.update(a)  # the drafter's state and its vocabulary's window follow the accepted path
+        return self._draft(a.bonus.view(1), a.n + a.L, b, fit, clock)
 
 
 def stop_at(emitted: list[int], out: list[int], max_new: int, eos: set) -> list[int]:
@@ -498,46 +289,6 @@ def stop_at(emitted: list[int], out: list[int], max_new: int, eos: set) -> list[
         if t in eos:
             return emitted[:i + 1]
     return emitted
-
-
-class Graphed:
-    """Calls fn through CUDA graphs captured per input signature (pytree structure, tensor shapes/dtypes
-    and plain values).
-
-    The first call of a signature runs fn eagerly (it warms up lazily initialised kernels and libraries on
-    the real state); the second captures fn (capture records kernels without running them) and replays it,
-    so every call executes fn exactly once and state-mutating steps stay correct. Tensor inputs are copied
-    into the graph's static buffers; the returned tensors are the graph's own outputs, valid until its next
-    replay (callers consume them within the step)."""
-
-    def __init__(self, fn):
-        self.fn, self.graphs, self.seen = fn, {}, set()
-
-    def reset(self):
-        self.graphs.clear()
-        self.seen.clear()
-
-    def __call__(self, *args):
-        leaves, spec = pytree.tree_flatten(args)
-        key = (spec, tuple((tuple(a.shape), a.dtype) if torch.is_tensor(a) else a for a in leaves))
-        if key not in self.graphs:
-            if key not in self.seen:
-                self.seen.add(key)
-                return self.fn(*args)
-            static = [a.clone() if torch.is_tensor(a) else a for a in leaves]
-            self.graphs[key] = (*self._capture(pytree.tree_unflatten(static, spec)), static)
-        graph, out, static = self.graphs[key]
-        for buf, a in zip(static, leaves):
-            if torch.is_tensor(a):
-                buf.copy_(a)
-        graph.replay()
-        return out
-
-    def _capture(self, static_args):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self.fn(*static_args)
-        return graph, out
 
 
 # ---------------------------------------------------------------- CLI
@@ -565,33 +316,13 @@ def parse_args(argv=None):
                         "construction), else off: the fastest arithmetic, equal to autoregressive output up to "
                         "floating-point near-ties")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text + stats")
-    g = p.add_argument_group("speculative decoding")
-    g.add_argument("--draft", default=None, help="EAGLE head or draft-model folder/hub id, 'ngram', or 'none' (default: "
-                   "the shipped EAGLE-3 head with the default model, else none)")
-    g.add_argument("--tree-topk", type=int, default=None, help="EAGLE-2 children per frontier node (10 CUDA, 8 CPU)")
-    g.add_argument("--tree-depth", type=int, default=None, help="EAGLE-2 tree depth (5)")
-    g.add_argument("--tree-nodes", type=int, default=None, help="EAGLE-2 nodes verified per step, root included "
-                   "(60 CUDA, 16 CPU)")
-    g.add_argument("--ngram", action=argparse.BooleanOptionalAction, default=None,
-                   help="with an EAGLE head: merge a prompt-lookup chain (longest suffix match in prompt + output) "
-                        "into the tree, verified together (default on with EAGLE heads)")
+    g = dc.add_flags(p)
     g.add_argument("--budget", default="auto", choices=["auto", "fixed"],
                    help="auto: verify as many of the drafted nodes as pays on this machine for this request, "
                         "decoding autoregressively when none does (measured as it generates); fixed: the whole tree")
-    g.add_argument("--spec-k", type=int, default=None, help="chain length for draft models (5) and n-grams (10)")
-    g.add_argument("--ngram-min", type=int, default=1)
-    g.add_argument("--ngram-max", type=int, default=3)
-    g.add_argument("--ngram-occurrences", type=int, default=8, help="prompt lookup: merge the continuations of this many earlier occurrences of the matched suffix into one tree (1: the most recent one's chain)")
-    v = p.add_argument_group("draft vocabulary")
-    v.add_argument("--vocab", default=None, help="full | freq:PATH[:K] | nanospec (default: nanospec with the shipped "
-                   "head, else full)")
-    v.add_argument("--w-max", type=int, default=3072, help="NanoSpec window size (slots)")
-    v.add_argument("--k-pre", type=int, default=3, help="NanoSpec target top-K per prompt position")
-    v.add_argument("--k-ver", type=int, default=3, help="NanoSpec target top-K per accepted position")
-    v.add_argument("--vocab-ablation", default=None, choices=["ctx", "ext", "noasync", "nofill"],
-                   help="NanoSpec without: prompt tokens (ctx), appends (ext), the packed copy (noasync), the head "
-                        "folder's freq.pt in free slots (nofill)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.given = dc.given_flags(p, argv)
+    return args
 
 
 def read_prompt(arg: str | None) -> str:
@@ -621,7 +352,7 @@ def load_target(checkpoint: str | None, device: str = "cpu", dtype: str = "bfloa
     return model, tok, path
 
 
-def build_engine(model: Transformer, tok: Tokenizer | None, draft: dr.DraftConfig = dr.DraftConfig(),
+def build_engine(model: Transformer, tok: Tokenizer | None, draft: dc.DraftConfig = dc.DraftConfig(),
                  sampling: Sampling = Sampling(), *, compile: bool = False, max_seq: int = 4096,
                  backend: str = "inductor", exact: bool | None = None, head=None, budget: bool = True,
                  budget_cache: bool = False) -> Engine:
@@ -629,19 +360,9 @@ def build_engine(model: Transformer, tok: Tokenizer | None, draft: dr.DraftConfi
     budget=False verifies the whole drafted tree every step instead of fitting its size (budget.py);
     budget_cache=True keeps the budget's memory across processes, keyed by these settings (the CLI)."""
     sampling.validate(model.args.vocab_size)
-    drafter = dr.make_drafter(draft, model, sampling, tok, head)
+    drafter = dc.make_drafter(draft, model, sampling, tok, head)
     return Engine(model, sampling, compile=compile, drafter=drafter, max_seq=max_seq, backend=backend, exact=exact,
                   budget=budget, budget_cache=f"{draft} {sampling}" if budget_cache else None)
-
-
-def draft_config(args) -> dr.DraftConfig:
-    """The CLI's drafting flags; out of the box the default model drafts with its shipped EAGLE-3 head + NanoSpec."""
-    shipped = args.checkpoint is None and (DEFAULT_HEAD / "config.json").is_file()
-    draft = args.draft or (str(DEFAULT_HEAD) if shipped else "none")
-    vocab = args.vocab or ("nanospec" if args.draft is None and shipped else "full")
-    return dr.DraftConfig(draft, vocab, args.tree_topk, args.tree_depth, args.tree_nodes, args.spec_k,
-                          args.ngram_min, args.ngram_max, args.w_max, args.k_pre, args.k_ver, args.vocab_ablation,
-                          static=args.compile, ngram=args.ngram, ngram_occurrences=args.ngram_occurrences)
 
 
 def stats_line(st: Stats, model: Transformer) -> str:
@@ -668,7 +389,7 @@ def run(args) -> int:
     model, tok, _ = load_target(args.checkpoint, args.device, args.dtype)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     exact = args.exact if args.exact is not None else (None if model.cpu_pass is not None else False)
-    engine = build_engine(model, tok, draft_config(args), sampling, compile=args.compile, max_seq=args.max_seq,
+    engine = build_engine(model, tok, dc.from_flags(args, DEFAULT_HEAD), sampling, compile=args.compile, max_seq=args.max_seq,
                           exact=exact, budget=args.budget == "auto", budget_cache=True)
     torch.manual_seed(args.seed)
     engine.warmup()

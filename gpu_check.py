@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import bench
-import draft as dr
+import draft_config as dc
 import cuda_gather
 from download import resolve_checkpoint
 from eagle import load_eagle
@@ -66,7 +66,7 @@ def engines(path, device, dtype, compile, head_path):
                ("nanospec", head_path, "nanospec")]
     out = []
     for name, draft, vocab in methods:
-        c = dr.DraftConfig(str(draft), vocab, *dr.TREE_GPU, w_max=min(3072, m.args.vocab_size // 2), static=compile)
+        c = dc.DraftConfig(str(draft), vocab, *dc.TREE_GPU, w_max=min(3072, m.args.vocab_size // 2), static=compile)
         out.append((name, build_engine(m, tok, c, compile=compile, max_seq=1024, head=head if draft == head_path else None,
                                         budget=False)))
     return out, tok

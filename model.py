@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import Tensor
 
 import cpu_forward
@@ -45,8 +46,7 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
-        archs = cfg.get("architectures") or [None]
-        arch = archs[0]
+        arch = (cfg.get("architectures") or [None])[0]
         if arch not in SUPPORTED_ARCHS:
             raise ModelError(f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
         try:
@@ -85,8 +85,7 @@ def kv_dtype(dtype, device) -> torch.dtype:
 
 class KVCache(nn.Module):
     def __init__(self, max_batch, max_seq, n_kv_heads, head_dim, dtype, device=None, kv: Tensor | None = None):
-        # kv: this layer's [2, Hkv, S, hd] slice of the model's one cache tensor (the fused CPU pass), used
-        # as k = kv[0], v = kv[1] with batch 1; else the cache is allocated here
+        # kv: this layer's [2, Hkv, S, hd] slice of the model's one cache tensor (the fused CPU pass, batch 1)
         super().__init__()
         dtype = kv_dtype(dtype, device if device is not None else "cpu")
         shape = (max_batch, n_kv_heads, max_seq, head_dim)
@@ -96,7 +95,7 @@ class KVCache(nn.Module):
         self.register_buffer("v", v, persistent=False)
 
     def update(self, cache_pos: Tensor, k: Tensor, v: Tensor):
-        # cache_pos [T]; k, v [B, Hkv, T, hd]. index_copy_ keeps the shape static (no slicing by Python ints).
+        # cache_pos [T]; k, v [B, Hkv, T, hd]. index_copy_ keeps shapes static (no slicing by Python ints).
         B = k.shape[0]
         self.k[:B].index_copy_(2, cache_pos, k)
         self.v[:B].index_copy_(2, cache_pos, v)
@@ -167,14 +166,11 @@ def rope_cache(max_seq: int, head_dim: int, base: float, scaling: dict | None) -
 
 
 # ---------------------------------------------------------------- exact attention
-# Why: speculative output must equal autoregressive output bit for bit. A tree node sees its ancestors at
-# scattered KV slots (n + node index), a decoded token sees them at consecutive slots; SDPA's reductions
-# depend on *where* the unmasked keys sit (vector lanes), so the two round differently and bf16 near-ties
-# flip. exact_attention splits every query's keys by *logical* position p (its RoPE position): keys at
-# positions < p - RECENT + 1 always sit at their own slots (the shared prefix) and go through one flash
-# pass masked by position; the last RECENT keys are gathered through a per-row slot table into logical
-# order. Both halves then see identical data at identical offsets whether the row is a decoded token, a
-# chain node or a tree node; a log-sum-exp merge joins them. Trees must be shallower than RECENT.
+# Speculative output must equal autoregressive output bit for bit, but SDPA's reductions depend on where the
+# unmasked keys sit (scattered for a tree node's ancestors, consecutive for a decoded token's), so bf16
+# near-ties flip. exact_attention splits each query's keys at logical (RoPE) position p - RECENT + 1: earlier
+# keys sit at their own slots (one flash pass), the last RECENT are gathered into logical order, so both halves
+# see the same data at the same offsets for any row; a log-sum-exp merge joins them. Trees: depth < RECENT.
 RECENT = 16
 
 
@@ -193,10 +189,9 @@ def tree_mask(seq_range: Tensor, anc: Tensor, n: Tensor) -> Tensor:
 
 
 def tree_recent(anc: Tensor, depth: Tensor, n: Tensor, W: int = RECENT) -> Tensor:
-    """[N, W] KV slots of each tree node's last W keys in logical order (model.exact_attention): keys before
-    the step's first slot n are the prefix (slot == position), the rest are the node's ancestors at depth
-    t = position - n, which sit at slot n + (ancestor's node index). Exact for chains of any length and
-    for trees shallower than W (deeper tree nodes would meet scattered ancestors in the flash half)."""
+    """[N, W] KV slots of each tree node's last W keys in logical order: keys before the step's first slot n
+    are the prefix (slot == position), the rest the node's ancestors at depth position - n, at slot n +
+    (ancestor's node index). Exact for chains of any length and for trees shallower than W."""
     N, dev = anc.shape[0], anc.device
     lv = torch.arange(N, device=dev)  # depth < N: chains of any length work too
     anc_at = torch.argmax((anc[:, None, :] & (depth[None, None, :] == lv[None, :, None])).int(), dim=-1)  # [N, N]
@@ -235,8 +230,8 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, plan: tuple) -> Tensor:
         q.reshape(B, Hkv, g * T, hd), k, v, attn_mask=mask, scale=scale)[:2]
     oa, la = oa.reshape(B, Hkv, g, T, hd), la.reshape(B, Hkv, g, T)
     la = torch.where(has_flash, la, float("-inf"))  # an empty flash half (early positions) has no weight
-    # recent half: elementwise products + sums over a fixed axis, so a row's arithmetic ignores T
-    # (a second flash pass with one batch entry per row would not: its kernels change with the entry count)
+    # recent half: elementwise products and sums over a fixed axis, so a row's arithmetic ignores T (a flash
+    # pass would not: its kernels change with the batch size)
     kb = k.index_select(2, idx).view(B, Hkv, 1, T, W, hd)
     vb = v.index_select(2, idx).view(B, Hkv, 1, T, W, hd)
     s = ((q.view(B, Hkv, g, T, 1, hd) * kb).sum(-1) * scale).masked_fill(pad, float("-inf"))  # [B, Hkv, g, T, W]
@@ -245,8 +240,8 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, plan: tuple) -> Tensor:
     sb = e.sum(-1)
     ob = (e[..., None] * vb).sum(-2) / sb[..., None]  # [B, Hkv, g, T, hd]
     lb = mb + torch.log(sb)
-    # log-sum-exp merge (plain mul/add/exp/div: fused ops such as lerp round differently in their
-    # vectorised body and scalar tail, which would make a row's result depend on T again)
+    # log-sum-exp merge in plain mul/add/exp/div: fused ops such as lerp round differently in their
+    # vectorised body and scalar tail, which would make a row's result depend on T again
     m = torch.maximum(la, lb)
     wa, wb = torch.exp(la - m)[..., None], torch.exp(lb - m)[..., None]
     return ((wa * oa + wb * ob) / (wa + wb)).reshape(B, H, T, hd)[:, :, :T0]
@@ -279,10 +274,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         c = self.kv_cache
         k, v = c.update(cache_pos, k.to(c.k.dtype), v.to(c.k.dtype))  # [B, Hkv, S, hd]
-        # enable_gqa lets SDPA broadcast KV heads instead of materialising repeat_interleave copies.
         if exact is not None:
             y = exact_attention(q.to(k.dtype), k, v, exact)
-        else:
+        else:  # enable_gqa: SDPA broadcasts KV heads instead of copying them
             y = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(y.to(x.dtype).transpose(1, 2).reshape(B, T, -1))
 
@@ -337,11 +331,10 @@ class Transformer(nn.Module):
             return
         self.max_batch, self.max_seq = max_batch, max_seq
         p, a = self.lm_head.weight, self.args
-        # the fused CPU pass keeps the cache in bf16 (the values are bf16 already: k and v come out of bf16
-        # RoPE / GEMMs), in one tensor it writes through one pointer
+        # the fused CPU pass keeps the cache in bf16 (k and v come out of bf16 GEMMs), in one tensor
         self.kv = torch.zeros(a.n_layers, 2, a.n_kv_heads, max_seq, a.head_dim, dtype=p.dtype, device=p.device) \
             if self.cpu_pass is not None and max_batch == 1 else None
-        # and (the AVX-512 BF16 build) its keys once more, transposed for the scores: K's bytes again, for speed
+        # and its keys once more, transposed for the AVX-512 BF16 build's scores: K's bytes again, for speed
         self.kt = None if self.kv is None else cpu_forward.transposed_keys(self.kv)
         for i, layer in enumerate(self.layers):
             layer.self_attn.kv_cache = KVCache(max_batch, max_seq, a.n_kv_heads, a.head_dim, p.dtype, p.device,
@@ -365,18 +358,15 @@ class Transformer(nn.Module):
         compute_logits=False skips the LM head (logits None) for callers that project a sub-vocabulary;
         recent [T, RECENT] (CPU, input_pos [T]) switches to exact_attention with these recent-key slots, over
         attn_rows query rows (padded with copies of the last one; exact.py)."""
-        if cache_pos is None:
-            cache_pos = input_pos
-        if mask is None:
-            mask = self.causal_mask(cache_pos)
+        cache_pos = input_pos if cache_pos is None else cache_pos
+        mask = self.causal_mask(cache_pos) if mask is None else mask
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, hd] or [B, T, hd]
         if input_pos.dim() == 2:
             cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         x = self.embed_tokens(tokens)  # [B, T, D]
         if self.kv is not None and tokens.shape[0] == 1 and input_pos.dim() == 1 and mask.dim() == 2:
-            # the whole layer stack in one C call, row-invariant by construction: exact mode's recent-key
-            # gathers and padded rows are not needed (cpu_forward.py)
-            # (the final norm too: h)
+            # the layer stack and the final norm in one C call, row-invariant by construction, so exact mode's
+            # recent-key gathers and padded rows are not needed (cpu_forward.py)
             h, aux = self.cpu_pass(x[0], cos, sin, mask, cache_pos, self.kv, self.aux_layers, kt=self.kt,
                                    norm=self.norm.weight)
             h, aux = h[None], (aux[None] if self.aux_layers else None)
@@ -399,14 +389,12 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def compact_kv(self, src: Tensor | list[int], dst_start: Tensor | int):
-        """Move KV rows at cache slots src [n] to slots dst_start + [0, n) (the accepted tree path).
-        Fixed n keeps the shape static: rows beyond the accepted length are copied too, harmlessly,
-        since they lie past the new prefix and are overwritten before they are ever attended.
-        Eager CPU callers that hold the path on the host may pass a list and an int."""
+        """Move KV rows at cache slots src [n] to slots dst_start + [0, n) (the accepted tree path). A fixed n
+        keeps shapes static: rows past the accepted length are copied too, and overwritten before any read.
+        Eager CPU callers may pass a list and an int."""
         if (self.kv is not None and self.kv.device.type == "cpu" and self.kv.dtype == torch.bfloat16
                 and not torch.compiler.is_compiling()):
-            # eager CPU: the moves on host lists (a memory read there), in one C call, none where a slot is in
-            # place already (a chain's accepted path always is)
+            # eager CPU: one C call, skipping slots already in place (a chain's accepted path always is)
             d0 = int(dst_start)
             pairs = [(s, d0 + i) for i, s in enumerate(src.tolist() if torch.is_tensor(src) else src) if s != d0 + i]
             if not pairs or cpu_forward.compact(self.kv, self.kt, [a for a, _ in pairs], [b for _, b in pairs]):
@@ -459,7 +447,6 @@ def safetensor_files(path: Path) -> list[Path]:
 
 def load_state_dict(files, dtype, device, strip_prefix: str = "") -> dict:
     """Read safetensors tensors one by one, casting each straight to (dtype, device): no fp32 copy of the model."""
-    from safetensors import safe_open
     sd = {}
     for f in files:
         try:

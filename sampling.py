@@ -1,7 +1,6 @@
 """Sampling and acceptance: temperature / top-k / top-p, sync-free draws, and the speculative acceptance rules
 (greedy longest path; the lossless sampled rule). Shared by the engine (generate.py) and the drafters
 (draft.py), which import it without importing each other."""
-import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -47,45 +46,12 @@ def logits_to_probs(logits: Tensor, s: Sampling) -> Tensor:
     return probs
 
 
-# The greedy choice over a target pass's logits. Why C: torch's CPU argmax is a scalar loop (measured on
-# the AVX2 EPYC: 108 us per 49,152-entry bf16 row, 27 us in fp32), so the greedy check of a 16-node
+# The greedy choice over a target pass's logits (csrc/argmax.c). Why C: torch's CPU argmax is a scalar loop
+# (measured on the AVX2 EPYC: 108 us per 49,152-entry bf16 row, 27 us in fp32), so the greedy check of a 16-node
 # verification cost 1.7 ms (5% of the pass) and every autoregressive token 0.2 ms; two AVX2 sweeps per row
 # (the largest value, then its first index) take microseconds.
-ARGMAX_SOURCE = cpu_gemm.COMMON + r"""
-#include <math.h>
-static inline float sc_bf16(const uint16_t* p) { uint32_t u = (uint32_t)*p << 16; float f; __builtin_memcpy(&f, &u, 4); return f; }
-static inline __m256 ld_f32(const float* p) { return _mm256_loadu_ps(p); }
-static inline float sc_f32(const float* p) { return *p; }
-/* torch.argmax's rule: the first index of the largest value, or of the first NaN where the row has one
-   (-0 and +0 are equal) */
-#define ROW(NAME, T, VL, SL) \
-static long NAME(const T* r, long V) { \
-    __m256 mx = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps(); long i = 0; \
-    for (; i + 8 <= V; i += 8) { __m256 v = VL(r + i); mx = _mm256_max_ps(mx, v); un = _mm256_or_ps(un, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)); } \
-    float b[8], m = -INFINITY; _mm256_storeu_ps(b, mx); \
-    for (int j = 0; j < 8; j++) m = b[j] > m ? b[j] : m; \
-    int nan = _mm256_movemask_ps(un) != 0; \
-    for (long j = i; j < V; j++) { float v = SL(r + j); if (v != v) nan = 1; else if (v > m) m = v; } \
-    __m256 mv = _mm256_set1_ps(m); \
-    for (i = 0; i + 8 <= V; i += 8) { __m256 v = VL(r + i); \
-        int hit = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, mv, _CMP_EQ_OQ)); \
-        if (hit) return i + __builtin_ctz(hit); } \
-    for (; i < V; i++) { float v = SL(r + i); if (nan ? v != v : v == m) return i; } \
-    return 0; \
-}
-ROW(row_bf16, uint16_t, load_bf16, sc_bf16)  /* (load_bf16: cpu_gemm.COMMON's) */
-ROW(row_f32, float, ld_f32, sc_f32)
-/* out[m] = argmax of row m of x [M, V] (bf16 or fp32), rows over the threads */
-void argmax_rows(const void* x, int bf16, long M, long V, int64_t* out, int threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static) if (M > 1)
-    for (long m = 0; m < M; m++)
-        out[m] = bf16 ? row_bf16((const uint16_t*)x + m * V, V) : row_f32((const float*)x + m * V, V);
-}
-"""
 def _argmax_fn():
-    """The C loop, or None where it cannot be built (not x86 with AVX2, no C compiler)."""
-    return cpu_gemm.c_function(ARGMAX_SOURCE, "argmax", "argmax_rows",
-                               (cpu_gemm.P_, ctypes.c_int, cpu_gemm.I_, cpu_gemm.I_, cpu_gemm.P_, ctypes.c_int))
+    return cpu_gemm.c_function("argmax_rows")
 
 
 def _argmax_c(x: Tensor) -> Tensor:
@@ -110,7 +76,7 @@ def _(x):
 
 
 def argmax(x: Tensor) -> Tensor:
-    """torch.argmax(x, dim=-1), the same indices; CPU bf16 / fp32 rows through ARGMAX_SOURCE where it builds."""
+    """torch.argmax(x, dim=-1), the same indices; CPU bf16 / fp32 rows through csrc/argmax.c where it builds."""
     if (x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or x.dim() == 0
             or x.shape[-1] == 0 or x.requires_grad):
         return torch.argmax(x, dim=-1)

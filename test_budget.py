@@ -1,9 +1,13 @@
 """The speculative budget's chooser: expected tokens, the best rate from stubbed costs and acceptance, timing
 the ends first, the fallback to autoregressive decoding and back. (The engine's losslessness under every
 budget is in test_generate.py.)"""
-import pytest
+import json
 
-from budget import Budget, Budgets
+import pytest
+import torch
+
+from budget import Budget, Budgets, StepBudget
+from draft import Accepted, Drafter, chain_tree
 
 
 def trained(nodes, p, cost):
@@ -137,7 +141,7 @@ def test_each_source_keeps_its_own_budget():
 
 
 def test_untimed_sizes_follow_the_machines_pass_costs():
-    """With the machine's pass costs (Engine.pass_costs), an untimed size costs the nearest smaller timed size's
+    """With the machine's pass costs (budget_memory.pass_costs), an untimed size costs the nearest smaller timed size's
     step plus the passes' difference (flat then rising, as a CPU's), not a straight line from one row to the
     whole tree; without them the line stays."""
     pass_s = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.8, 16: 3.5}
@@ -320,9 +324,8 @@ def test_a_set_up_waits_until_the_held_back_steps_would_have_paid_it():
 
 
 def test_state_round_trips_through_json():
-    """What the engine keeps across processes (Engine's budget_cache) carries as the Budget itself does;
+    """What the engine keeps across processes (budget_memory.BudgetMemory) carries as the Budget itself does;
     something else is refused."""
-    import json
     b = trained(8, [1.0, 0.9, 0.6, 0.3, 0.3, 0.1, 0.1, 0.1], {1: 1.0, 2: 1.1, 4: 1.8, 8: 4.0})
     c = Budget.from_state(json.loads(json.dumps(b.state())))
     assert (c.sizes, c.hits, c.trials, c.time, c.timed) == (b.sizes, b.hits, b.trials, b.time, b.timed)
@@ -375,3 +378,64 @@ def test_a_probe_may_start_a_set_up_that_thin_evidence_holds_back():
     # speculating budget's own probes every 4 steps: an autoregressive step, the next size up)
     assert request(Budgets.START_EVIDENCE, 2.0)[0] == [1] * 40  # enough evidence: the ski rental decides
     assert request(1.0, 100.0)[0] == [1] * 40  # a set-up past the probe share: never
+
+
+class Keyed(Drafter):
+    """A drafter of one budget source that paid `paid` seconds of set-up in its last draft."""
+    nodes, depth, reads_states = 4, 3, False
+
+    def __init__(self):
+        self.keys, self.paid = [], 0.0
+
+    def budget_key(self, hist):
+        self.keys.append(len(hist))
+        return "k"
+
+    def setup_paid(self):
+        p, self.paid = self.paid, 0.0
+        return p
+
+
+class Memory:
+    def __init__(self):
+        self.sources, self.saved = {}, 0
+
+    def save(self):
+        self.saved += 1
+
+
+def test_step_budget_fits_or_verifies_the_whole_tree():
+    """Without a memory to fit with, every step verifies the whole tree and the drafter is never asked for a
+    budget source; with one, a step's time is observed less the set-up paid inside it, and the request's
+    sources go to the memory at the end."""
+    d = Keyed()
+    fixed = StepBudget(d, [1, 2], 10)
+    assert fixed.pick([3]) == 4 and fixed.draft_size(4) is None and not d.keys and fixed.finish() == {}
+    mem = Memory()
+    fit = StepBudget(d, [1, 2], 10, mem, settle=1)
+    assert fit.pick([3]) == 4 and d.keys == [3] and fit.draft_size(4) == 4  # the whole tree first
+    d.paid = 0.5
+    fit.observe(4, [0, 1], 1.5)
+    assert fit.budgets.of["k"].time[4] == 1.0
+    st = fit.finish()
+    assert mem.saved == 1 and set(mem.sources) == {"k"} and st["budget_hist"] == {"4": 1}
+
+
+def test_autoregressive_steps_wait_for_one_catch_up():
+    """An autoregressive step followed by another is held back; the step before a draft brings the run to the
+    drafter as one chain of its accepted tokens."""
+    fit = StepBudget(Keyed(), [1], 300, Memory())
+    steps = [Accepted(chain_tree(torch.tensor([t])), torch.zeros(1, dtype=torch.long), torch.tensor(1),
+                      torch.tensor(t + 1), torch.zeros(1, 8), torch.zeros(1, 1, 4), None, torch.tensor(10 + t))
+             for t in range(3)]
+    assert fit.hold(steps[0], 1) and fit.hold(steps[1], 1)
+    assert not fit.hold(steps[2], 2)  # the next step drafts: the drafter catches up now
+    a = fit.catch_up(steps[2])
+    assert a.tree.tokens.tolist() == [0, 1, 2] and int(a.L) == 3 and int(a.n) == 10 and int(a.bonus) == 3
+    assert not fit.pending and fit.catch_up(steps[2]) is steps[2]
+    tree = Accepted(chain_tree(torch.tensor([5, 6])), torch.arange(2), torch.tensor(2), torch.tensor(7),
+                    torch.zeros(2, 8), torch.zeros(1, 2, 4), None, torch.tensor(20))
+    assert not fit.hold(tree, 1)  # a step that verified a draft reaches the drafter at once
+    for _ in range(StepBudget.MAX_PENDING):
+        assert fit.hold(steps[0], 1)
+    assert not fit.hold(steps[0], 1)

@@ -10,6 +10,8 @@ import cpu_draft
 import cpu_forward
 import cpu_gemm
 import draft as dr
+import draft_config as dc
+import draft_eagle as de
 import model as M
 from conftest import write_eagle_head, write_tiny_hf
 from eagle import load_eagle
@@ -50,7 +52,7 @@ def stable_topk(x, k, dim=-1, largest=True, sorted=True):
 
 def vocab_of(kind, head):
     if kind == "nanospec":
-        return make_vocab("nanospec", head.lm_weight(), w_max=96, max_append=dr.append_width(25, 4, 3))
+        return make_vocab("nanospec", head.lm_weight(), w_max=96, max_append=dc.append_width(25, 4, 3))
     if kind == "freq":
         return FreqVocab(head.lm_weight(), torch.arange(3, 83))
     return make_vocab("full", head.lm_weight())
@@ -65,7 +67,7 @@ def test_same_tree_as_the_pytorch_loop(env, monkeypatch, kind, pruned):
     p = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(1))
     for topk, depth, nodes in [(4, 4, 25), (3, 2, 7), (1, 3, 4), (4, 1, 4), (5, 3, 12)]:
         vocab = vocab_of(kind, head)
-        d = dr.EagleDrafter(head, vocab, topk, depth, nodes)
+        d = de.EagleDrafter(head, vocab, topk, depth, nodes)
         d.setup(128)
         monkeypatch.setenv(cpu_draft.ENV, "on")
         assert cpu_draft.usable(d)
@@ -98,8 +100,8 @@ def test_lossless_through_the_c_search(env, monkeypatch):
     real = cpu_draft.tree
     monkeypatch.setattr(cpu_draft, "tree", lambda *a: calls.append(1) or real(*a))
     for budget in (True, False):
-        vocab = make_vocab("nanospec", head.lm_weight(), w_max=64, max_append=dr.append_width(10, 3, 3))
-        eng = Engine(m, drafter=dr.EagleDrafter(head, vocab, 4, 3, 10), budget=budget)
+        vocab = make_vocab("nanospec", head.lm_weight(), w_max=64, max_append=dc.append_width(10, 3, 3))
+        eng = Engine(m, drafter=de.EagleDrafter(head, vocab, 4, 3, 10), budget=budget)
         for p in ([5, 17, 99, 3, 42, 42, 8], list(range(30, 60))):
             assert eng.generate(p, 40)[0] == Engine(m).generate(p, 40)[0], (budget, p)
     assert calls
@@ -107,7 +109,7 @@ def test_lossless_through_the_c_search(env, monkeypatch):
 
 def test_switch_and_domain(env, monkeypatch):
     m, head = load(env, monkeypatch)
-    d = dr.EagleDrafter(head, vocab_of("nanospec", head), 4, 3, 10)
+    d = de.EagleDrafter(head, vocab_of("nanospec", head), 4, 3, 10)
     assert not cpu_draft.usable(d)  # no cache yet
     d.setup(64)
     assert cpu_draft.usable(d)
@@ -117,8 +119,8 @@ def test_switch_and_domain(env, monkeypatch):
     with pytest.raises(ValueError, match="on or off"):
         cpu_draft.usable(d)
     monkeypatch.setenv(cpu_draft.ENV, "on")
-    d = dr.EagleDrafter(head, make_vocab("nanospec", head.lm_weight(), w_max=64, ablation="noasync",
-                                         max_append=dr.append_width(10, 3, 3)), 4, 3, 10)
+    d = de.EagleDrafter(head, make_vocab("nanospec", head.lm_weight(), w_max=64, ablation="noasync",
+                                         max_append=dc.append_width(10, 3, 3)), 4, 3, 10)
     d.setup(64)
     assert not cpu_draft.usable(d)  # no packed rows: the PyTorch loop
 
@@ -187,8 +189,8 @@ def test_head_update_in_c_is_the_pytorch_pass(env, monkeypatch):
     same last output and head KV bits as the PyTorch pass, and the same LM-head input to bf16 rounding, for
     steps of every accepted length seen in a generation (chained catch-up steps included)."""
     m, head = load(env, monkeypatch)
-    vocab = make_vocab("nanospec", head.lm_weight(), w_max=64, max_append=dr.append_width(10, 3, 3))
-    d = dr.EagleDrafter(head, vocab, 4, 3, 10)
+    vocab = make_vocab("nanospec", head.lm_weight(), w_max=64, max_append=dc.append_width(10, 3, 3))
+    d = de.EagleDrafter(head, vocab, 4, 3, 10)
     steps, real = [], d.update
     monkeypatch.setattr(d, "update", lambda a: steps.append(a) or real(a))
     Engine(m, drafter=d).generate(list(range(30, 60)), 40)
@@ -224,8 +226,8 @@ def test_window_metrics_in_c_are_the_pytorch_metrics(env, monkeypatch, pruned, f
                             else (lambda *x: False))
         # a small window of the target's top-1 misses some emitted tokens, which fill rows may then score
         vocab = make_vocab("nanospec", head.lm_weight(), w_max=24, k_pre=1, k_ver=1,
-                           max_append=dr.append_width(10, 3, 1), fill=fill_ids)
-        d = dr.EagleDrafter(head, vocab, 4, 3, 10)
+                           max_append=dc.append_width(10, 3, 1), fill=fill_ids)
+        d = de.EagleDrafter(head, vocab, 4, 3, 10)
         out, _ = Engine(m, drafter=d).generate(list(range(30, 60)), 40)
         got[c] = (out, d.metrics.tolist())
     assert used and got["on"] == got["off"]

@@ -9,7 +9,8 @@ import torch
 
 import cpu_forward
 import cpu_gemm
-import draft as dr
+import draft_config as dc
+import draft_eagle as de
 import exact
 import model as M
 from conftest import write_eagle_head, write_tiny_hf
@@ -256,9 +257,9 @@ def test_eagle3_drafting_in_c_is_lossless(target, tmp_path, monkeypatch):
     m = load(target, True, monkeypatch)
     head = head_for(target, m, tmp_path, True, monkeypatch)
     for budget in (True, False):
-        vocab = make_vocab("nanospec", head.lm_weight(), w_max=64, max_append=dr.append_width(10, 3, 3))
+        vocab = make_vocab("nanospec", head.lm_weight(), w_max=64, max_append=dc.append_width(10, 3, 3))
         assert vocab.packed is not None
-        eng = Engine(m, drafter=dr.EagleDrafter(head, vocab, 4, 3, 10), budget=budget)
+        eng = Engine(m, drafter=de.EagleDrafter(head, vocab, 4, 3, 10), budget=budget)
         for p in ([5, 17, 99, 3, 42, 42, 8], list(range(30, 60))):
             assert eng.generate(p, 40)[0] == Engine(m).generate(p, 40)[0], (budget, p)
 

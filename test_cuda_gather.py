@@ -16,8 +16,8 @@ HAS_GPU = torch.cuda.is_available()
 
 def test_no_flat_module_shadows_an_installed_package():
     # The repo's folder comes first on sys.path, so a flat file named like an installed package hides it from
-    # every library that imports it: transformers 5.25 requires HF's `kernels` package and imports it, which
-    # met this file when it was kernels.py (the transformers oracle tests and bench_ar.py's peer broke).
+    # every library that imports it: a flat kernels.py, say, would hide HF's `kernels` package, which
+    # transformers 5 imports (the transformers oracle tests and bench_ar.py's peer would break).
     here = os.path.dirname(os.path.abspath(__file__))
     ours = {os.path.splitext(os.path.basename(f))[0] for f in glob.glob(os.path.join(here, "*.py"))}
     installed = importlib.metadata.packages_distributions()  # top-level import name -> distributions

@@ -3,7 +3,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import draft as dr
+import draft_eagle as de
 from conftest import load_head, write_eagle_head
 from eagle import load_eagle
 from model import ModelError, load_model
@@ -17,7 +17,7 @@ def test_loaders_official_layouts(draft_env, kw):
     assert head.c.version == kw["version"]
     assert head.embed_tokens is m.embed_tokens  # the target's embedding, not the shipped copy
     if kw.get("draft_vocab"):
-        t2r = dr.EagleDrafter.token_to_row_map(head)
+        t2r = de.EagleDrafter.token_to_row_map(head)
         rows = torch.arange(100)
         assert torch.equal(t2r[rows + head.d2t], rows)  # d2t and the inverse map agree
         assert head.lm_weight().shape[0] == 100

@@ -1,5 +1,6 @@
-"""eagle_train.py: training (loss down, accepted length up), export -> load round trip, resume, and one-line
-errors on bad input (data tests: test_eagle_data.py; TTT forward and loss: test_eagle_ttt.py)."""
+"""eagle_train.py: training (loss down, accepted length up), resume, --init, and one-line errors on bad input
+(data tests: test_eagle_data.py; TTT forward and loss: test_eagle_ttt.py; export and checkpoint files:
+test_eagle_ckpt.py)."""
 import json
 import os
 import re
@@ -10,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import eagle_ckpt as ec
 import eagle_data as ed
+import eagle_eval as ev
 import eagle_train as et
 import eagle_ttt as ttt
 from conftest import one_line_error, write_tiny_hf
-from eagle import load_eagle
 
 pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
 
@@ -29,7 +31,7 @@ def train_cli(tiny, out, *extra, data=None):
 
 def test_training_lowers_loss_and_raises_accepted_length(tiny, tmp_path):
     m = tiny["model"]
-    untrained = et.export_head(ttt.new_head(m, m.eagle3_aux_layers(), seed=0), tmp_path / "untrained", torch.float32)
+    untrained = ec.export_head(ttt.new_head(m, m.eagle3_aux_layers(), seed=0), tmp_path / "untrained", torch.float32)
     assert train_cli(tiny, tmp_path / "run", "--max-steps", "150", "--export", str(tmp_path / "head"),
                      "--export-dtype", "float32") == 0
     hist = json.loads((tmp_path / "run" / "history.json").read_text())
@@ -39,8 +41,8 @@ def test_training_lowers_loss_and_raises_accepted_length(tiny, tmp_path):
     acc0 = sum(h["acc"][0] for h in hist[:20]) / 20
     acc1 = sum(h["acc"][0] for h in hist[-20:]) / 20
     assert acc1 > acc0 + 0.2, (acc0, acc1)
-    before = et.mean_accepted_length(m, untrained, tiny["eval_prompts"], 40, topk=4, depth=4, nodes=16)
-    after = et.mean_accepted_length(m, tmp_path / "head", tiny["eval_prompts"], 40, topk=4, depth=4, nodes=16)
+    before = ev.mean_accepted_length(m, untrained, tiny["eval_prompts"], 40, topk=4, depth=4, nodes=16)
+    after = ev.mean_accepted_length(m, tmp_path / "head", tiny["eval_prompts"], 40, topk=4, depth=4, nodes=16)
     assert before < 1.2 and after > before + 0.5, (before, after)
     # eval (eagle_eval.py) on the held-out records: the trained head's recall is far above the untrained one's,
     # rises with k, the engine's realised acceptance is what mean_accepted_length saw, and the full
@@ -68,55 +70,16 @@ def test_training_lowers_loss_and_raises_accepted_length(tiny, tmp_path):
     assert eng["tau"] > res["before", "full"]["engine"]["tau"] + 0.3
 
 
-def test_export_round_trip_reproduces_logits(tiny, tmp_path):
-    m = tiny["model"]
-    m.aux_layers = m.eagle3_aux_layers()
-    head = ttt.new_head(m, m.aux_layers, rope_theta=5000.0, seed=1)
-    with torch.no_grad():
-        head.lm_head.weight.add_(0.01)  # a trained lm_head: must travel with the export
-    full = et.export_head(head, tmp_path / "full", torch.float32)
-    cfg = json.loads((full / "config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == cfg["vocab_size"] == 260
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3] and cfg["rope_theta"] == 5000.0
-    assert cfg["num_hidden_layers"] == 1 and cfg["tie_word_embeddings"] is False
-    from safetensors import safe_open
-    with safe_open(str(full / "model.safetensors"), "pt") as f:
-        keys = set(f.keys())
-    assert {"fc.weight", "norm.weight", "lm_head.weight", "midlayer.hidden_norm.weight",
-            "midlayer.self_attn.q_proj.weight"} <= keys and not any(k.startswith("embed") for k in keys)
-    toks = torch.tensor([tiny["recs"][1]["ids"][:24]])
-    m.setup_caches(1, 32)
-    _, _, aux = m(toks, torch.arange(24), return_hidden=True)
-    cos, sin = ttt.rope_cache(30, head.c.args.head_dim, 5000.0, None)
-
-    def logits(h):
-        with torch.no_grad():
-            return [o @ h.lm_head.weight.T for o in ttt.ttt_forward(h, aux, toks, 3, cos, sin)]
-    ref = logits(head)
-    loaded = load_eagle(full, m, torch.float32, "cpu")
-    assert loaded.c.args.rope_theta == 5000.0 and loaded.c.aux_layers == (2, 3, 3)
-    for a, b in zip(ref, logits(loaded)):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
-    # without lm_head (a frozen, target-tied head): eagle.load_eagle takes the target's
-    frozen = ttt.new_head(m, m.aux_layers, seed=1)
-    lean = et.export_head(frozen, tmp_path / "lean", torch.float32, with_lm_head=False)
-    assert "draft_vocab_size" not in json.loads((lean / "config.json").read_text())
-    loaded = load_eagle(lean, m, torch.float32, "cpu")
-    assert torch.equal(loaded.lm_head.weight, m.lm_head.weight)
-    for a, b in zip(logits(frozen), logits(loaded)):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
-
-
 def test_resume_continues_exactly(tiny, tmp_path):
     """A run stopped after 7 of 16 steps and resumed ends with the weights of an uninterrupted run."""
     sampled = ("--loss-vocab", "200")  # random negatives: the RNG state must travel with the checkpoint
     assert train_cli(tiny, tmp_path / "straight", "--max-steps", "16", *sampled) == 0
     assert train_cli(tiny, tmp_path / "part", "--max-steps", "16", "--stop-after", "7", *sampled) == 0
-    assert torch.load(tmp_path / "part" / et.CKPT_NAME, weights_only=False)["step"] == 7
+    assert torch.load(tmp_path / "part" / ec.CKPT_NAME, weights_only=False)["step"] == 7
     assert not (tmp_path / "part_head").exists()
     assert train_cli(tiny, tmp_path / "part", "--max-steps", "16", "--resume", *sampled) == 0
-    a = torch.load(tmp_path / "straight" / et.CKPT_NAME, weights_only=False)
-    b = torch.load(tmp_path / "part" / et.CKPT_NAME, weights_only=False)
+    a = torch.load(tmp_path / "straight" / ec.CKPT_NAME, weights_only=False)
+    b = torch.load(tmp_path / "part" / ec.CKPT_NAME, weights_only=False)
     assert a["step"] == b["step"] == 16
     for k in a["model"]:
         torch.testing.assert_close(a["model"][k], b["model"][k], atol=0, rtol=0)
@@ -129,7 +92,7 @@ def test_init_from_an_exported_head(tiny, tmp_path, capsys):
     from safetensors.torch import load_file
     assert train_cli(tiny, tmp_path / "a", "--max-steps", "4", "--export", str(tmp_path / "a_head")) == 0
     assert train_cli(tiny, tmp_path / "b", "--max-steps", "1", "--lr", "0", "--init", str(tmp_path / "a_head")) == 0
-    got = torch.load(tmp_path / "b" / et.CKPT_NAME, weights_only=False)["model"]
+    got = torch.load(tmp_path / "b" / ec.CKPT_NAME, weights_only=False)["model"]
     ref = load_file(str(tmp_path / "a_head" / "model.safetensors"))
     assert set(ref) <= set(got)
     for k, v in ref.items():
@@ -195,24 +158,9 @@ def test_incompatible_or_broken_resume(tiny, tmp_path, capsys):
                    "cannot resume", "freeze_lm_head")
     one_line_error(capsys, train_cli(tiny, run, "--max-steps", "4", "--resume", "--aux-layers", "1,2,3"),
                    "cannot resume", "aux_layers")
-    (run / et.CKPT_NAME).write_bytes(b"truncated")
+    (run / ec.CKPT_NAME).write_bytes(b"truncated")
     one_line_error(capsys, train_cli(tiny, run, "--max-steps", "4", "--resume"), "cannot resume")
     one_line_error(capsys, train_cli(tiny, tmp_path / "none", "--resume"), "nothing to resume")
-
-
-def test_interrupted_save_leaves_no_complete_looking_checkpoint(tmp_path, monkeypatch):
-    target = tmp_path / et.CKPT_NAME
-    et.atomic_save({"format": et.CKPT_FORMAT, "step": 1}, target)
-    real_save = torch.save
-
-    def dying_save(obj, f, *a, **k):
-        Path(f).write_bytes(b"partial")
-        raise KeyboardInterrupt
-    monkeypatch.setattr(torch, "save", dying_save)
-    with pytest.raises(KeyboardInterrupt):
-        et.atomic_save({"format": et.CKPT_FORMAT, "step": 2}, target)
-    monkeypatch.setattr(torch, "save", real_save)
-    assert torch.load(target, weights_only=False)["step"] == 1  # the old one stays whole
 
 
 def test_torchrun_ddp_two_processes(tiny, tmp_path):
@@ -240,6 +188,6 @@ def test_torchrun_ddp_two_processes(tiny, tmp_path):
         print(f"first launch died by a signal; retrying once:\n{said}")
         r, said, attempt = launch(1)
     assert r.returncode == 0, said
-    ck = torch.load(tmp_path / f"ddp{attempt}" / et.CKPT_NAME, weights_only=False)
+    ck = torch.load(tmp_path / f"ddp{attempt}" / ec.CKPT_NAME, weights_only=False)
     assert ck["step"] == 4
     assert (tmp_path / f"head{attempt}" / "model.safetensors").is_file()

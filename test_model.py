@@ -51,12 +51,17 @@ def test_cached_decode_equals_full_recompute(tiny_llama):
     torch.testing.assert_close(torch.cat(step, 1), full, atol=1e-5, rtol=1e-5)
 
 
-def test_tree_masked_forward_equals_each_path(tiny_llama):
-    path, _ = tiny_llama
-    m = load_model(path, dtype=torch.float32)
+def after_prefix(tiny_llama, n: int, seed: int):
+    """The tiny model in fp32 with a random n-token prefix in its cache (64 slots)."""
+    m = load_model(tiny_llama[0], dtype=torch.float32)
     m.setup_caches(1, 64)
-    prefix = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(3))
-    m(prefix, torch.arange(8))
+    prefix = torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+    m(prefix, torch.arange(n))
+    return m, prefix
+
+
+def test_tree_masked_forward_equals_each_path(tiny_llama):
+    m, prefix = after_prefix(tiny_llama, 8, 3)
     # tree: 0 root; 1,2 children of 0; 3 child of 1; 4 child of 3; 5 child of 2
     parents = [-1, 0, 0, 1, 3, 2]
     toks = torch.tensor([[5, 6, 7, 8, 9, 10]])
@@ -84,11 +89,7 @@ def test_tree_masked_forward_equals_each_path(tiny_llama):
 
 
 def test_compact_kv_then_decode(tiny_llama):
-    path, _ = tiny_llama
-    m = load_model(path, dtype=torch.float32)
-    m.setup_caches(1, 64)
-    prefix = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(4))
-    m(prefix, torch.arange(6))
+    m, prefix = after_prefix(tiny_llama, 6, 4)
     # chain written at slots 6..9 but we "accept" nodes at slots 6, 8 (as if a tree with siblings)
     toks = torch.tensor([[11, 12, 13, 14]])
     mask = torch.zeros(4, m.max_seq, dtype=torch.bool)

@@ -16,13 +16,10 @@ FullVocab    every row (the baseline).
 FreqVocab    FR-Spec: a fixed top-K frequency subset, rows packed once.
 NanoSpecVocab  the dynamic window (README, "How NanoSpec works here").
 
-CLI:  python vocab.py build-freq --tokenizer tokenizer.json --corpus FILE --out freq.pt
+CLI:  python vocab.py build-freq --tokenizer tokenizer.json --corpus FILE --out freq.pt   (vocab_freq.py)
 """
-import argparse
-import json
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +27,9 @@ import torch.nn.functional as F
 import cpu_draft
 import cpu_gemm
 import cuda_gather
+import vocab_freq
 
-# --------------------------------------------------------------------------------------
-# Full vocabulary
-# --------------------------------------------------------------------------------------
+# ---------------------------------------------------------------- Full vocabulary
 
 
 def packed_copy(rows):
@@ -66,13 +62,13 @@ class StaticVocab:
 
 class FullVocab(StaticVocab):
     def __init__(self, weight):
-        self.weight = weight                                          # [V, d]
+        self.weight = weight
         self.ids = torch.arange(weight.shape[0], device=weight.device)  # [V], built once
         self.width = weight.shape[0]
         self.packed = packed_copy(weight.detach())                   # a second copy: memory for speed
 
     def logits(self, h):
-        return cpu_gemm.linear(h, self.weight, None, self.packed), self.ids  # [..., V], [V]
+        return cpu_gemm.linear(h, self.weight, None, self.packed), self.ids
 
     def contains(self, ids):
         return torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
@@ -81,9 +77,7 @@ class FullVocab(StaticVocab):
         return nbytes(self.ids, self.packed)
 
 
-# --------------------------------------------------------------------------------------
-# FR-Spec static frequency subset
-# --------------------------------------------------------------------------------------
+# ---------------------------------------------------------------- FR-Spec static frequency subset
 
 
 class FreqVocab(StaticVocab):
@@ -96,7 +90,7 @@ class FreqVocab(StaticVocab):
             raise ValueError(f"FreqVocab: token ids must lie in [0, {V}), got range "
                              f"[{int(ids.min())}, {int(ids.max())}]")
         self.weight = weight
-        self.ids = ids.to(weight.device)                              # [K]
+        self.ids = ids.to(weight.device)
         # Packed once: the per-step GEMM reads K contiguous rows instead of gathering.
         self.rows = weight.index_select(0, self.ids).contiguous()    # [K, d]
         self.packed = packed_copy(self.rows)
@@ -105,7 +99,7 @@ class FreqVocab(StaticVocab):
         self.width = self.ids.numel()
 
     def logits(self, h):
-        return cpu_gemm.linear(h, self.rows, None, self.packed), self.ids  # [..., K], [K]
+        return cpu_gemm.linear(h, self.rows, None, self.packed), self.ids
 
     def contains(self, ids):
         return self.mask[ids]
@@ -114,150 +108,7 @@ class FreqVocab(StaticVocab):
         return nbytes(self.rows, self.ids, self.mask, self.packed)
 
 
-def load_freq_file(path, vocab_size, k=None, eos_ids=()):
-    """Token ids of an FR-Spec frequency file (most frequent first), top k, eos included.
-
-    The file is `torch.save` of a list (or 1-D tensor) of ids. Repeated ids keep their
-    first rank. k=None takes the whole file (capped at vocab_size). Exactly k ids come
-    back: eos ids missing from the top k replace the least frequent entries, so the
-    budget (and the GEMM width) stays k.
-    """
-    if not Path(path).is_file():
-        raise ValueError(f"frequency file not found: {path}")
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # pickle, zip and weights-only errors come in several types
-        raise ValueError(f"{path} is not a readable frequency file (torch.save of a list of token ids): "
-                         f"{str(e).splitlines()[0][:120]}") from None
-    if isinstance(data, torch.Tensor):
-        if data.dim() != 1 or data.is_floating_point() or data.is_complex():
-            raise ValueError(f"{path}: expected a 1-D integer tensor of token ids, got "
-                             f"{data.dtype} of shape {tuple(data.shape)}")
-        data = data.tolist()
-    if not isinstance(data, (list, tuple)) or not all(isinstance(x, int) for x in data):
-        raise ValueError(f"{path}: expected a list of int token ids (FR-Spec freq_*.pt format)")
-    if not data:
-        raise ValueError(f"{path}: the frequency file is empty")
-    bad = [x for x in data if not 0 <= x < vocab_size]
-    if bad:
-        raise ValueError(f"{path}: {len(bad)} token id(s) outside [0, {vocab_size}) "
-                         f"(e.g. {bad[0]}); was it built for a different tokenizer/vocabulary?")
-    bad = [e for e in eos_ids if not 0 <= e < vocab_size]
-    if bad:
-        raise ValueError(f"eos id(s) {bad} outside [0, {vocab_size})")
-    ranked = list(dict.fromkeys(data))                               # dedupe, keep first rank
-    if k is None:
-        k = min(len(ranked), vocab_size)
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if k > len(ranked):
-        raise ValueError(f"{path}: asked for the top {k} ids but the file ranks only {len(ranked)}")
-    eos = list(dict.fromkeys(eos_ids))
-    if len(eos) > k:
-        raise ValueError(f"k ({k}) is smaller than the number of eos ids ({len(eos)})")
-    top = ranked[:k]
-    in_top = set(top)
-    missing = [e for e in eos if e not in in_top]
-    if missing:
-        keep, n_drop = [], len(missing)
-        for t in reversed(top):                                      # drop least frequent non-eos
-            if n_drop and t not in eos:
-                n_drop -= 1
-                continue
-            keep.append(t)
-        top = keep[::-1] + missing
-    return torch.tensor(top, dtype=torch.long)
-
-
-def build_freq(token_ids, vocab_size):
-    """Ids that occur in `token_ids`, by descending count (ties: smaller id first).
-
-    Ids that never occur are left out (like FR-Spec's files, and so that the default K
-    of "freq:PATH" means "every token seen"). Accepts a tensor or any iterable of ints,
-    e.g. the tokens the target generated itself.
-    """
-    t = torch.as_tensor(token_ids if isinstance(token_ids, torch.Tensor) else list(token_ids),
-                        dtype=torch.long).flatten().cpu()
-    return _rank(build_freq_counts(t, vocab_size))
-
-
-def build_freq_counts(t, vocab_size):
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
-        raise ValueError(f"token ids outside [0, {vocab_size}) (range {int(t.min())}..{int(t.max())})")
-    return torch.bincount(t, minlength=vocab_size)
-
-
-def _rank(counts):
-    # stable sort on -count keeps id order among ties; never-seen ids are dropped
-    order = torch.sort(-counts, stable=True).indices
-    return order[counts[order] > 0].tolist()
-
-
-_TEXT_KEYS = {"text", "prompt", "turns", "conversations", "messages", "content", "value",
-              "response", "completion", "output", "instruction", "input", "question", "answer"}
-
-
-def _json_texts(obj, is_text=False):
-    # Strings are kept only under text-like keys (so ids, categories, roles are skipped);
-    # lists inherit their key, dicts (e.g. a conversation turn) re-decide per key.
-    if isinstance(obj, str):
-        if is_text:
-            yield obj
-    elif isinstance(obj, list):
-        for x in obj:
-            yield from _json_texts(x, is_text)
-    elif isinstance(obj, dict):
-        for key, v in obj.items():
-            yield from _json_texts(v, key in _TEXT_KEYS)
-
-
-def corpus_texts(path, id_lists=None):
-    """Texts of a .txt (one per non-empty line) or .jsonl corpus. jsonl lines that are already token ids
-    ({"ids": [int, ...]}, e.g. `eagle_train.py data` records) go to id_lists instead, when it is given; a
-    record's "spans" (the target's own answers) are all of it that counts (FR-Spec ranks what the model
-    writes, not the prompts it reads)."""
-    is_jsonl = str(path).endswith(".jsonl")
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if is_jsonl:
-                if line.strip():
-                    obj = json.loads(line)
-                    ids = obj.get("ids") if isinstance(obj, dict) else None
-                    if id_lists is not None and isinstance(ids, list) and all(isinstance(x, int) for x in ids):
-                        spans = obj.get("spans")
-                        id_lists.append(ids if not spans else [x for a, b in spans for x in ids[a:b]])
-                    else:
-                        yield from _json_texts(obj)
-            elif line.strip():
-                yield line.rstrip("\n")
-
-
-def build_freq_file(tokenizer_path, corpus_paths, out_path, vocab_size=None, batch=256):
-    """Rank token ids by count over one or more corpora (text, or token-id records of the same tokenizer)."""
-    from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(tokenizer_path)
-    V = vocab_size or tok.get_vocab_size(with_added_tokens=True)
-    counts = torch.zeros(V, dtype=torch.long)
-    texts, id_lists = [], []
-    for p in [corpus_paths] if isinstance(corpus_paths, (str, os.PathLike)) else corpus_paths:
-        texts += corpus_texts(p, id_lists)
-    if id_lists:
-        counts += build_freq_counts(torch.tensor([x for ids in id_lists for x in ids], dtype=torch.long), V)
-    for i in range(0, len(texts), batch):
-        for enc in tok.encode_batch(texts[i:i + batch], add_special_tokens=False):
-            if enc.ids:
-                ids = torch.tensor(enc.ids, dtype=torch.long)
-                if int(ids.max()) >= V:
-                    raise ValueError(f"tokenizer produced id {int(ids.max())} >= --vocab-size {V}")
-                counts += torch.bincount(ids, minlength=V)
-    ranked = _rank(counts)
-    torch.save(ranked, out_path)
-    return ranked
-
-
-# --------------------------------------------------------------------------------------
-# NanoSpec dynamic window
-# --------------------------------------------------------------------------------------
+# ---------------------------------------------------------------- NanoSpec dynamic window
 
 ABLATIONS = (None, "ctx", "ext", "noasync", "nofill")
 
@@ -278,24 +129,17 @@ class NanoSpecVocab:
     The extra last entry of the V- and W-sized tensors is a sink that masked writes go
     to, so every scatter has a static width and no host sync is needed.
 
-    Stream order at reset: per prompt position t, the prompt token p_t followed by the
-    target's top-k_pre ids at t (interleaved, i.e. time order), so truncating to the last
-    W entries keeps the most recent positions complete.
+    Stream order at reset: per prompt position t, the prompt token p_t, then the target's top-k_pre ids at t
+    (time order), so keeping the last W entries keeps the most recent positions whole.
 
-    Fill (a frequency file's ids, most frequent first; FR-Spec's): a free slot s scores fill_tok[s] unless
-    that token is in the window already (it then scores in its own slot), so the W-row GEMM, which spans
-    every slot anyway, scores the most frequent tokens in the slots the window does not use (it holds a few
-    hundred of 3072 on chat text). A token that enters the window takes a free slot as before (its row
-    replaces the fill row); a slot its owner leaves gets its fill row back. No extra GEMM width, two more
+    Fill (a frequency file's ids, most frequent first): a free slot s scores fill_tok[s] unless the window
+    holds that token, so the W-row GEMM, which spans every slot anyway, scores the most frequent tokens in the
+    slots the window leaves free (it holds a few hundred of 3072 on chat text). No extra GEMM width, two more
     row gathers per update. "nofill" (or fill=None) is the paper's window alone.
 
-    Fewer active rows than a caller's top-k: the extra picks are inactive slots, they
-    score -inf and map to token id 0; callers must treat -inf-scored picks as invalid.
-
-    On CUDA, update() runs on the copy stream; logits/contains/active_size/reset wait
-    for it. The `ids` tensor logits() returns is a persistent buffer rewritten by the
-    next update(): index it before calling update() (or clone it). Reading the state
-    tensors directly needs wait() first.
+    Fewer active rows than a caller's top-k: the extra picks score -inf and map to token 0 (invalid picks).
+    On CUDA, update() runs on the copy stream and the readers wait for it; the `ids` logits() returns is
+    rewritten by the next update(): index it first. Reading the state tensors directly needs wait() first.
     """
 
     def __init__(self, weight, w_max=3072, k_pre=3, k_ver=3, ablation=None, max_append=None, fill=None):
@@ -324,8 +168,7 @@ class NanoSpecVocab:
         self.bias = torch.full((w_max,), float("-inf"), dtype=weight.dtype, device=dev)
         # "noasync" scores weight rows in place each call, so it has no packed buffer.
         self.rows = None if ablation == "noasync" else torch.zeros(w_max, d, dtype=weight.dtype, device=dev)
-        # cpu_gemm's layout of rows where its kernel scores them (bf16 CPU), with one more row, W: the sink
-        # that masked writes go to (the kernel never scores it)
+        # cpu_gemm's layout of rows (bf16 CPU), plus row W: the sink masked writes go to, never scored
         self.packed = None if self.rows is None else packed_copy(torch.zeros(w_max + 1, d, dtype=weight.dtype,
                                                                               device=dev))
         # the row writes in one C call where it serves (bf16 CPU: cpu_gemm.write_rows_)
@@ -406,8 +249,8 @@ class NanoSpecVocab:
         n = new.shape[0]
         # Compact: the r-th valid entry goes to ring position (head + r) % W; invalid
         # entries go to the sink W. n <= W, so the valid positions are distinct.
-        rank = torch.cumsum(valid, 0) - 1                            # [n]
-        pos = torch.where(valid, (self.head + rank) % W, W)          # [n]
+        rank = torch.cumsum(valid, 0) - 1
+        pos = torch.where(valid, (self.head + rank) % W, W)
         old = self.ring[pos]                                         # [n] evicted (-1 empty)
         old = torch.where(valid & (old >= 0), old, V)
         self.ring.index_copy_(0, pos, new)                           # sink gets junk, harmless
@@ -415,27 +258,26 @@ class NanoSpecVocab:
         # Window counts: +1 per appended, -1 per evicted, in one scatter_add.
         cand = torch.cat([new, old])                                 # [2n]
         delta = torch.cat([torch.ones_like(new), -torch.ones_like(old)]).to(torch.int32)
-        before = self.count_[cand]                                    # [2n]
+        before = self.count_[cand]
         self.count_.scatter_add_(0, cand, delta)
         after = self.count_[cand]
         self.count_[V] = 0                                            # keep the sink clean
         # De-duplicate: per token exactly one candidate (the highest index) decides.
         j = torch.arange(2 * n, device=new.device, dtype=torch.int32)
         self.winner.scatter_reduce_(0, cand, j, reduce="amax", include_self=False)
-        win = (self.winner[cand] == j) & (cand < V)                  # [2n]
+        win = (self.winner[cand] == j) & (cand < V)
         born = win & (before == 0) & (after > 0)                     # 0 -> >0 (only in `new`)
         died = win & (before > 0) & (after == 0)                     # >0 -> 0 (only in `old`)
         # Free the slots of tokens that left the window.
         dead_slot = torch.where(died, self.slot_of_[cand].long(), W)
         self.token_of_.index_fill_(0, dead_slot, -1)
         self.slot_of_.index_fill_(0, torch.where(died, cand, V), -1)
-        if self.has_fill and self.rows is not None:  # a freed slot scores its fill token again: its row back
-            # (before the born rows land, which may take the same slot)
+        if self.has_fill and self.rows is not None:  # a freed slot's fill row back, before born rows take it
             back = self.fill_tok[dead_slot]                           # [2n] (-1: none, or the sink)
             self._write_rows(back.clamp(min=0), torch.where(back >= 0, dead_slot, W))
         # k-th born token takes the k-th free slot (ranks by cumsum, O(W), no sort).
         # Enough free slots always exist: distinct tokens in a W-long window <= W.
-        free = self.token_of_[:W] < 0                                # [W]
+        free = self.token_of_[:W] < 0
         free_rank = torch.where(free, torch.cumsum(free, 0) - 1, W)
         free_list = torch.empty(W + 1, dtype=torch.long, device=new.device)
         free_list.index_copy_(0, free_rank, self._arange_w)          # free_list[r] = r-th free slot
@@ -556,9 +398,7 @@ def nanospec_state_bytes(V, d, w_max=3072, dtype=torch.float16, **kw):
     return NanoSpecVocab(torch.empty(V, d, dtype=dtype, device="meta"), w_max, **kw).state_bytes()
 
 
-# --------------------------------------------------------------------------------------
-# Factory
-# --------------------------------------------------------------------------------------
+# ---------------------------------------------------------------- Factory
 
 
 def make_vocab(spec, weight, *, w_max=3072, k_pre=3, k_ver=3, ablation=None, eos_ids=(),
@@ -574,9 +414,8 @@ def make_vocab(spec, weight, *, w_max=3072, k_pre=3, k_ver=3, ablation=None, eos
         return FullVocab(weight)
     if spec == "nanospec":
         if isinstance(fill, (str, os.PathLike)):
-            # the file's ranking as it is (eos comes in with the target's top-k when it is likely); a short
-            # file fills fewer slots
-            fill = load_freq_file(fill, weight.shape[0])[:w_max]
+            # the file's ranking as it is: eos enters with the target's top-k when it is likely
+            fill = vocab_freq.load_freq_file(fill, weight.shape[0])[:w_max]
         return NanoSpecVocab(weight, w_max, k_pre, k_ver, ablation, max_append, fill)
     if spec.startswith("freq:"):
         path, k = spec[len("freq:"):], None
@@ -586,34 +425,13 @@ def make_vocab(spec, weight, *, w_max=3072, k_pre=3, k_ver=3, ablation=None, eos
         if not path:
             raise ValueError(f"vocab spec {spec!r}: missing frequency file path")
         if token_to_row is None:
-            return FreqVocab(weight, load_freq_file(path, weight.shape[0], k, eos_ids))
-        ranked = torch.as_tensor(load_freq_file(path, token_to_row.shape[0], None, eos_ids), dtype=torch.long)
+            return FreqVocab(weight, vocab_freq.load_freq_file(path, weight.shape[0], k, eos_ids))
+        ranked = torch.as_tensor(vocab_freq.load_freq_file(path, token_to_row.shape[0], None, eos_ids), dtype=torch.long)
         rows = token_to_row.cpu()[ranked]
         rows = rows[rows >= 0][: k or weight.shape[0]]  # target tokens the pruned head cannot emit drop out
         return FreqVocab(weight, rows)
     raise ValueError(f"unknown vocab spec {spec!r}; use 'full', 'freq:PATH[:K]' or 'nanospec'")
 
 
-# --------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description="NanoSpec vocabulary tools")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build-freq", help="rank token ids by frequency in a corpus (FR-Spec file)")
-    b.add_argument("--tokenizer", required=True, help="path to tokenizer.json")
-    b.add_argument("--corpus", required=True, nargs="+",
-                   help=".txt (one text per line) or .jsonl (texts, or token-id records {\"ids\": [...]} such as "
-                        "`eagle_train.py data` writes)")
-    b.add_argument("--out", required=True, help="output .pt (list of ids, most frequent first)")
-    b.add_argument("--vocab-size", type=int, default=None,
-                   help="model vocabulary size (default: the tokenizer's, incl. added tokens)")
-    a = p.parse_args(argv)
-    ranked = build_freq_file(a.tokenizer, a.corpus, a.out, a.vocab_size)
-    print(f"wrote {len(ranked)} ranked token ids to {a.out}")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+if __name__ == "__main__":  # the frequency-file CLI lives with the files it builds
+    vocab_freq.main(sys.argv[1:])

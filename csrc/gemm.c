@@ -1,0 +1,40 @@
+/* The GEMM's entry points: the linear layer and the packed-row writer */
+#include "gemm.h"
+#include "nanospec.h"
+
+/* d->rows[slot[i]] = W[tok[i]] and the same row into the packed copy P (RowsDst), for every i with
+   0 <= slot[i] < nslots and tok[i] a row of W (the others are skipped: masked entries) */
+void write_rows(const RowsDst* d, const int64_t* tok, const int64_t* slot, long n) {
+    uint16_t *rows = d->rows, *P = d->P;
+    const uint16_t* W = d->W;
+    const long V = d->V, nslots = d->nslots, K = d->K, panel = d->panel, kb = d->kb;
+    const int64_t* place = d->place;
+    const long G = K / kb;
+    for (long i = 0; i < n; i++) {
+        long s = slot[i], t = tok[i];
+        if (s < 0 || s >= nslots || t < 0 || t >= V) continue;
+        const uint16_t* src = W + t * K;
+        __builtin_memcpy(rows + s * K, src, K * 2);
+        uint16_t* dst = P + (s / panel) * G * panel * kb + place[s % panel] * kb;
+        for (long g = 0; g < G; g++)
+            for (long j = 0; j < kb; j++) dst[g * panel * kb + j] = src[g * kb + j];
+    }
+}
+
+#if defined(__AVX512BF16__)
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ b[N]); x, b, y bf16 (x 4-byte aligned: K is even); xf unused */
+void linear_bf16(const uint16_t* x, float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N,
+                 uint16_t* y, int threads) {
+    (void)xf;
+    #pragma omp parallel num_threads(threads)
+    gemm_pairs((const uint32_t*)x, M, K, P, b, N, y, 0);
+}
+#else
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ b[N]); x, b, y bf16; P: W packed by pack(); xf: fp32 scratch [M, K] */
+void linear_bf16(const uint16_t* x, float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N,
+                 uint16_t* y, int threads) {
+    for (long i = 0; i < M * K; i++) { uint32_t u = (uint32_t)x[i] << 16; __builtin_memcpy(xf + i, &u, 4); }
+    #pragma omp parallel num_threads(threads)
+    gemm_rows(xf, M, K, P, b, N, y, 0, 0);
+}
+#endif

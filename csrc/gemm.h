@@ -1,0 +1,98 @@
+/* The row-invariant bf16 GEMM (cpu_gemm.py): the shared store and the tiled work split; the register tiles
+   of the one ISA variant this build targets, chosen by the compiler's target macros */
+#pragma once
+#include "bf16.h"
+
+/* the 16 outputs of one register of accumulators: + bias, rounded to bf16 once, into y (or yf: fp32 holding
+   the bf16 value); columns from N on are the zero rows padding the last panel and are not written */
+static inline void store16(const float* out, const uint16_t* b, uint16_t* y, float* yf, long N, long m, long n0) {
+    if (n0 + 16 <= N) {  /* a whole register pair: the same adds and rounding in vectors (one value at a time,
+                            the LM head's epilogue cost about a third of its time at K = 576) */
+        __m256 s0 = _mm256_loadu_ps(out), s1 = _mm256_loadu_ps(out + 8);
+        if (b) { s0 = _mm256_add_ps(s0, load_bf16(b + n0)); s1 = _mm256_add_ps(s1, load_bf16(b + n0 + 8)); }
+        __m256i r0 = round8(s0), r1 = round8(s1);
+        if (yf) {
+            _mm256_storeu_si256((__m256i*)(yf + m * N + n0), _mm256_slli_epi32(r0, 16));
+            _mm256_storeu_si256((__m256i*)(yf + m * N + n0 + 8), _mm256_slli_epi32(r1, 16));
+        } else {  /* pack the 16-bit halves: per 128-bit lane [r0 0-3, r1 0-3 | r0 4-7, r1 4-7], then in order */
+            __m256i pk = _mm256_permute4x64_epi64(_mm256_packus_epi32(r0, r1), 0xD8);
+            _mm256_storeu_si256((__m256i*)(y + m * N + n0), pk);
+        }
+        return;
+    }
+    for (long c = 0; c < 16 && n0 + c < N; c++) {
+        long n = n0 + c;
+        float s = out[c];
+        if (b) { uint32_t u = (uint32_t)b[n] << 16; float bf; __builtin_memcpy(&bf, &u, 4); s += bf; }
+        uint16_t r = to_bf16(s);
+        if (yf) { uint32_t u = (uint32_t)r << 16; __builtin_memcpy(yf + m * N + n, &u, 4); }
+        else y[m * N + n] = r;
+    }
+}
+
+/* a register tile: rows m.. m + height of x (row stride kx, in the kernel's units) times packed panel p; where
+   pf is not 0 it prefetches the next panel's 64-byte lines [l0, l1) (tiles[height] for height 1..mtmax) */
+typedef void (*tile_fn)(const void* x, long kx, const uint16_t* P, const uint16_t* b, uint16_t* y, float* yf, long N,
+                        long m, long p, const char* pf, long l0, long l1);
+
+/* y[M, N] (bf16; or yf, fp32 holding bf16 values) = x[M, K] @ W[N, K]^T (+ b[N]) through a kernel's tiles, over
+   packed panels of `panel` weight rows (panel x K bf16 each). Work-shared over the threads of the enclosing parallel
+   region (serial outside one), ending in a barrier: each thread takes one contiguous run of (row block, panel)
+   pairs, or, where the kernel has half-panel tiles (halves: tiles of a panel's first or last panel / 2 columns,
+   their p = 2 x panel + half), of half pairs, and a thread's two halves of one panel are one whole tile. Why
+   halves: the default model's o and down products have 9 panels of 64; two threads took 5 and 4, one idle a
+   tenth of the product, at every row count (memory-bound or not). The rows are cut into ceil(rows / mtmax) tiles
+   of nearly equal height (8 rows with mtmax 6: 4 + 4, not 6 + 2), as each tile's chains must be many enough to
+   hide the latency; row blocks of at most 48 keep a block's x in L2 while the panels stream. While a panel computes,
+   the next one is prefetched into L2, so memory and arithmetic overlap: all of it by the first tile (spread = 0),
+   or, where the row block has several tiles, a share by each (spread = 1: a lone tile streams its panel with
+   the hardware prefetcher; spread = 2: a lone tile prefetches all of it, as with 0). The later tiles find their
+   panel in cache and give the hardware prefetcher no misses to follow. Row-invariant by construction when each
+   tile computes every output the same way whatever its height or width. */
+static void tiled(const tile_fn* tiles, const tile_fn* halves, long mtmax, long panel, int spread, const void* x,
+                  long kx, long M, long K, const uint16_t* P, const uint16_t* b, long N, uint16_t* y, float* yf) {
+    const long NP = (N + panel - 1) / panel, L = panel * K / 32;  /* 64-byte lines per panel */
+    /* the blocks are of nearly equal height (60 rows: 30 + 30, not 48 + 12), as a thread may take a whole block;
+       one run over all (row block, panel) pairs, not a loop per row block: with many blocks (a prefill) the
+       pairs divide evenly */
+    const long NB = (M + 47) / 48, S = halves ? 2 : 1, NI = NB * NP * S;
+    const long nth = omp_get_num_threads(), me = omp_get_thread_num();
+    const long i1 = NI * (me + 1) / nth;
+    for (long i = NI * me / nth; i < i1;) {
+        const long q = i / S, e = (q + 1) * S < i1 ? (q + 1) * S : i1;  /* this thread's part of pair q: [i, e) */
+        const long mb = M * (q / NP) / NB, mend = M * (q / NP + 1) / NB, p = q % NP;
+        long rows = mend - mb, nt = (rows + mtmax - 1) / mtmax;
+        const char* next = p + 1 < NP && (q + 1) * S < i1 ? (const char*)(P + (p + 1) * panel * K) : 0;
+        long m = mb;
+        for (long t = 0; t < nt; t++) {
+            long h = (mend - m) / (nt - t) + ((mend - m) % (nt - t) != 0);
+            long l0 = spread && nt > 1 ? L * t / nt : 0,
+                 l1 = spread && nt > 1 ? L * (t + 1) / nt : (t == 0 && spread != 1 ? L : 0);
+            if (e - i == S) tiles[h](x, kx, P, b, y, yf, N, m, p, l1 > l0 ? next : 0, l0, l1);
+            else halves[h](x, kx, P, b, y, yf, N, m, 2 * p + i % 2, l1 > l0 ? next : 0, l0, l1);
+            m += h;
+        }
+        i = e;
+    }
+    #pragma omp barrier
+}
+
+#if defined(__AVX512BF16__)
+#include "gemm_avx512bf16.h"
+#else
+#if defined(__AVX512F__)
+#include "gemm_avx512.h"
+#else
+#include "gemm_avx2.h"
+#endif
+
+/* y[M, N] (bf16; or yf, fp32 holding bf16 values) = xf[M, K] @ W[N, K]^T (+ b[N]); xf fp32 holding bf16
+   values, b bf16; P: W packed by pack(); xs: scratch the AVX-512 BF16 kernel needs (unused here). Every
+   output is one fp32 FMA chain over k in order, plus the bias, rounded once: the same whatever the tile, the
+   row count or the row's place in the pass (row-invariant, as exact mode needs). Tiles of up to 6 rows. */
+static void gemm_rows(const float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N, uint16_t* y,
+                      float* yf, uint16_t* xs) {
+    (void)xs;
+    tiled(tiles, FMA_HALVES, 6, FMA_PANEL, FMA_SPREAD, xf, K, M, K, P, b, N, y, yf);
+}
+#endif

@@ -1,0 +1,66 @@
+/* gemm.h's variant for builds with AVX-512 BF16 (Zen 4 and later, Cooper Lake, Sapphire Rapids and later):
+   vdpbf16ps multiplies pairs of bf16 values and adds both products into an fp32 lane, 32 multiply-adds per
+   instruction against the AVX2 kernel's 8 per FMA, and the weights need no widening */
+#pragma once
+
+#ifndef NV
+#define NV 4
+#endif
+/* MT (<= 6) rows of x times the 64 weight rows of packed panel p (P[p][k/2][64][2]: for each pair of k, each
+   weight row's two bf16 values side by side, so one 64-byte load is 16 rows' pairs). x: bf16 pairs, K2 = K / 2
+   per row; one 32-bit broadcast per row and pair. Each output is one chain of vdpbf16ps over the pairs in
+   order; 4 x MT independent chains hide its latency (24 accumulators of the 32 registers), one row's 4
+   included. A pass of one tile (up to 6 rows) leaves its panel stream to the hardware prefetcher; in larger
+   passes each tile prefetches a share of the next panel (tiled(), spread): measured on Zen 4, the default
+   model's GEMMs, alternating in one process, 12-15% faster at 12-16 rows than no prefetch, the same at 1, 8,
+   26 and 48 rows, where prefetching the whole next panel from the one-row tile was 7-12% slower. 16-row tiles
+   of 16-row panels, which read each panel once per 16 rows, were 5-15% slower at 1-4 rows and between 20%
+   faster and 15% slower at 16, as this shared machine's memory speed moved. */
+static inline __attribute__((always_inline)) void tile(const uint32_t* x, long K2, const uint16_t* P, const uint16_t* b,
+        uint16_t* y, float* yf, long N, long m0, long p, const char* pf, long l0, long l1, const int MT) {
+    __m512 acc[6][NV];  /* in registers: the loops over it are unrolled (MT and NV are constants) */
+    for (int i = 0; i < MT; i++) for (int v = 0; v < NV; v++) acc[i][v] = _mm512_setzero_ps();
+    const uint32_t* x0 = x + m0 * K2;
+    const __m512i* w = (const __m512i*)(P + p * 32 * NV * K2);
+    long due = 0, l = l0;
+    #pragma GCC unroll 2
+    for (long k = 0; k < K2; k++) {
+        /* this tile's share of the next panel, spread evenly over its k loop by a running remainder (two integer
+           divisions per k had cost 12-16% of 26- and 60-row passes, measured on Zen 5), into L1 (T0: 3-13% faster
+           than L2 at 16-26 rows there) */
+        if (pf)
+            for (due += l1 - l0; due >= K2; due -= K2, l++) _mm_prefetch(pf + l * 64, _MM_HINT_T0);
+        __m512bh wv[NV];
+        for (int v = 0; v < NV; v++) wv[v] = (__m512bh)_mm512_loadu_si512(w + NV * k + v);
+        for (int i = 0; i < MT; i++) {
+            __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x0[i * K2 + k]);
+            for (int v = 0; v < NV; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], xb, wv[v]);
+        }
+    }
+    float out[16];
+    for (int i = 0; i < MT; i++) for (int v = 0; v < NV; v++) {
+        _mm512_storeu_ps(out, acc[i][v]);
+        store16(out, b, y, yf, N, m0 + i, (p * NV + v) * 16);
+    }
+}
+#define TILE(MT) static void t##MT(const void* x, long K2, const uint16_t* P, const uint16_t* b, uint16_t* y, \
+        float* yf, long N, long m, long p, const char* pf, long l0, long l1) { tile((const uint32_t*)x, K2, P, b, y, yf, N, m, p, pf, l0, l1, MT); }
+TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
+static const tile_fn tiles[7] = {0, t1, t2, t3, t4, t5, t6};
+
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ b), x as bf16 pairs, in tiles of up to 6 rows over panels of 64. Row-invariant
+   by construction: every output is one chain of vdpbf16ps over the k pairs in order, plus the bias, rounded
+   once, whatever the tile, the row count or the row's place in the pass. */
+static void gemm_pairs(const uint32_t* x, long M, long K, const uint16_t* P, const uint16_t* b, long N, uint16_t* y,
+                       float* yf) {
+    tiled(tiles, 0, 6, 16 * NV, 1, x, K / 2, M, K, P, b, N, y, yf);
+}
+
+/* the fused pass's interface (forward.c; gemm.c's linear_bf16 takes bf16 pairs directly): xf [M, K] fp32 holding
+   bf16 values, made bf16 (exact) in xs [threads, M, K] first */
+__attribute__((unused)) static void gemm_rows(const float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N, uint16_t* y,
+                      float* yf, uint16_t* xs) {
+    uint16_t* mine = xs + omp_get_thread_num() * M * K;  /* each thread its own copy: no barrier before the GEMM */
+    for (long i = 0; i < M * K; i++) mine[i] = to_bf16(xf[i]);
+    gemm_pairs((const uint32_t*)mine, M, K, P, b, N, y, yf);
+}

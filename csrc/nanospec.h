@@ -1,0 +1,65 @@
+/* The library's entry points and their argument structs. cbuild.py mirrors each struct field for field (ctypes)
+   and holds the one table of these signatures: change both together. */
+#pragma once
+#include <stdint.h>
+
+/* A packed copy's row writer (cpu_gemm.write_rows_): the buffer rows [nslots, K], its packed copy P (pack()'s
+   layout: panels of `panel` rows, k in groups of kb, row c of a panel at place[c] among a group's panel slots),
+   and the source matrix W [V, K] */
+typedef struct {
+    uint16_t* rows; uint16_t* P; const uint16_t* W; long V, nslots, K, panel, kb; const int64_t* place;
+} RowsDst;
+
+void write_rows(const RowsDst* d, const int64_t* tok, const int64_t* slot, long n);
+void linear_bf16(const uint16_t* x, float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N,
+                 uint16_t* y, int threads);
+
+/* The fused pass's arguments (cpu_forward.run; stack_bf16 in forward.c documents them) */
+typedef struct {
+    const int64_t* tab; long L, D, H, Hkv, hd, I; float eps; long T, S;
+    uint16_t* x; const uint16_t *emb, *cs, *sn; const uint8_t* mask; const int64_t* cpos;
+    uint16_t* kv; uint32_t* kt; const int64_t* aux_of; long n_aux; uint16_t* aux; const uint16_t* fnorm; int threads;
+} StackArgs;
+
+void stack_bf16(const StackArgs* a);
+/* a target's KV cache kv [L, 2, Hkv, S, hd] and (kt, or 0) its transposed keys [L, Hkv, nbs, hd / 2, 16] */
+typedef struct { uint16_t* kv; uint32_t* kt; long L, Hkv, S, hd, nbs; } KVCache;
+
+void compact_bf16(const KVCache* c, const int64_t* src, const int64_t* dst, long n);
+void phase_times(double* out);  /* the -DNANOSPEC_PHASES build only */
+
+/* An EAGLE-3 head's layer: cpu_forward's table row, dims, its KV cache of S slots, the target's embeddings, the
+   head's RoPE tables */
+typedef struct {
+    const int64_t* tab; long D, H, Hkv, hd, I, S; float eps;
+    uint16_t* kv; const uint16_t *embed, *cos_t, *sin_t;
+} Head;
+
+/* eagle_tree_bf16's search (draft.c documents it) */
+typedef struct {
+    Head head; const uint16_t *norm_w, *out0, *lm0; long n;
+    const uint16_t *P, *b; const int64_t* ids; long W; const int64_t* r2t; long k, depth, N; int64_t root;
+    int64_t *tokens, *parents, *depth_out; uint8_t* anc; double* lm_s; int threads;
+} TreeArgs;
+
+/* eagle_update_bf16's pass over the accepted path (draft.c documents it) */
+typedef struct {
+    Head head; const uint16_t *fcP, *fcb; long F; const uint16_t* aux; const int64_t *path, *nxt; long R, n, L;
+    uint16_t* out1; const uint16_t* norm_w; uint16_t* lm1; int threads;
+} UpdateArgs;
+
+/* NanoSpec's window state (vocab.NanoSpecVocab's tensors; nanospec_append in draft.c); dst.rows = 0: no rows */
+typedef struct {
+    long V, W; int64_t *ring, *head; int32_t *count, *slot_of; int64_t* token_of; int32_t* winner;
+    const int64_t* fill_tok; int has_fill; int64_t* ids; uint16_t* bias; RowsDst dst;
+} Window;
+
+void eagle_tree_bf16(const TreeArgs* a);
+void eagle_update_bf16(const UpdateArgs* a);
+void nanospec_append(const Window* w, const int64_t* new_in, const uint8_t* valid_in, long n, int64_t* cand,
+                     int64_t* slot, uint8_t* flags);
+void nanospec_metrics(const int64_t* em, const uint8_t* ok, long n, long L, long V, long W, const int32_t* count,
+                      const int32_t* fill_slot, const int64_t* token_of, int64_t* metrics);
+void topk_rows_bf16(const uint16_t* x, long n, const int64_t* rows, long M, long k, int64_t* idx, int threads);
+void argmax_rows(const void* x, int bf16, long M, long V, int64_t* out, int threads);
+double peak_gflops(long iters, int threads);

@@ -1,0 +1,99 @@
+"""draft_config.py: draft kinds, drafter construction errors, the head folder's frequency file, and the CLI's
+one-line errors for flags a drafter cannot honour."""
+import pytest
+import torch
+
+import draft_config as dc
+from conftest import write_eagle_head, write_tiny_hf
+from generate import main
+from model import ModelError, load_model
+from test_generate import tiny  # noqa: F401 (tiny: a fixture)
+
+
+def test_draft_kind_errors(draft_env, tmp_path):
+    root, path, cfg = draft_env
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text("{}")
+    with pytest.raises(ModelError, match="holds no weights"):
+        dc.detect_draft_kind(tmp_path / "d")
+    with pytest.raises(ModelError, match="not found"):
+        dc.detect_draft_kind(tmp_path / "nope")
+    assert dc.detect_draft_kind(path) == "model"
+    assert dc.detect_draft_kind(write_eagle_head(tmp_path / "e", cfg, version=1)) == "eagle"
+
+
+def test_head_folder_freq_fills_nanospec(draft_env, tmp_path):
+    """A freq.pt in the head folder fills NanoSpec's free slots (most frequent first), through the one place
+    drafters are built; "nofill" and the other vocabularies do without it."""
+    root, path, cfg = draft_env
+    head = write_eagle_head(tmp_path / "h", cfg, version=3)
+    m = load_model(path, dtype=torch.float32)
+    plain = dc.make_drafter(dc.DraftConfig(str(head), "nanospec", 4, 3, 10, w_max=64), m)
+    assert not plain.vocab.has_fill
+    torch.save([17, 3, 99, 3, 250], head / "freq.pt")  # (a repeated id keeps its first rank)
+    d = dc.make_drafter(dc.DraftConfig(str(head), "nanospec", 4, 3, 10, w_max=64), m)
+    assert d.vocab.has_fill and d.vocab.fill_tok[:5].tolist()[:4] == [17, 3, 99, 250]
+    assert not dc.make_drafter(dc.DraftConfig(str(head), "nanospec", 4, 3, 10, w_max=64, ablation="nofill"),
+                               m).vocab.has_fill
+    assert not hasattr(dc.make_drafter(dc.DraftConfig(str(head), "full", 4, 3, 10), m).vocab, "has_fill")
+
+
+def test_cli_draft_mismatch_errors(draft_env, tmp_path, capsys):
+    root, path, cfg = draft_env
+    other, _ = write_tiny_hf(tmp_path / "other", vocab_size=300)
+    for argv in (["--draft", str(other)], ["--tree-nodes", "500", "--draft", str(write_eagle_head(tmp_path / "h", cfg, version=3))],
+                 ["--vocab", "nanospec"], ["--draft", "ngram", "--ngram-min", "4", "--ngram-max", "2"],
+                 ["--draft", "ngram", "--ngram-occurrences", "0"],
+                 ["--draft", str(tmp_path / "missing")]):
+        assert main(["--checkpoint", str(path), "--raw", "--prompt", "x", "--max-new-tokens", "2", *argv]) == 2
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and "Writing model shards" not in ln]
+        assert len(err) == 1 and err[0].startswith("error:"), (argv, err)
+
+
+@pytest.mark.parametrize("draft", ["none", "model"])
+def test_cli_ngram_needs_an_eagle_head(tiny, capsys, draft):
+    """--ngram merges prompt lookup into an EAGLE tree: with no drafter or a draft model it is a one-line error."""
+    d = "none" if draft == "none" else str(tiny[2])
+    rc = main(["--checkpoint", str(tiny[0]), "--draft", d, "--ngram", "--max-new-tokens", "2", "--raw", "--prompt", "ab",
+               "--dtype", "float32"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("error:") and "\n" not in err and "--ngram" in err, err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--draft", "ngram", "--spec-k", "0"], "--spec-k must be >= 1, got 0"),
+    (["--draft", "MODEL", "--spec-k", "-3"], "--spec-k must be >= 1, got -3"),
+    (["--k-pre", "-1"], "--k-pre must be >= 1, got -1"),
+    (["--draft", "HEAD", "--vocab", "nanospec", "--k-ver", "-2"], "--k-ver must be >= 1, got -2"),
+    (["--draft", "ngram", "--tree-topk", "4"], "--tree-topk does not apply to prompt lookup"),
+    (["--spec-k", "3"], "--spec-k does not apply to --draft none"),
+    (["--draft", "HEAD", "--no-ngram", "--spec-k", "3"], "--spec-k does not apply to an EAGLE head without --ngram"),
+    (["--draft", "HEAD", "--no-ngram", "--ngram-min", "2"], "--ngram-min does not apply to an EAGLE head without"),
+    (["--draft", "MODEL", "--tree-dep", "3"], "--tree-depth does not apply to a draft model"),  # (an abbreviation)
+    (["--draft", "HEAD", "--vocab", "full", "--k-pre", "2"], "--k-pre applies to the nanospec vocabulary only"),
+    (["--draft", "ngram", "--w-max", "64"], "--w-max applies to the nanospec vocabulary only (--vocab full)"),
+])
+def test_cli_flags_a_drafter_cannot_honour_are_one_line_errors(tiny, capsys, argv, msg):
+    """Out-of-range values and flags the chosen drafter would ignore: `error: ...` and exit code 2, not a run
+    with other settings (--spec-k 0 once drafted 11-node trees, --k-pre -1 ran silently)."""
+    sub = {"HEAD": str(tiny[1]["eagle3"]), "MODEL": str(tiny[2])}
+    rc = main(["--checkpoint", str(tiny[0]), "--max-new-tokens", "2", "--raw", "--prompt", "ab", "--dtype", "float32",
+               *[sub.get(a, a) for a in argv]])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert rc == 2 and len(err) == 1 and msg in err[0], (argv, err)
+
+
+def test_flags_a_drafter_honours_still_run(tiny, capsys):
+    """The same checks let through what the drafter reads, and a library caller's unused fields (bench sets the
+    tree for every method)."""
+    base = ["--checkpoint", str(tiny[0]), "--max-new-tokens", "3", "--raw", "--prompt", "ab", "--dtype", "float32"]
+    for argv in (["--draft", "ngram", "--spec-k", "3", "--ngram-min", "2", "--ngram-max", "2"],
+                 ["--draft", str(tiny[1]["eagle3"]), "--tree-topk", "3", "--spec-k", "4", "--vocab", "nanospec",
+                  "--w-max", "64", "--k-pre", "2"],
+                 ["--draft", str(tiny[2]), "--spec-k", "2", "--vocab", "full"]):
+        assert main(base + argv) == 0, (argv, capsys.readouterr().err)
+    capsys.readouterr()
+    m = load_model(tiny[0], dtype=torch.float32)
+    assert dc.make_drafter(dc.DraftConfig("ngram", tree_topk=4, tree_depth=3, tree_nodes=10, spec_k=3), m).k == 3
+    with pytest.raises(ValueError, match="--spec-k must be >= 1"):
+        dc.DraftConfig("ngram", spec_k=0)

@@ -1,0 +1,85 @@
+"""graphs.py: the CUDA-graph plumbing on a CPU (a fake capture), with the engine's persistent state checked."""
+import torch
+import torch.utils._pytree as pytree
+
+import graphs
+from generate import Engine
+from test_generate import PROMPTS, autoregressive, make_drafter, target, tiny  # noqa: F401 (tiny: a fixture)
+
+
+def _walk(x, path, tensors, values, seen):
+    """Every tensor (address) and plain Python value reachable from the engine's persistent state."""
+    if torch.is_tensor(x):
+        tensors[path] = (x.data_ptr(), tuple(x.shape))
+    elif isinstance(x, (bool, int, float, str, type(None))):
+        values[path] = x
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            _walk(v, f"{path}.{k}", tensors, values, seen)
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            _walk(v, f"{path}[{i}]", tensors, values, seen)
+    elif id(x) not in seen and (isinstance(x, torch.nn.Module) or type(x).__module__ in ("draft", "draft_eagle", "vocab", "model")):
+        seen.add(id(x))
+        for k, v in vars(x).items():
+            if k not in ("lm_head_s", "training"):  # a host-side timing metric, not state a step reads
+                _walk(v, f"{path}.{k}", tensors, values, seen)
+
+
+def engine_state(eng):
+    tensors, values = {}, {}
+    _walk({"model": eng.model, "drafter": eng.drafter}, "", tensors, values, set())
+    return tensors, values
+
+
+class FakeGraph:
+    """CPU stand-in for a captured CUDA graph: replay reruns the function on the static inputs and writes
+    the results into the captured output tensors, which is what a real replay does to memory.
+
+    It also checks what a real replay silently gets wrong: (1) the graph reads and writes the addresses
+    of capture time, so no persistent tensor may be reallocated after capture; (2) a replay runs no Python,
+    so the step may not leave host-side state (flags, counters) changed."""
+
+    def __init__(self, fn, static, out, eng):
+        self.fn, self.static, self.out, self.eng, self.skip = fn, static, out, eng, True
+        self.tensors = engine_state(eng)[0]
+
+    def replay(self):
+        tensors, values = engine_state(self.eng)
+        assert tensors == self.tensors, "a persistent tensor was reallocated after capture"
+        if self.skip:  # the fake capture already executed fn once (a real capture runs nothing)
+            self.skip = False
+            return
+        for o, n in zip(_flat(self.out), _flat(self.fn(*self.static))):
+            o.copy_(n)
+        assert engine_state(self.eng) == (tensors, values), "the step changed host-side state a replay skips"
+
+
+def _flat(x):
+    return [t for t in pytree.tree_leaves(x) if torch.is_tensor(t)]  # Tree and Accepted are registered pytrees
+
+
+def test_graph_capture_plumbing_on_cpu(tiny, monkeypatch):
+    """Exercise the real Graphed.__call__ (eager first call, capture on the second, replays after) with only
+    the CUDA capture itself replaced: static input buffers, outputs reused across replays, persistent
+    drafter/vocabulary state at fixed addresses, no host-side state changed by a step, fixed-size caches."""
+    m = target(tiny[0])
+    for kind, spec in [("eagle3", "nanospec"), ("model", "nanospec"), ("eagle2", "full"), ("eagle3", "freq")]:
+        if spec == "freq":
+            torch.save(list(range(m.args.vocab_size))[::-1], tiny[3] / "freq.pt")
+            spec = f"freq:{tiny[3] / 'freq.pt'}:64"
+        eng = Engine(m, drafter=make_drafter(kind, tiny, m, spec))
+
+        def capture(self, static, eng=eng):
+            graph = FakeGraph(self.fn, static, self.fn(*static), eng)
+            return graph, graph.out
+
+        monkeypatch.setattr(graphs.Graphed, "_capture", capture)
+        eng.fused_steps, eng.planner.fixed = True, 160
+        eng.verify_step, eng.advance_step = graphs.Graphed(eng._spec_verify), graphs.Graphed(eng._spec_advance)
+        for i, p in enumerate(PROMPTS):
+            ref = autoregressive(m, p, 30)
+            assert eng.generate(p, 30)[0] == ref, kind
+            assert eng.generate(p, 30)[0] == ref, kind  # replays of graphs captured in the first request
+            m.setup_caches(1, 300 + 8 * i)  # another engine on this model resizes its caches: re-capture
+        assert eng.verify_step.graphs and eng.advance_step.graphs  # replays really happened

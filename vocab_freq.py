@@ -1,0 +1,169 @@
+"""FR-Spec frequency files: token ids ranked by how often they occur, most frequent first (`torch.save` of a
+list of ids). FR-Spec's static vocabulary (vocab.FreqVocab) takes the top K; NanoSpec's window fills its free
+slots from one (vocab.NanoSpecVocab).
+
+CLI:  python vocab.py build-freq --tokenizer tokenizer.json --corpus FILE [FILE ...] --out freq.pt
+"""
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+
+def load_freq_file(path, vocab_size, k=None, eos_ids=()):
+    """Token ids of an FR-Spec frequency file (most frequent first), top k, eos included.
+
+    The file is `torch.save` of a list (or 1-D tensor) of ids. Repeated ids keep their
+    first rank. k=None takes the whole file (capped at vocab_size). Exactly k ids come
+    back: eos ids missing from the top k replace the least frequent entries, so the
+    budget (and the GEMM width) stays k.
+    """
+    if not Path(path).is_file():
+        raise ValueError(f"frequency file not found: {path}")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle, zip and weights-only errors come in several types
+        raise ValueError(f"{path} is not a readable frequency file (torch.save of a list of token ids): "
+                         f"{str(e).splitlines()[0][:120]}") from None
+    if isinstance(data, torch.Tensor):
+        if data.dim() != 1 or data.is_floating_point() or data.is_complex():
+            raise ValueError(f"{path}: expected a 1-D integer tensor of token ids, got "
+                             f"{data.dtype} of shape {tuple(data.shape)}")
+        data = data.tolist()
+    if not isinstance(data, (list, tuple)) or not all(isinstance(x, int) for x in data):
+        raise ValueError(f"{path}: expected a list of int token ids (FR-Spec freq_*.pt format)")
+    if not data:
+        raise ValueError(f"{path}: the frequency file is empty")
+    bad = [x for x in data if not 0 <= x < vocab_size]
+    if bad:
+        raise ValueError(f"{path}: {len(bad)} token id(s) outside [0, {vocab_size}) "
+                         f"(e.g. {bad[0]}); was it built for a different tokenizer/vocabulary?")
+    bad = [e for e in eos_ids if not 0 <= e < vocab_size]
+    if bad:
+        raise ValueError(f"eos id(s) {bad} outside [0, {vocab_size})")
+    ranked = list(dict.fromkeys(data))                               # dedupe, keep first rank
+    if k is None:
+        k = min(len(ranked), vocab_size)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if k > len(ranked):
+        raise ValueError(f"{path}: asked for the top {k} ids but the file ranks only {len(ranked)}")
+    eos = list(dict.fromkeys(eos_ids))
+    if len(eos) > k:
+        raise ValueError(f"k ({k}) is smaller than the number of eos ids ({len(eos)})")
+    top = ranked[:k]
+    in_top = set(top)
+    missing = [e for e in eos if e not in in_top]
+    if missing:
+        keep, n_drop = [], len(missing)
+        for t in reversed(top):                                      # drop least frequent non-eos
+            if n_drop and t not in eos:
+                n_drop -= 1
+                continue
+            keep.append(t)
+        top = keep[::-1] + missing
+    return torch.tensor(top, dtype=torch.long)
+
+
+def build_freq(token_ids, vocab_size):
+    """Ids that occur in `token_ids`, by descending count (ties: smaller id first).
+
+    Ids that never occur are left out (like FR-Spec's files, and so that the default K
+    of "freq:PATH" means "every token seen"). Accepts a tensor or any iterable of ints,
+    e.g. the tokens the target generated itself.
+    """
+    t = torch.as_tensor(token_ids if isinstance(token_ids, torch.Tensor) else list(token_ids),
+                        dtype=torch.long).flatten().cpu()
+    return _rank(build_freq_counts(t, vocab_size))
+
+
+def build_freq_counts(t, vocab_size):
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
+        raise ValueError(f"token ids outside [0, {vocab_size}) (range {int(t.min())}..{int(t.max())})")
+    return torch.bincount(t, minlength=vocab_size)
+
+
+def _rank(counts):
+    # stable sort on -count keeps id order among ties; never-seen ids are dropped
+    order = torch.sort(-counts, stable=True).indices
+    return order[counts[order] > 0].tolist()
+
+
+_TEXT_KEYS = {"text", "prompt", "turns", "conversations", "messages", "content", "value",
+              "response", "completion", "output", "instruction", "input", "question", "answer"}
+
+
+def _json_texts(obj, is_text=False):
+    # Strings are kept only under text-like keys (so ids, categories, roles are skipped);
+    # lists inherit their key, dicts (e.g. a conversation turn) re-decide per key.
+    if isinstance(obj, str):
+        if is_text:
+            yield obj
+    elif isinstance(obj, list):
+        for x in obj:
+            yield from _json_texts(x, is_text)
+    elif isinstance(obj, dict):
+        for key, v in obj.items():
+            yield from _json_texts(v, key in _TEXT_KEYS)
+
+
+def corpus_texts(path, id_lists=None):
+    """Texts of a .txt (one per non-empty line) or .jsonl corpus. jsonl lines that are already token ids
+    ({"ids": [int, ...]}, e.g. `eagle_train.py data` records) go to id_lists instead, when it is given; a
+    record's "spans" (the target's own answers) are all of it that counts (FR-Spec ranks what the model
+    writes, not the prompts it reads)."""
+    is_jsonl = str(path).endswith(".jsonl")
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if is_jsonl:
+                if line.strip():
+                    obj = json.loads(line)
+                    ids = obj.get("ids") if isinstance(obj, dict) else None
+                    if id_lists is not None and isinstance(ids, list) and all(isinstance(x, int) for x in ids):
+                        spans = obj.get("spans")
+                        id_lists.append(ids if not spans else [x for a, b in spans for x in ids[a:b]])
+                    else:
+                        yield from _json_texts(obj)
+            elif line.strip():
+                yield line.rstrip("\n")
+
+
+def build_freq_file(tokenizer_path, corpus_paths, out_path, vocab_size=None, batch=256):
+    """Rank token ids by count over one or more corpora (text, or token-id records of the same tokenizer)."""
+    tok = Tokenizer.from_file(tokenizer_path)
+    V = vocab_size or tok.get_vocab_size(with_added_tokens=True)
+    counts = torch.zeros(V, dtype=torch.long)
+    texts, id_lists = [], []
+    for p in [corpus_paths] if isinstance(corpus_paths, (str, os.PathLike)) else corpus_paths:
+        texts += corpus_texts(p, id_lists)
+    if id_lists:
+        counts += build_freq_counts(torch.tensor([x for ids in id_lists for x in ids], dtype=torch.long), V)
+    for i in range(0, len(texts), batch):
+        for enc in tok.encode_batch(texts[i:i + batch], add_special_tokens=False):
+            if enc.ids:
+                ids = torch.tensor(enc.ids, dtype=torch.long)
+                if int(ids.max()) >= V:
+                    raise ValueError(f"tokenizer produced id {int(ids.max())} >= --vocab-size {V}")
+                counts += torch.bincount(ids, minlength=V)
+    ranked = _rank(counts)
+    torch.save(ranked, out_path)
+    return ranked
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="NanoSpec vocabulary tools")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build-freq", help="rank token ids by frequency in a corpus (FR-Spec file)")
+    b.add_argument("--tokenizer", required=True, help="path to tokenizer.json")
+    b.add_argument("--corpus", required=True, nargs="+",
+                   help=".txt (one text per line) or .jsonl (texts, or token-id records {\"ids\": [...]} such as "
+                        "`eagle_train.py data` writes)")
+    b.add_argument("--out", required=True, help="output .pt (list of ids, most frequent first)")
+    b.add_argument("--vocab-size", type=int, default=None,
+                   help="model vocabulary size (default: the tokenizer's, incl. added tokens)")
+    a = p.parse_args(argv)
+    ranked = build_freq_file(a.tokenizer, a.corpus, a.out, a.vocab_size)
+    print(f"wrote {len(ranked)} ranked token ids to {a.out}")
