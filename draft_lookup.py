@@ -85,7 +85,7 @@ class NgramDrafter(Drafter):
         children, at most k of them: so every prefix is the best tree of its size (budget.py verifies prefixes).
         One occurrence, or several that agree, make match()'s chain. Why: where the text repeats with variations
         (a short match followed by different words), the siblings catch what the most recent continuation misses:
-        replayed offline on session 20's 60 Spec-Bench l10 outputs (greedy acceptance, a fixed size every step),
+        replayed offline on 60 Spec-Bench l10 greedy outputs (greedy acceptance, a fixed size every step),
         tau 2.31 -> 2.45 at 11 nodes, 2.23 -> 2.34 at 8, 1.94 -> 1.98 at 4 against the most recent chain."""
         n, starts = self.starts(hist)
         if not n:
