@@ -9,16 +9,13 @@ from model import Transformer
 
 
 def pass_key(model: Transformer) -> str:
-    """The machine, the model's shapes and dtype, and how its passes run: what a pass's cost depends on."""
     return (f"{cpu_gemm.machine_id()} {cpu_forward.shape_key(model.args)} {model.lm_head.weight.dtype} "
             f"{'fused pass' if model.cpu_pass is not None else 'layers'} {'kernel' if cpu_gemm.enabled() else 'torch'}")
 
 
 def pass_costs(model: Transformer, nodes: int, extra=()) -> dict[int, float] | None:
-    """Seconds of the target's pass at each budget size up to nodes and the extra sizes, on this machine
-    (CPU; measured once and cached per machine, model and pass kind in cache_dir()/pass_cost.json; a second
-    or so): budget.py's estimate for the sizes a request has not timed. None on other devices (budget.py
-    interpolates)."""
+    """Seconds of the target's pass per budget size on this CPU (measured once, cached in pass_cost.json);
+    None on other devices (budget.py interpolates)."""
     if model.lm_head.weight.device.type != "cpu":
         return None
     sizes = sorted(set([s for s in SIZES if s < nodes] + [nodes] + list(extra)))
@@ -33,32 +30,25 @@ def pass_costs(model: Transformer, nodes: int, extra=()) -> dict[int, float] | N
 
 
 class BudgetMemory:
-    """Each budget source's state at the end of the last request that used it (budget.Budgets starts a source
-    from it), and the drafter's set-up price (its start_rate). With a key (the caller's: its drafter's and
-    sampling's settings, whose acceptance differs) it outlives the process in cache_dir()/budget.json, keyed
-    also by the machine, the model and its pass, and the device: one CLI answer starts from what earlier
-    answers measured (acceptance per node rank, step times, the hybrid head's start price) instead of timing
-    the whole tree and autoregressive decoding and starting the head to learn them again.
-    NANOSPEC_BUDGET_CACHE=off keeps it in the process."""
+    """Each budget source's state after the last request that used it, and the drafter's start_rate. With a key
+    (the caller's drafter and sampling settings) it outlives the process in budget.json, keyed also by machine,
+    model, pass and device; NANOSPEC_BUDGET_CACHE=off keeps it in the process."""
 
     def __init__(self, model: Transformer, drafter, key: str | None):
-        self.drafter, self.sources = drafter, {}
-        self.where = None
+        self.drafter, self.sources, self.where = drafter, {}, None
         if key is not None and os.environ.get("NANOSPEC_BUDGET_CACHE", "on") != "off":
             self.where = (cpu_gemm.cache_dir() / "budget.json",
                           f"{pass_key(model)} {model.lm_head.weight.device.type} {key}")
         self.load()
 
-    def load(self):
-        """A missing, stale or unreadable entry leaves the memory empty."""
+    def load(self):  # a missing, stale or unreadable entry leaves the memory empty
         if self.where is None:
             return
         d = cpu_gemm.read_json(self.where[0]).get(self.where[1])
         try:
-            self.sources = {k: Budget.from_state(v) for k, v in d["sources"].items()}
             rate = float(d.get("start_rate", 0.0))
+            self.sources = {k: Budget.from_state(v) for k, v in d["sources"].items()}
         except (TypeError, KeyError, AttributeError, ValueError):
-            self.sources = {}
             return
         self.drafter.start_rate = rate
 

@@ -1,14 +1,6 @@
-"""The C kernels' loader: every .c file of csrc/ compiled into one shared library per flag set (the ISA's flags;
-the phase-timing build adds -DNANOSPEC_PHASES), cached in cache_dir() under a hash of csrc/'s files, the flags
-and the compiler, built once per machine. The table SIGNATURES types each entry point (csrc/nanospec.h), and the
-ctypes structs below mirror that header's structs field for field.
-
-A failed build raises where the kernel was required (NANOSPEC_CPU_GEMM=kernel), with the compiler's errors;
-otherwise it prints one line on stderr and the callers fall back to PyTorch. A CPU without AVX2, or no compiler,
-falls back quietly (the latter with the same one line).
-
-Also the per-machine cache the rest of the engine keeps its measured answers in (cache_dir, cached, the JSON
-helpers; cpu_gemm re-exports them).
+"""The C kernels' loader: csrc/'s .c files compiled into one shared library per flag set, cached in cache_dir() under
+a hash of the sources, flags and compiler. SIGNATURES types each entry point and the ctypes structs mirror
+csrc/nanospec.h's field for field. Also the per-machine cache of measured answers (cache_dir, cached, JSON helpers).
 """
 import ctypes
 import hashlib
@@ -24,7 +16,6 @@ from pathlib import Path
 import torch
 
 SRC_ENV = "NANOSPEC_CSRC"  # another csrc/ folder (tests build a broken copy)
-
 P, L, INT, F32, I64, F64 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float, ctypes.c_int64, ctypes.c_double
 
 
@@ -64,24 +55,18 @@ class Window(ctypes.Structure):
                 ("winner", P), ("fill_tok", P), ("has_fill", INT), ("ids", P), ("bias", P), ("dst", RowsDst)]
 
 
-def ptr(s: ctypes.Structure):
-    return ctypes.byref(s)
+ptr = ctypes.byref
 
 
 # name -> (argument types, result type): csrc/nanospec.h's entry points
 SIGNATURES = {
-    "linear_bf16": ((P, P, L, L, P, P, L, P, INT), None),
-    "write_rows": ((ctypes.POINTER(RowsDst), P, P, L), None),
-    "stack_bf16": ((ctypes.POINTER(StackArgs),), None),
-    "compact_bf16": ((ctypes.POINTER(KVCache), P, P, L), None),
-    "phase_times": ((P,), None),
-    "eagle_tree_bf16": ((ctypes.POINTER(TreeArgs),), None),
+    "linear_bf16": ((P, P, L, L, P, P, L, P, INT), None), "write_rows": ((ctypes.POINTER(RowsDst), P, P, L), None),
+    "stack_bf16": ((ctypes.POINTER(StackArgs),), None), "compact_bf16": ((ctypes.POINTER(KVCache), P, P, L), None),
+    "phase_times": ((P,), None), "eagle_tree_bf16": ((ctypes.POINTER(TreeArgs),), None),
     "eagle_update_bf16": ((ctypes.POINTER(UpdateArgs),), None),
     "nanospec_append": ((ctypes.POINTER(Window), P, P, L, P, P, P), None),
-    "nanospec_metrics": ((P, P, L, L, L, L, P, P, P, P), None),
-    "topk_rows_bf16": ((P, L, P, L, L, P, INT), None),
-    "argmax_rows": ((P, INT, L, L, P, INT), None),
-    "peak_gflops": ((L, INT), F64),
+    "nanospec_metrics": ((P, P, L, L, L, L, P, P, P, P), None), "topk_rows_bf16": ((P, L, P, L, L, P, INT), None),
+    "argmax_rows": ((P, INT, L, L, P, INT), None), "peak_gflops": ((L, INT), F64),
 }
 
 
@@ -91,8 +76,7 @@ def src_dir() -> Path:
 
 def sources(src: Path | None = None) -> list[Path]:
     """Every file the build reads: the .c files it compiles and the headers they include."""
-    src = src or src_dir()
-    return sorted(p for p in src.iterdir() if p.suffix in (".c", ".h"))
+    return sorted(p for p in (src or src_dir()).iterdir() if p.suffix in (".c", ".h"))
 
 
 def source_hash(flags: list[str] = (), src: Path | None = None) -> str:
@@ -110,13 +94,20 @@ def cache_dir() -> Path:
     return Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nanospec"
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """Environment variable `name`, one of choices (default: the first)."""
+    value = os.environ.get(name, choices[0])
+    if value not in choices:
+        raise ValueError(f"{name} must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}")
+    return value
+
+
 def cpu_supported() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 class BuildError(RuntimeError):
     """The compiler's failure: the message holds its whole stderr; summary() its first error line."""
-
     def summary(self) -> str:
         lines = str(self).splitlines()
         return next((l.strip() for l in lines[1:] if "error:" in l), lines[0])
@@ -126,9 +117,8 @@ _LIBS = {}  # hash -> the loaded library, or None where it failed (a plain dict:
 
 
 def load(flags: list[str], required: bool = False, src: Path | None = None):
-    """The library of csrc/ built with flags, loaded (built into cache_dir() once); None where it cannot be: not
-    x86 with AVX2, no compiler, or a failed build (one line on stderr). A failed build raises BuildError where
-    required."""
+    """The library of csrc/ built with flags, loaded; None where it cannot be (not x86 with AVX2, no compiler, or a
+    failed build: one line on stderr, the callers use PyTorch). A failed build raises BuildError where required."""
     if not cpu_supported():
         return None
     tag = source_hash(flags, src)
@@ -138,8 +128,7 @@ def load(flags: list[str], required: bool = False, src: Path | None = None):
     try:
         if not so.is_file():
             build(flags, so, src or src_dir())
-        # torch is loaded first, so the library's libgomp.so.1 resolves to torch's own: one OpenMP thread
-        # pool in the process (two pools would spin against each other on a 2-core machine)
+        # torch is loaded first, so libgomp.so.1 resolves to torch's own: one OpenMP pool (two would spin)
         _LIBS[tag] = ctypes.CDLL(str(so))
     except BuildError as e:
         if required:
@@ -181,10 +170,9 @@ def function(name: str, flags: list[str], required: bool = False):
     key = (tuple(flags), name, required)
     if key not in _FNS:
         lib = load(flags, required)
-        fn = None if lib is None else getattr(lib, name)
+        fn = _FNS[key] = None if lib is None else getattr(lib, name)
         if fn is not None:
             fn.argtypes, fn.restype = SIGNATURES[name]
-        _FNS[key] = fn
     return _FNS[key]
 
 
@@ -196,8 +184,7 @@ def read_json(path: Path) -> dict:
 
 
 def merge_json(path: Path, key: str, value):
-    """Set path[key] = value in a JSON file of per-machine answers: read, merge, replace atomically (a
-    concurrent process sees the old file or the new one). A read-only home only costs a re-check next time."""
+    """Set path[key] = value in a JSON file, replaced atomically; a read-only home only costs a re-check next time."""
     data = read_json(path)
     data[key] = value
     try:

@@ -1,33 +1,11 @@
-"""The CPU target pass in one C call: every decoder layer of a bf16 model (norms, fused GEMMs, RoPE, the KV
-write, attention, the MLP, the residuals) for all rows of a pass.
+"""The CPU target pass in one C call (csrc/forward.c): every decoder layer of a bf16 model for all rows of a batch-1
+pass, in one OpenMP region. Why: through PyTorch's eager ops a one-row decode step issues about 1,500 small ops
+(measured: 13 of 36 ms outside the GEMMs and the attention).
 
-Why: on CPU a pass through PyTorch's eager ops costs far more than its arithmetic. A one-row decode step of
-the default 30-layer model issues about 1,500 small ops (measured: 13 of 36 ms outside the GEMMs and the
-attention), and SDPA's CPU flash kernel spends most of its time on a masked, static-length cache. Here the
-whole layer stack runs in one OpenMP parallel region of one C function (cpu_gemm's GEMM tiles inside), with
-q/k/v and gate/up fused into one packed weight each (gpt-fast's wqkv; loaded from the HF checkpoint as it is).
-
-Exact by construction: every step works on each row alone, in an order that does not depend on the pass.
-The GEMMs are cpu_gemm's (row-invariant). Attention reads, for each query row, exactly the keys its mask
-allows, in increasing slot order, one dot product per key (one FMA chain over the head dimension, a fixed
-horizontal sum; in the AVX-512 BF16 build one vdpbf16ps chain over its pairs, 1.1-1.2x faster verification
-passes of 11-26 rows at 300-1,000 keys on Zen 4, in the key's own vector lane, from a transposed copy of the
-keys kept next to the cache, scoring whole 16-slot blocks and keeping the allowed keys' scores: no horizontal
-sum per key, 1.05-1.17x faster passes of 11-26 rows and 1.17x faster 1,000-token prefills on Zen 5; the
-AVX-512F build reads the same transposed keys with one fp32 FMA chain over the head dimension per lane), then a
-two-pass softmax in that order. Tree nodes come after their ancestors (draft.Tree),
-so a node sees the prefix and then its ancestors in the same order and with the same values as the
-autoregressive token at its position sees them. A token's bits therefore never depend on how many rows
-share its pass or where its keys sit, and exact mode needs neither padding nor model.exact_attention.
-
-Rounding follows the PyTorch bf16 path (model.py): every op's result is rounded to bf16 where that path
-rounds (norm, RoPE, residual adds, SiLU, the product with up); attention runs in fp32 over the bf16 cache.
-So the two paths agree to bf16 rounding, not bit for bit (sums run in other orders).
-
-Used by model.Transformer.forward for batch-1 passes of bf16 CPU models where cpu_gemm's kernel is on
-(`attach`); other passes (batches, explicit [B, 1, T, S] masks) take the PyTorch path.
+Exact by construction: the GEMMs are row-invariant, and attention reads each row's allowed keys in slot order, one
+fixed-order chain per key; tree nodes follow their ancestors, so a node sees what the autoregressive token at its
+position sees. Rounding follows model.py's bf16 path op by op: the two agree to bf16 rounding, not bit for bit.
 """
-import os
 import time
 
 import torch
@@ -41,9 +19,7 @@ TAG = cbuild.source_hash(cpu_gemm.FLAGS)[:8]  # keys the per-machine answers abo
 
 def kernel():
     """The pass's C function (csrc/forward.c), or None where cpu_gemm's kernel cannot be built here."""
-    if cpu_gemm.kernel() is None:
-        return None
-    return cpu_gemm.c_function("stack_bf16", phases=_TIMED[0])
+    return cpu_gemm.c_function("stack_bf16", phases=_TIMED[0]) if cpu_gemm.kernel() is not None else None
 
 
 # The pass's kinds of work, in phase_times()'s order (the C enum PH_*)
@@ -52,40 +28,34 @@ _TIMED = [False]
 
 
 def timed(on: bool):
-    """Run the fused pass as its phase-timing build (-DNANOSPEC_PHASES) from now on (on) or the plain one (off): the
-    same arithmetic."""
+    """Run the fused pass as its phase-timing build (-DNANOSPEC_PHASES, the same arithmetic) or the plain one."""
     _TIMED[0] = bool(on)
 
 
 def phase_times() -> dict[str, float]:
-    """Milliseconds per kind of work (PHASES) in the timed build's passes since the last call: thread 0's wall time
-    between the pass's barriers, each kind's waits for the other threads included; the kinds add up to the passes."""
+    """Milliseconds per PHASES kind (thread 0's wall time, waits included) in timed passes since the last call."""
     out = torch.zeros(len(PHASES), dtype=torch.float64)
     cpu_gemm.c_function("phase_times", phases=True)(out.data_ptr())
     return dict(zip(PHASES, (out * 1e3).tolist()))
 
 
 def compact(kv: Tensor, kt: Tensor, src: list[int], dst: list[int]) -> bool:
-    """model.compact_kv's moves in one C call (eager CPU): KV slot src[i] -> dst[i] in every layer, and in the
-    transposed keys; False where the C code is not built here (the caller moves them with torch). Why: the
-    index_select / index_copy pair and the transposed keys' advanced indexing cost about 0.15 ms a tree step."""
-    fn = cpu_gemm.c_function("compact_bf16") if cpu_gemm.kernel() is not None else None
-    if fn is None:
+    """model.compact_kv's moves (KV slot src[i] -> dst[i], transposed keys too) in one C call; False where it is not
+    built here. Why: torch's index_select / index_copy and advanced indexing cost about 0.15 ms a tree step."""
+    if cpu_gemm.kernel() is None:
         return False
     L, _, Hkv, S, hd = kv.shape
     assert kv.is_contiguous() and kv.dtype == torch.bfloat16 and (kt.numel() == 0 or kt.is_contiguous())
-    sd = torch.tensor([src, dst], dtype=torch.int64)  # [2, n]: the sources, then the destinations
+    sd = torch.tensor([src, dst], dtype=torch.int64)
     has_kt = kt.numel() > 0
     c = cbuild.KVCache(kv.data_ptr(), kt.data_ptr() if has_kt else 0, L, Hkv, S, hd, kt.shape[2] if has_kt else 0)
-    fn(cbuild.ptr(c), sd[0].data_ptr(), sd[1].data_ptr(), len(src))
+    cpu_gemm.c_function("compact_bf16")(cbuild.ptr(c), sd[0].data_ptr(), sd[1].data_ptr(), len(src))
     return True
 
 
 def transposed_keys(kv: Tensor) -> Tensor:
-    """kv [L, 2, Hkv, S, hd] bf16 -> its keys as stack_bf16's kt [L, Hkv, ceil(S / 16), hd / 2, 16] (int32 pairs of
-    bf16), or an empty tensor where the pass does not read them (the AVX2 build; hd % 32 != 0). Why: attention's
-    scores with the keys in the vector lanes need no horizontal sum per key (lanes512); kept next to the cache
-    and written with each key (transposing per pass cost 2 ms at 1,200 keys, BENCHMARKS.md)."""
+    """kv's keys as stack_bf16's kt [L, Hkv, ceil(S / 16), hd / 2, 16] (int32 pairs of bf16; empty for AVX2 or hd % 32).
+    Why: keys in the vector lanes need no horizontal sum per score; kept beside the cache, not transposed per pass."""
     L, _, Hkv, S, hd = kv.shape
     if cpu_gemm.ISA not in ("avx512bf16", "avx512") or hd % 32 or kv.dtype != torch.bfloat16:
         return kv.new_empty(0, dtype=torch.int32)
@@ -99,10 +69,7 @@ ENV = "NANOSPEC_CPU_FORWARD"  # on (default) | off: off keeps the PyTorch layers
 
 
 def switched_on() -> bool:
-    mode = os.environ.get(ENV, "on")
-    if mode not in ("on", "off"):
-        raise ValueError(f"{ENV} must be on or off, got {mode!r}")
-    return mode == "on"
+    return cbuild.env_choice(ENV, ("on", "off")) == "on"
 
 
 def fits_args(a) -> bool:
@@ -112,31 +79,25 @@ def fits_args(a) -> bool:
 
 
 def fits(a, layers) -> bool:
-    """Decoder layers the C pass can run now: fits_args, bf16 on the CPU, with cpu_gemm's packed linears (the
-    process took the kernel), the C pass built here."""
+    """Decoder layers the C pass can run now: fits_args, bf16 CPU weights packed by cpu_gemm, the pass built here."""
     w = layers[0].mlp.down_proj
     return (fits_args(a) and w.weight.device.type == "cpu" and w.weight.dtype == torch.bfloat16
             and w.packed is not None and kernel() is not None)
 
 
-# What a pass of so many rows is worth, in tokens, when the check below weighs a decode step against a tree
-# verification: about the default drafter's mean accepted length at that budget on CPU (BENCHMARKS.md, Spec-Bench)
+# tokens a pass of so many rows is worth: about the default drafter's mean accepted length at that budget on CPU
 ROWS_WORTH = {1: 1.0, 4: 1.8, 16: 2.5}
 
 
 def shape_key(a) -> str:
-    """What a model's per-machine timings depend on besides the machine (cached answers are keyed by it), the
-    C pass's source included."""
-    return f"pass {TAG} L{a.n_layers} d{a.dim} h{a.n_heads}/{a.n_kv_heads}x{a.head_dim} i{a.intermediate_size} v{a.vocab_size}"
+    """What a model's per-machine timings depend on besides the machine, the C pass's source included."""
+    return (f"pass {TAG} L{a.n_layers} d{a.dim} h{a.n_heads}/{a.n_kv_heads}x{a.head_dim} i{a.intermediate_size} "
+            f"v{a.vocab_size}")
 
 
 def attach(model):
-    """Give a bf16 CPU model, whose GEMM cpu_gemm.choose has picked, its fastest pass on this machine, and pack
-    its linears where the process takes cpu_gemm's kernel. The fused pass (its GEMMs are the kernel's) runs
-    where it fits and either NANOSPEC_CPU_GEMM=kernel forces the kernel or, in auto mode, it beats the PyTorch
-    layers with the GEMM their check chose: both timed on the model's own weights (fused_wins), once per
-    machine and model shape. So a CPU whose torch GEMM wins at 16 rows (AMX) still gets the fused pass when
-    its per-op savings weigh more."""
+    """Give a bf16 CPU model its fastest pass here: the fused one where it fits and NANOSPEC_CPU_GEMM=kernel or it
+    beats the PyTorch layers on the model's own weights (fused_wins, cached per machine and shape)."""
     gemm, layers_kernel = cpu_gemm.mode(), cpu_gemm.enabled()
     if not (switched_on() and gemm != "torch" and fits_args(model.args) and kernel() is not None):
         if layers_kernel:
@@ -158,9 +119,7 @@ def attach(model):
 
 @torch.no_grad()
 def fused_wins(model, stack: "Stack", packs: dict, layers_kernel: bool, reps: int = 3) -> bool:
-    """Time the model's whole pass here at every ROWS_WORTH size (pass_seconds), fused and as PyTorch layers,
-    alternating, medians of reps; True iff the fused pass's best worth per second beats the layers'. Leaves the
-    model without caches or a fused pass."""
+    """True iff the fused pass's best ROWS_WORTH per second beats the PyTorch layers'; leaves no caches or pass."""
     ts = {f: {r: [] for r in ROWS_WORTH} for f in (True, False)}
     for _ in range(reps + 1):  # the first round warms up
         for fused in (True, False):
@@ -177,9 +136,7 @@ def fused_wins(model, stack: "Stack", packs: dict, layers_kernel: bool, reps: in
 
 @torch.no_grad()
 def pass_seconds(model, rows: list[int], reps: int = 3, ctx: int = 256) -> dict[int, float]:
-    """{rows: median seconds} of the model's pass as it runs now (fused or PyTorch layers, its GEMM), at each
-    row count, over a context of ctx keys, rows interleaved, medians of reps (one warm-up round first when
-    reps > 1). Leaves the model without caches (its next setup_caches allocates them afresh)."""
+    """{rows: median seconds of reps} of the model's pass as it runs now, over ctx keys; leaves no caches."""
     ctx = max(1, min(ctx, model.args.max_position_embeddings - max(rows)))
     tok = torch.randint(0, model.args.vocab_size, (1, max(rows)), generator=torch.Generator().manual_seed(0))
     model.max_batch = -1
@@ -195,8 +152,7 @@ def pass_seconds(model, rows: list[int], reps: int = 3, ctx: int = 256) -> dict[
 
 
 class Stack:
-    """The packed, fused weights of decoder layers (a target's, or an EAGLE-3 head's one layer) and the
-    pointer table the C pass reads. Holds the tensors it points at, so they live as long as the table."""
+    """Decoder layers' packed, fused weights and the C pass's pointer table (holding the tensors it points at)."""
 
     def __init__(self, a, layers):
         self.args, self.L = a, len(layers)
@@ -213,7 +169,7 @@ class Stack:
             self.keep += [t for t in ts if t is not None]
             rows.append([0 if t is None else t.data_ptr() for t in ts])
             for lin in (at.q_proj, at.k_proj, at.v_proj, mlp.gate_proj, mlp.up_proj):
-                lin.packed = None  # their products now come from the fused copies (the torch path uses F.linear)
+                lin.packed = None  # the fused copies serve them
         self.table = torch.tensor(rows, dtype=torch.int64)
         self.aux_of = {}  # aux layers -> [n_aux] the layer whose input each aux slot gets (built once per tuple)
         self.no_kt = torch.empty(0, dtype=torch.int32)  # no transposed keys: the scores read K
@@ -221,19 +177,14 @@ class Stack:
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor,
                  aux_layers: tuple[int, ...] = (), emb: Tensor | None = None, kt: Tensor | None = None,
                  norm: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """x [T, D] bf16 (the embeddings; an EAGLE-3 head: its input features); cos, sin [T, hd] bf16; mask
-        [T, S] bool; cache_pos [T] int64; kv [L, 2, Hkv, S, hd] bf16, written at cache_pos; aux_layers:
-        layers whose inputs to return (repeats allowed); emb [T, D]: an EAGLE-3 head's token embeddings; kt:
-        the cache's transposed keys (transposed_keys), written and read with kv, or None; norm [D]: the final
-        RMSNorm's weight, applied to the output (as model.RMSNorm, in the pass's own arithmetic), or None
-        -> (x after the layers (and the norm) [T, D], aux [T, len(aux_layers)*D])."""
+        """x [T, D] bf16 (an EAGLE-3 head: its input features, emb its token embeddings); mask [T, S]; kv [L, 2,
+        Hkv, S, hd] (and kt, transposed_keys) written at cache_pos; aux_layers: layers whose inputs to return; norm:
+        the final RMSNorm's weight or None -> (x after the layers and norm [T, D], aux [T, len(aux_layers) * D])."""
         a, key = self.args, tuple(aux_layers)
         if key not in self.aux_of:
             self.aux_of[key] = torch.tensor(list(key) or [-1], dtype=torch.int64)
-        if kt is None:
-            kt = self.no_kt
-        args = (x, emb, cos, sin, mask, cache_pos, kv, kt, self.table, self.aux_of[key], len(key), a.n_heads,
-                a.intermediate_size, a.norm_eps, norm)
+        args = (x, emb, cos, sin, mask, cache_pos, kv, self.no_kt if kt is None else kt, self.table, self.aux_of[key],
+                len(key), a.n_heads, a.intermediate_size, a.norm_eps, norm)
         return torch.ops.nanospec.cpu_stack(*args) if torch.compiler.is_compiling() else run(*args)
 
 
@@ -262,13 +213,9 @@ def run(x: Tensor, emb: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor, c
     return x, aux
 
 
-@torch.library.custom_op("nanospec::cpu_stack", mutates_args=("kv", "kt"))
-def cpu_stack_op(x: Tensor, emb: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor,
-                 kt: Tensor, table: Tensor, aux_of: Tensor, n_aux: int, n_heads: int, inter: int, eps: float,
-                 norm: Tensor | None) -> tuple[Tensor, Tensor]:
-    return run(x, emb, cos, sin, mask, cache_pos, kv, kt, table, aux_of, n_aux, n_heads, inter, eps, norm)
+cpu_stack_op = torch.library.custom_op("nanospec::cpu_stack", run, mutates_args=("kv", "kt"))
 
 
 @cpu_stack_op.register_fake
-def _(x, emb, cos, sin, mask, cache_pos, kv, kt, table, aux_of, n_aux, n_heads, inter, eps, norm):
+def _(x, emb, cos, sin, mask, cache_pos, kv, kt, table, aux_of, n_aux, n_heads, inter, eps, norm=None):
     return x.new_empty(x.shape), x.new_empty(x.shape[0], max(n_aux, 1) * x.shape[1])

@@ -1,10 +1,6 @@
-"""Row gather and copy-stream helpers for NanoSpec's draft vocabulary (whose state lives in vocab.py).
-
-`gather_rows_(rows, weight, token_ids, slots)`: rows[slots[i]] = weight[token_ids[i]] where slots[i] >= 0, a
-`torch.library` custom op so that torch.compile(fullgraph=True) keeps it as one node. CUDA tensors use the
-kernel of csrc/gather_rows.cu (built once with `load_inline`, launched on the current stream, so CUDA graphs
-can capture it); CPU tensors, and CUDA without the extension, use `gather_rows_reference`, the test oracle.
-"""
+"""Row gather and copy-stream helpers for NanoSpec's draft vocabulary (vocab.py). `gather_rows_` is a custom op
+(one node under torch.compile): on CUDA the kernel of csrc/gather_rows.cu (load_inline, on the current stream, so
+CUDA graphs capture it), elsewhere `gather_rows_reference`, the test oracle."""
 import contextlib
 import functools
 import hashlib
@@ -14,24 +10,17 @@ from pathlib import Path
 
 import torch
 
-# ---------------------------------------------------------------- the pure-torch reference and fallback
 
 def gather_rows_reference(rows, weight, token_ids, slots):
-    """rows[slots[i]] = weight[token_ids[i]] where slots[i] >= 0; static shapes, no host sync. rows [S, d],
-    weight [V, d], token_ids / slots [n]; an invalid entry (slot < 0) may carry any token id.
-
-    An invalid entry repeats a valid entry's write (same slot, same value), so `index_copy_` sees duplicate
-    indices only with identical values: exact whichever wins, no scratch row, O(n * d). With no valid entry,
-    every entry rewrites rows[0] with its current value.
-    """
+    """rows[slots[i]] = weight[token_ids[i]] where slots[i] >= 0, no host sync. An invalid entry repeats a valid one's
+    write (none valid: rows[0]'s own value), so index_copy_'s duplicate indices agree: exact, no scratch row."""
     slots = slots.long()
-    token_ids = token_ids.long()
     valid = slots >= 0                                              # [n]
     if valid.numel() == 0:
         return
     first = valid.to(torch.int8).argmax()                           # first valid entry (0 if none)
     any_valid = valid.any()
-    safe_tok = torch.where(valid, token_ids, 0)                     # invalid ids may be garbage
+    safe_tok = torch.where(valid, token_ids.long(), 0)              # invalid ids may be garbage
     vals = weight.index_select(0, safe_tok)                         # [n, d]
     fill = torch.where(any_valid, vals[first], rows[0])             # [d]
     vals = torch.where(valid[:, None], vals, fill)                  # [n, d]
@@ -39,24 +28,17 @@ def gather_rows_reference(rows, weight, token_ids, slots):
     rows.index_copy_(0, dst, vals)
 
 
-# ---------------------------------------------------------------- the CUDA kernel (csrc/gather_rows*.cu)
-
 CSRC = Path(__file__).resolve().parent / "csrc"
 CUDA_KERNEL_SRC = (CSRC / "gather_rows.cu").read_text()
-CUDA_BINDING_SRC = (CSRC / "gather_rows_torch.cu").read_text()
-CUDA_SRC = CUDA_KERNEL_SRC + CUDA_BINDING_SRC
-_CPP_DECL = ("void gather_rows(torch::Tensor rows, torch::Tensor weight, "
-             "torch::Tensor token_ids, torch::Tensor slots);")
-# Versioned by the source hash so an edited kernel never reuses a stale build.
+CUDA_SRC = CUDA_KERNEL_SRC + (CSRC / "gather_rows_torch.cu").read_text()
+_CPP_DECL = "void gather_rows(torch::Tensor rows, torch::Tensor weight, torch::Tensor token_ids, torch::Tensor slots);"
+# named by the source hash, so an edited kernel never reuses a stale build
 EXT_NAME = "nanospec_gather_" + hashlib.sha256(CUDA_SRC.encode()).hexdigest()[:12]
 
 
 @functools.cache
 def _cuda_ext():
-    """Build (first call only) and return the extension module; None if it can't be built.
-
-    NANOSPEC_NO_CUDA_EXT=1 forces the pure-torch fallback (benchmarks, debugging).
-    """
+    """The extension module, built on first call; None if it can't be (or NANOSPEC_NO_CUDA_EXT=1)."""
     if os.environ.get("NANOSPEC_NO_CUDA_EXT") == "1":
         return None
     try:
@@ -72,12 +54,8 @@ def cuda_ext_available():
     return torch.cuda.is_available() and _cuda_ext() is not None
 
 
-# ---------------------------------------------------------------- the custom op
-
 @torch.library.custom_op("nanospec::gather_rows_", mutates_args=("rows",))
-def gather_rows_(rows: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
-                 slots: torch.Tensor) -> None:
-    """rows[slots[i]] = weight[token_ids[i]] for slots[i] >= 0 (in place on `rows`)."""
+def gather_rows_(rows: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor, slots: torch.Tensor) -> None:
     gather_rows_reference(rows, weight, token_ids, slots)
 
 
@@ -85,8 +63,7 @@ def gather_rows_(rows: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tens
 def _gather_rows_cuda(rows, weight, token_ids, slots):
     ext = _cuda_ext()
     if ext is None or rows.stride(1) != 1 or weight.stride(1) != 1:
-        gather_rows_reference(rows, weight, token_ids, slots)
-        return
+        return gather_rows_reference(rows, weight, token_ids, slots)
     ext.gather_rows(rows, weight, token_ids.long().contiguous(), slots.long().contiguous())
 
 
@@ -94,8 +71,6 @@ def _gather_rows_cuda(rows, weight, token_ids, slots):
 def _gather_rows_fake(rows, weight, token_ids, slots):
     return None
 
-
-# ---------------------------------------------------------------- the copy stream (CPU: None, inline)
 
 @functools.cache
 def _copy_stream(index):
@@ -117,9 +92,8 @@ def new_event(device):
 
 @contextlib.contextmanager
 def on_copy_stream(stream, event, *inputs):
-    """Run the body on `stream` after the current stream's queued work, then record `event` (stream None:
-    inline). record_stream keeps the caching allocator from reusing the inputs' memory before the copy stream
-    has read them."""
+    """Run the body on `stream` after the current stream's work, then record `event` (stream None: inline).
+    record_stream keeps the allocator from reusing the inputs' memory before the copy stream has read them."""
     if stream is None:
         yield
         return

@@ -1,27 +1,12 @@
-"""The drafter protocol and what a step hands the next: `Tree`, `Prefill`, `Accepted`, the `Drafter` base
-with the protocol's defaults, and the tree helpers every drafter shares. Drafters: draft_eagle.py (EAGLE
-heads, a draft model), draft_lookup.py (prompt lookup), draft_hybrid.py (both in one tree); draft_config.py
-builds them.
-
-The protocol (batch 1; n = 0-dim tensor, tokens already in the target's KV cache; root = [1] the last
-emitted token, not yet in the cache):
-    nodes, depth                 most tokens one verification carries (root included); deepest tree level
-    graphable                    False when draft/update read host values (prompt lookup): run them eagerly
-    reads_states, reads_top      what update reads besides the accepted tokens: the target's hidden / aux
-                                 states, and its top-k tokens per accepted position (NanoSpec's K_ver; 0: none)
-    setup(max_seq)               before a request whose target cache has max_seq slots
-    prompt_logits                how many last prompt positions' target logits prefill() reads (0: the last)
-    prefill(p: Prefill)          the target's prefill: prompt, first token, logits, hidden and aux states
-    budget_key(hist) -> str      which budget.Budgets source the next step's drafts belong to
-    draft(root, n, budget=None) -> Tree
-                                 static shapes, no host sync (graphable drafters); budget: the engine verifies
-                                 at most this prefix, so a drafter may skip work that cannot reach it
-    update(a: Accepted)          one verification's outcome: accepted path, bonus, target logits and features
-    stats() -> dict              the request's metrics: LM-head time, vocabulary coverage and active size
-    budget_sizes(key), budget_start(key)    a source's own budget sizes and first size (None: budget.py's)
-    budget_setup(key, b), setup_paid(), start_rate    a one-time set-up a draft of b nodes pays first, the
-                                 seconds set-ups took since the last call, its price per waiting token
-"""
+"""The drafter protocol, what a step hands the next (`Tree`, `Prefill`, `Accepted`) and shared tree helpers.
+`Drafter` holds the protocol's defaults. Batch 1; n: 0-dim, tokens in the target's KV cache; root: [1], the last
+emitted token, not yet cached.
+    nodes, depth (most tokens one verification carries, root included; deepest level); graphable (False:
+    draft/update read host values); reads_states, reads_top (update reads the target's hidden/aux states; its
+    top-k per accepted position); prompt_logits (last prompt positions whose logits prefill reads, 0: the last)
+    setup(max_seq), prefill(Prefill), update(Accepted), stats() -> dict, budget_key(hist) -> budget source
+    draft(root, n, budget=None) -> Tree: static shapes, no host sync; only the first `budget` nodes are verified
+    budget.py's hooks: budget_sizes(key), budget_start(key), budget_setup(key, b), setup_paid(), start_rate"""
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +16,6 @@ from torch import Tensor
 
 import cpu_draft
 
-# ---------------------------------------------------------------- trees and what steps hand each other
 
 @dataclass
 class Tree:
@@ -44,18 +28,15 @@ class Tree:
     max_depth: int = 0  # static bound on depth: the accepted path has at most max_depth + 1 nodes
 
     def prefix(self, b: int) -> "Tree":
-        """The first b nodes. Drafters list nodes best first, parents before children, so this is the tree
-        they would have drafted with a budget of b nodes (budget.py verifies such prefixes)."""
+        """The first b nodes: nodes are listed best first, parents first, so this is the tree of budget b."""
         if b >= self.tokens.shape[0]:
             return self
-        q = None if self.q is None else self.q[:b]
-        return Tree(self.tokens[:b], self.parents[:b], self.depth[:b], self.anc[:b, :b], self.valid[:b], q,
-                    self.max_depth)
+        return Tree(self.tokens[:b], self.parents[:b], self.depth[:b], self.anc[:b, :b], self.valid[:b],
+                    None if self.q is None else self.q[:b], self.max_depth)
 
 
 @dataclass
 class Prefill:
-    """What the target's prefill hands a drafter."""
     tokens: Tensor  # [T] the prompt
     first: Tensor  # [1] the first generated token
     logits: Tensor  # [R, V] at the last R = min(T, prompt_logits) or 1 positions ([T, V]: a fifth of a CPU prefill)
@@ -83,35 +64,23 @@ class Accepted:
 
 
 def chained(steps: list[Accepted], states: bool = True, top: int = 0) -> Accepted:
-    """Consecutive steps' accepted paths as one fully accepted chain, so that a drafter catches up on a run of
-    them in one update (budget.py's fallback; the hybrid's chain-only steps). states=False leaves out the
-    target's logits, hidden and aux states (0 rows); top=k keeps its top-k tokens per position (Accepted.top)
-    instead of the logits rows: a drafter says what it reads (reads_states, reads_top). Why: 128 autoregressive
-    steps' logits are 12.6 MB to copy for the default model (27 ms, 3% of a CPU decode step, for prompt lookup
-    that never reads them). A path 0, 1, .. is cut as a slice, not gathered."""
-    idx, rows = [], []
-    for a in steps:
-        p = a.path[:int(a.L)]
-        pl = p.tolist()
-        idx.append(slice(0, len(pl)) if pl == list(range(len(pl))) else p)
-        rows.append(p)
+    """Consecutive steps' accepted paths as one accepted chain, for one catch-up update. states=False drops logits,
+    hidden and aux; top=k keeps the top-k per position instead of logits (128 steps' logits are 12.6 MB)."""
+    rows = [a.path[:int(a.L)] for a in steps]
+    idx = [slice(0, len(p)) if p.tolist() == list(range(len(p))) else p for p in rows]
     toks = torch.cat([a.tree.tokens[i] for a, i in zip(steps, idx)])  # [K] each step's root and accepted nodes
     a0, K = steps[0], toks.shape[0]
-    tops = None
-    if top:
-        tops = torch.cat([a.top[i] if a.top is not None else cpu_draft.topk_rows(a.logits, r, top)
-                          for a, i, r in zip(steps, idx, rows)])
-    logits = (torch.cat([a.logits[i] for a, i in zip(steps, idx)]) if states and not top else a0.logits[:0])
-    if states:
-        hidden = torch.cat([a.hidden[:, i] for a, i in zip(steps, idx)], 1)
-        aux = None if a0.aux is None else torch.cat([a.aux[:, i] for a, i in zip(steps, idx)], 1)
-    else:
-        hidden, aux = a0.hidden[:, :0], (None if a0.aux is None else a0.aux[:, :0])
+    tops = None if not top else torch.cat([a.top[i] if a.top is not None else cpu_draft.topk_rows(a.logits, r, top)
+                                           for a, i, r in zip(steps, idx, rows)])
+    logits = torch.cat([a.logits[i] for a, i in zip(steps, idx)]) if states and not top else a0.logits[:0]
+    hidden = torch.cat([a.hidden[:, i] for a, i in zip(steps, idx)], 1) if states else a0.hidden[:, :0]
+    aux = None if a0.aux is None else (torch.cat([a.aux[:, i] for a, i in zip(steps, idx)], 1) if states
+                                       else a0.aux[:, :0])
     return Accepted(chain_tree(toks), torch.arange(K, device=toks.device), torch.full_like(a0.L, K), steps[-1].bonus,
                     logits, hidden, aux, a0.n, tops)
 
 
-# registered pytrees: they pass whole through torch.compile'd and CUDA-graphed steps (Graphed flattens them)
+# pytrees: they pass whole through torch.compile'd and CUDA-graphed steps
 for _cls in (Tree, Prefill, Accepted):
     pytree.register_dataclass(_cls)
 
@@ -119,55 +88,47 @@ for _cls in (Tree, Prefill, Accepted):
 def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
     """[N] parents (parents before children) -> [N, N] ancestor-or-self closure, in max_depth static steps."""
     N = parents.shape[0]
-    eye = torch.eye(N, dtype=torch.bool, device=parents.device)
     # P[i, j] = j is the parent of i; ancestors = I + P + P^2 + ...; fp32 matmul keeps it static and sync-free.
     P = F.one_hot(parents.clamp(min=0), N).float() * (parents >= 0).float()[:, None]
-    anc, step = eye.float(), eye.float()
+    anc = step = torch.eye(N, dtype=torch.float32, device=parents.device)
     for _ in range(max_depth):
         step = step @ P
         anc = anc + step
     return anc > 0
 
 
-_CHAINS = {}  # N -> (parents, depth, ancestors, all-valid) of an N-node chain on the CPU, shared by every such chain
+_CHAINS = {}  # N -> (parents, depth, anc, all-valid) of an N-node chain on the CPU, shared by every such chain
 
 
 def chain_tree(tokens: Tensor, valid: Tensor | None = None, q: Tensor | None = None) -> Tree:
-    """A chain root -> t1 -> ... -> tk as a Tree."""
-    N = tokens.shape[0]
-    if tokens.device.type == "cpu" and not torch.compiler.is_compiling():
-        # eager CPU: built once per length (trees are never written in place): five small ops, 0.08 ms a step
-        if N not in _CHAINS:
-            ar = torch.arange(N)
-            _CHAINS[N] = (ar - 1, ar, ar[None, :] <= ar[:, None], torch.ones(N, dtype=torch.bool))
-        parents, depth, anc, ones = _CHAINS[N]
-        return Tree(tokens, parents, depth, anc, ones if valid is None else valid, q, N - 1)
-    ar = torch.arange(N, device=tokens.device)
-    anc = ar[None, :] <= ar[:, None]
-    if valid is None:
-        valid = torch.ones(N, dtype=torch.bool, device=tokens.device)
-    return Tree(tokens, ar - 1, ar, anc, valid, q, N - 1)
+    N, dev = tokens.shape[0], tokens.device
+    # eager CPU: built once per length (trees are never written in place): five small ops, 0.08 ms a step
+    cached = dev.type == "cpu" and not torch.compiler.is_compiling()
+    parts = _CHAINS.get(N) if cached else None
+    if parts is None:
+        ar = torch.arange(N, device=dev)
+        parts = (ar - 1, ar, ar[None, :] <= ar[:, None], torch.ones(N, dtype=torch.bool, device=dev))
+        if cached:
+            _CHAINS[N] = parts
+    parents, depth, anc, ones = parts
+    return Tree(tokens, parents, depth, anc, ones if valid is None else valid, q, N - 1)
 
 
 def lookup_tree_of(root: Tensor, tok: list[int], par: list[int], pad_to: int = 0) -> Tree:
-    """The Tree of a root and the nodes below it (tok, par: node i + 1's token and parent, parents first), padded
-    with invalid nodes to 1 + pad_to (--compile: one shape, max_depth pad_to, so nothing retraces). A chain
-    takes chain_tree's cached shape."""
+    """The Tree of root and nodes tok below it (par: node i + 1's parent), padded to 1 + pad_to (one shape)."""
     pad = max(pad_to - len(tok), 0)
     dev = root.device
     if par == list(range(len(par))):
         valid = None if not pad else torch.tensor([True] * (1 + len(tok)) + [False] * pad, device=dev)
         return chain_tree(torch.tensor([int(root)] + tok + [0] * pad, device=dev), valid)
     parents = [-1] + par + [0] * pad
-    depth = [0] * len(parents)
-    for i in range(1, len(parents)):
-        depth[i] = depth[parents[i]] + 1
     N = len(parents)
-    anc = []  # ancestor-or-self rows, built on the host (N <= k + 1 is small): the parent's row and itself
+    depth, anc = [0] * N, []  # anc: ancestor-or-self rows on the host (N <= k + 1): the parent's row and itself
     for i in range(N):
         row = list(anc[parents[i]]) if i else [False] * N
         row[i] = True
         anc.append(row)
+        depth[i] = depth[parents[i]] + 1 if i else 0
     return Tree(torch.tensor([int(root)] + tok + [0] * pad, device=dev), torch.tensor(parents, device=dev),
                 torch.tensor(depth, device=dev), torch.tensor(anc, device=dev),
                 torch.tensor([True] * (1 + len(tok)) + [False] * pad, device=dev), None, pad_to or max(depth))

@@ -1,7 +1,4 @@
-"""How to draft (`DraftConfig`, each field a flag of generate.py and bench.py) and `make_drafter`, the one
-place that builds a drafter with its draft vocabulary; the CLI's drafting flags (add_flags, from_flags) sit
-next to the fields they set, with the check that the chosen drafter honours every flag given.
-"""
+"""How to draft (`DraftConfig`), its CLI flags, and `make_drafter`, which builds a drafter and its vocabulary."""
 import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +15,7 @@ from model import ModelError, Transformer, load_model
 from sampling import Sampling
 from tokenizer import Tokenizer
 from vocab import make_vocab
+
 
 def detect_draft_kind(path: Path) -> str:
     """'eagle' (fc.weight present) or 'model' (a checkpoint model.py loads)."""
@@ -37,8 +35,7 @@ def detect_draft_kind(path: Path) -> str:
     raise ModelError(f"draft folder {path} is neither an EAGLE head nor a causal LM checkpoint")
 
 
-# EAGLE-2 tree (top-k, depth, nodes): the papers' 10/5/60 on GPUs; on CPU a 60-node verify costs about three
-# decode steps (compute-bound), so a 16-node tree is faster at nearly the same acceptance (measured).
+# EAGLE-2 tree (top-k, depth, nodes): the papers' on GPUs; on CPU 16 nodes beat 60 at nearly the same acceptance
 TREE_GPU, TREE_CPU = (10, 5, 60), (8, 5, 16)
 DRAFT_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                   "*.safetensors", "model.safetensors.index.json", "pytorch_model.bin"]
@@ -62,16 +59,13 @@ class DraftConfig:
     static: bool = False  # n-gram chains padded to spec_k + 1 nodes: one compiled verify shape
     ngram: bool | None = False  # EAGLE heads: merge a prompt-lookup chain into the tree; None: on for EAGLE heads
     ngram_occurrences: int = 8  # prompt lookup's tree: continuations of this many earlier occurrences
-    # the flags given on the command line (the CLI's): one the chosen drafter would ignore is an error
-    # (bench and the GPU check set every flag for every method); not in repr, which keys the budget memory
+    # the CLI's flags given: one the chosen drafter would ignore is an error; not in repr (keys budget memory)
     given: frozenset = field(default=frozenset(), repr=False, compare=False)
 
     def __post_init__(self):
-        # values no drafter can honour fail here, once for every caller (0 once meant "the default" by accident)
-        for flag, v, least in (("spec-k", self.spec_k, 1), ("k-pre", self.k_pre, 1), ("k-ver", self.k_ver, 1),
-                               ("w-max", self.w_max, 1)):
-            if v is not None and v < least:
-                raise ValueError(f"--{flag} must be >= {least}, got {v}")
+        for flag, v in (("spec-k", self.spec_k), ("k-pre", self.k_pre), ("k-ver", self.k_ver), ("w-max", self.w_max)):
+            if v is not None and v < 1:
+                raise ValueError(f"--{flag} must be >= 1, got {v}")
 
     def tree(self, device) -> tuple[int, int, int]:
         """(top-k, depth, nodes) with this device's defaults filled in."""
@@ -79,7 +73,7 @@ class DraftConfig:
         return tuple(d if v is None else v for v, d in zip((self.tree_topk, self.tree_depth, self.tree_nodes), dflt))
 
 
-# the flags of each part of drafting: the drafter kinds below honour only their own parts' flags
+# the flags of each part of drafting: each drafter kind honours only its own parts' flags
 TREE_FLAGS = ("tree_topk", "tree_depth", "tree_nodes")
 LOOKUP_FLAGS = ("ngram_min", "ngram_max", "ngram_occurrences")
 WINDOW_FLAGS = ("w_max", "k_pre", "k_ver", "vocab_ablation")  # NanoSpec's
@@ -87,21 +81,20 @@ FLAGS = TREE_FLAGS + LOOKUP_FLAGS + WINDOW_FLAGS + ("spec_k",)
 
 
 def check_given(c: DraftConfig, kind: str, *uses: tuple[str, ...]):
-    """A flag given on the command line that a drafter of this kind does not read is an error, not ignored.
-    Only the CLI passes `given`: bench and the GPU check set every field for every method, on purpose."""
+    """A flag given on the command line that a drafter of this kind does not read is an error, not ignored."""
     used = set(sum(uses, ())) | (set(WINDOW_FLAGS) if c.vocab == "nanospec" else set())
     unused = sorted(set(c.given) & set(FLAGS) - used)
-    if unused and unused[0] in WINDOW_FLAGS:
-        raise ValueError(f"--{unused[0].replace('_', '-')} applies to the nanospec vocabulary only (--vocab {c.vocab})")
     if unused:
-        raise ValueError(f"--{unused[0].replace('_', '-')} does not apply to {kind}")
+        flag = "--" + unused[0].replace("_", "-")
+        raise ValueError(f"{flag} applies to the nanospec vocabulary only (--vocab {c.vocab})"
+                         if unused[0] in WINDOW_FLAGS else f"{flag} does not apply to {kind}")
 
 
 def add_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The drafting flags (generate.py's); returns the speculative-decoding group."""
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--draft", default=None, help="EAGLE head or draft-model folder/hub id, 'ngram', or 'none' (default: "
-                   "the shipped EAGLE-3 head with the default model, else none)")
+    g.add_argument("--draft", default=None, help="EAGLE head or draft-model folder/hub id, 'ngram', or 'none' "
+                   "(default: the shipped EAGLE-3 head with the default model, else none)")
     g.add_argument("--tree-topk", type=int, default=None, help="EAGLE-2 children per frontier node (10 CUDA, 8 CPU)")
     g.add_argument("--tree-depth", type=int, default=None, help="EAGLE-2 tree depth (5)")
     g.add_argument("--tree-nodes", type=int, default=None, help="EAGLE-2 nodes verified per step, root included "
@@ -112,7 +105,8 @@ def add_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--spec-k", type=int, default=None, help="chain length for draft models (5) and n-grams (10)")
     g.add_argument("--ngram-min", type=int, default=1)
     g.add_argument("--ngram-max", type=int, default=3)
-    g.add_argument("--ngram-occurrences", type=int, default=8, help="prompt lookup: merge the continuations of this many earlier occurrences of the matched suffix into one tree (1: the most recent one's chain)")
+    g.add_argument("--ngram-occurrences", type=int, default=8, help="prompt lookup: merge the continuations of this "
+                   "many earlier occurrences of the matched suffix into one tree (1: the most recent one's chain)")
     v = p.add_argument_group("draft vocabulary")
     v.add_argument("--vocab", default=None, help="full | freq:PATH[:K] | nanospec (default: nanospec with the shipped "
                    "head, else full)")
@@ -126,8 +120,7 @@ def add_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
 
 def given_flags(p: argparse.ArgumentParser, argv) -> frozenset:
-    """The drafting flags argv gives (not left at their defaults; abbreviations and --flag=value included, as
-    argparse reads them: hence a second parse rather than a scan of argv)."""
+    """The drafting flags argv gives, as argparse reads them (abbreviations, --flag=value): a second parse."""
     for action in p._actions:  # parsed again without their defaults: only the given ones are set
         if action.dest in FLAGS:
             action.default = argparse.SUPPRESS
@@ -150,8 +143,7 @@ def append_width(nodes: int, depth: int, k_ver: int) -> int:
 
 
 def eagle_vocab(c: DraftConfig, head: EagleHead, target: Transformer, chain: int = 0):
-    """The draft vocabulary of an EAGLE head; sized for one step's append (tree nodes, a merged prompt-lookup
-    chain of `chain` tokens, the target's top-K per path node)."""
+    """The draft vocabulary of an EAGLE head, sized for one step's append (with a merged chain of `chain` tokens)."""
     topk, depth, nodes = c.tree(head.fc.weight.device)
     check_tree_budget(topk, depth, nodes)
     rows = EagleDrafter.token_to_row_map(head)
@@ -162,14 +154,13 @@ def eagle_vocab(c: DraftConfig, head: EagleHead, target: Transformer, chain: int
 
 def make_drafter(c: DraftConfig, target: Transformer, sampling: Sampling | None = None,
                  tokenizer: Tokenizer | None = None, head: EagleHead | None = None):
-    """The one place that builds a drafter with its vocabulary (None for c.draft == "none"). For an EAGLE-3
-    head it points the target's aux_layers at the head's. head: an EAGLE head already loaded from c.draft
-    (bench shares one head between vocabularies). tokenizer: the target's, checked against a draft model's."""
+    """A drafter with its vocabulary (None for "none"); head: already loaded from c.draft (bench shares it)."""
     if c.draft == "none":
         if c.vocab != "full":
             raise ValueError("--vocab needs a drafter with an LM head (--draft PATH)")
         if c.ngram:
-            raise ValueError("--ngram merges prompt lookup into an EAGLE head's tree: give --draft HEAD (or --draft ngram)")
+            raise ValueError("--ngram merges prompt lookup into an EAGLE head's tree: give --draft HEAD "
+                             "(or --draft ngram)")
         check_given(c, "--draft none")
         return None
     if c.draft == "ngram":
@@ -186,8 +177,7 @@ def make_drafter(c: DraftConfig, target: Transformer, sampling: Sampling | None 
         if head.c.version == 3:
             target.aux_layers = head.c.aux_layers
         topk, depth, nodes = c.tree(dev)
-        # the head gets the target's LM head (project): it projects the prompt rows NanoSpec's window starts
-        # from itself, so the hybrid can start it late (draft_hybrid.LazyHead) and the prefill projects one row
+        # the head gets the target's LM head (project) for its prompt rows, so the hybrid can start it late
         if c.ngram is False:
             check_given(c, "an EAGLE head without --ngram", TREE_FLAGS)
             return EagleDrafter(head, eagle_vocab(c, head, target), topk, depth, nodes, target.lm_head)
@@ -200,8 +190,10 @@ def make_drafter(c: DraftConfig, target: Transformer, sampling: Sampling | None 
     check_given(c, "a draft model", ("spec_k",))
     dm = load_model(path, dtype=dtype, device=dev)
     if dm.args.vocab_size != target.args.vocab_size:
-        raise ModelError(f"draft model vocabulary ({dm.args.vocab_size}) differs from the target's ({target.args.vocab_size})")
-    if tokenizer is not None and (path / "tokenizer.json").is_file() and Tokenizer(path).tok.get_vocab() != tokenizer.tok.get_vocab():
+        raise ModelError(f"draft model vocabulary ({dm.args.vocab_size}) differs from the target's "
+                         f"({target.args.vocab_size})")
+    if (tokenizer is not None and (path / "tokenizer.json").is_file()
+            and Tokenizer(path).tok.get_vocab() != tokenizer.tok.get_vocab()):
         raise ModelError("draft model tokenizer differs from the target's")
     k = 5 if c.spec_k is None else c.spec_k
     vocab = make_vocab(c.vocab, dm.lm_head.weight, w_max=c.w_max, k_pre=c.k_pre, k_ver=c.k_ver, ablation=c.ablation,

@@ -1,7 +1,4 @@
-"""The drafters with an LM head: EAGLE-2's dynamic tree over an EAGLE-1/2 or EAGLE-3 head, and an independent
-draft model's chain. Every LM-head projection goes through `self.vocab.logits(h)` (vocab.py), which scores
-the draft vocabulary's active rows only.
-"""
+"""The drafters with an LM head (`self.vocab.logits`, vocab.py): EAGLE-2 trees and a draft model's chain."""
 import time
 
 import torch
@@ -14,9 +11,9 @@ from eagle import EagleHead
 from model import Transformer
 from sampling import logits_to_probs, sample_from
 
+
 def timed_lm_head(drafter, h: Tensor):
-    """drafter.vocab.logits(h), adding its wall time to drafter.lm_head_s in eager mode (exact on CPU; on CUDA
-    it measures launch time unless the caller syncs). Skipped under torch.compile, where it would break the graph."""
+    """drafter.vocab.logits(h), its eager wall time added to drafter.lm_head_s (on CUDA: launch time only)."""
     if torch.compiler.is_compiling():
         return drafter.vocab.logits(h)
     t0 = time.perf_counter()
@@ -26,34 +23,29 @@ def timed_lm_head(drafter, h: Tensor):
 
 
 class VocabDrafter(Drafter):
-    """What the drafters with an LM head share: the draft vocabulary's reset at prefill, its update with each
-    verification, and the request's vocabulary metrics, kept in device buffers (in-place adds replay
-    correctly from a CUDA graph and cost no host sync). Its update reads the target's features."""
+    """The draft vocabulary's reset and updates, and its metrics in device buffers (no host sync)."""
 
-    project = None  # the target's LM head (hidden [.., d] -> logits), given by make_drafter: see prompt_topk
-    # prompt_topk's chunks: [768, 49152] logits in one piece (75 MB) outgrow the caches, and one LM head then
-    # top-k over them cost 135 ms on Zen 5 where 128-row chunks, each reduced to its top-k at once, cost 100
-    PROJECT_ROWS = 128
+    project = None  # the target's LM head (hidden -> logits), given by make_drafter: see prompt_topk
+    lm_head_s = 0.0
+    tok_to_row = None  # [V] target token -> draft row (-1: absent) of a pruned vocabulary, None if unpruned
+    PROJECT_ROWS = 128  # prompt_topk's chunks: 128-row chunks stay in cache (100 ms vs 135 on Zen 5 at 768 rows)
 
     @property
     def reads_top(self) -> int:
-        return self.vocab.k_ver  # observe appends the target's top-k_ver at the accepted positions
+        return self.vocab.k_ver
 
     @property
     def window_rows(self) -> int:
-        # NanoSpec's window starts with the target's top-k_pre at each prompt position, 1 + k_pre entries a
-        # position: only the last ceil(W / (1 + k_pre)) positions can be in it (a 900-token prompt's LM head
-        # over every position cost 0.35 s on the AVX2 EPYC, the longest prompts more than their decoding)
+        # the window holds 1 + k_pre entries per prompt position: only the last ceil(W / (1 + k_pre)) fit in it
         k = self.vocab.k_pre
         return 0 if k == 0 else -(-self.vocab.W // (1 + k))
 
     @property
     def prompt_logits(self) -> int:
-        return 0 if self.project is not None else self.window_rows  # (with the LM head: prompt_topk projects)
+        return 0 if self.project is not None else self.window_rows
 
     def prompt_topk(self, p: Prefill) -> Tensor:
-        """[R, k_pre] the target's top-k_pre at the last R = min(T, window_rows) prompt positions (at least the
-        last): from p.logits, or with the target's LM head projected here from p.hidden, in chunks."""
+        """[R, k_pre] the target's top-k at the last R = min(T, window_rows) prompt positions (projected here)."""
         k, T = self.vocab.k_pre, p.tokens.shape[0]
         R = min(T, self.window_rows)
         if self.project is None or R <= 1:
@@ -64,7 +56,10 @@ class VocabDrafter(Drafter):
 
     def rows_of(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """target token ids -> (vocab rows, valid); identity unless the head has a pruned vocabulary."""
-        return ids, torch.ones_like(ids, dtype=torch.bool)
+        if self.tok_to_row is None:
+            return ids, torch.ones_like(ids, dtype=torch.bool)
+        r = self.tok_to_row[ids]
+        return r.clamp(min=0), r >= 0
 
     def reset_vocab(self, p: Prefill):
         dev = p.tokens.device
@@ -72,15 +67,12 @@ class VocabDrafter(Drafter):
             self.metrics = torch.zeros(5, dtype=torch.long, device=dev)  # hits, emitted, active sum, max, steps
         self.metrics.zero_()
         self.lm_head_s = 0.0
-        top, _ = self.rows_of(self.prompt_topk(p))  # [R, k_pre] (k_pre 0: none)
-        # the last R prompt positions, each with its top-k_pre (the window keeps the newest entries: with R
-        # = prompt_logits the same window as from every position)
+        top, _ = self.rows_of(self.prompt_topk(p))  # [R, k_pre]: the last R prompt positions fill the window
         rows, _ = self.rows_of(p.tokens[p.tokens.shape[0] - top.shape[0]:])
         self.vocab.reset(rows, top)
 
     def observe(self, a: Accepted, nxt: Tensor):
-        """Coverage (paper Fig. 1b: were the emitted tokens in the active vocabulary during this step?) and
-        active size, measured before this step's append; then append the tree and the target's top-k_ver."""
+        """Coverage (paper Fig. 1b) and active size; then append the tree and the target's top-k_ver."""
         vocab, dev = self.vocab, nxt.device
         on_path = torch.arange(nxt.shape[0], device=dev) < a.L
         em_rows, em_ok = self.rows_of(nxt)
@@ -97,9 +89,7 @@ class VocabDrafter(Drafter):
         dvalid, vvalid = dvalid & a.tree.valid, vvalid & on_path[:, None]
         W = getattr(vocab, "W", None)
         if W is not None and drows.shape[0] + vrows.numel() > W:
-            # a catch-up chain (draft.chained: a run of autoregressive or chain-only steps) longer than the
-            # window takes in one append: its older entries would leave the window anyway, so the newest
-            # positions that fit go in (a chain: node i is path position i). Shapes only, no sync.
+            # a catch-up chain (draft.chained) longer than the window: only its newest positions would stay
             P = W // (1 + vrows.shape[1])
             drows, dvalid, vrows, vvalid = drows[-P:], dvalid[-P:], vrows[-P:], vvalid[-P:]
         vocab.update(drows, dvalid, vrows, vvalid)
@@ -114,22 +104,18 @@ class VocabDrafter(Drafter):
 
 
 class EagleDrafter(VocabDrafter):
-    """EAGLE-2 dynamic tree over an EAGLE-1/2 or EAGLE-3 head.
-
-    Draft position i holds the pair (target feature f_i, token x_{i+1}); its output predicts x_{i+2}."""
+    """EAGLE-2 dynamic tree. Draft position i holds (target feature f_i, token x_{i+1}) and predicts x_{i+2}."""
 
     def __init__(self, head: EagleHead, vocab, topk=10, depth=5, nodes=60, project=None):
         check_tree_budget(topk, depth, nodes)
         self.head, self.vocab, self.project = head, vocab, project
         self.topk, self.depth, self.nodes = topk, depth, nodes
-        self.lm_head_s = 0.0  # wall time inside vocab.logits (accurate on CPU; on CUDA only when synced)
-        # row <-> token maps for heads with a pruned vocabulary (EAGLE-3 d2t); identity otherwise
-        self.tok_to_row = self.token_to_row_map(head)
-        self.row_to_tok = None if self.tok_to_row is None else torch.arange(head.c.draft_vocab_size, device=head.d2t.device) + head.d2t
+        self.tok_to_row = self.token_to_row_map(head)  # row <-> token maps of a pruned vocabulary (EAGLE-3 d2t)
+        self.row_to_tok = None if self.tok_to_row is None else (
+            torch.arange(head.c.draft_vocab_size, device=head.d2t.device) + head.d2t)
 
     @staticmethod
     def token_to_row_map(head: EagleHead) -> Tensor | None:
-        """[V] target token -> draft row (-1 when the pruned draft vocabulary lacks it), None if unpruned."""
         if not hasattr(head, "d2t"):
             return None
         Vd, dev = head.c.draft_vocab_size, head.d2t.device
@@ -144,13 +130,6 @@ class EagleDrafter(VocabDrafter):
             self.last_out = torch.zeros(d, dtype=w.dtype, device=w.device)
             self.last_lm_in = torch.zeros(d, dtype=w.dtype, device=w.device)
 
-    def rows_of(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """target token ids -> (vocab rows, valid) (a pruned draft vocabulary lacks some tokens)."""
-        if self.tok_to_row is None:
-            return ids, torch.ones_like(ids, dtype=torch.bool)
-        r = self.tok_to_row[ids]
-        return r.clamp(min=0), r >= 0
-
     def tokens_of(self, rows: Tensor) -> Tensor:
         return rows if self.row_to_tok is None else self.row_to_tok[rows]
 
@@ -158,16 +137,11 @@ class EagleDrafter(VocabDrafter):
         scores, ids = timed_lm_head(self, lm_in)  # [..., n], [n] rows
         return torch.log_softmax(scores.float(), dim=-1), ids
 
-    def _features(self, hidden: Tensor, aux: Tensor | None) -> Tensor:
-        return aux if self.head.c.version == 3 else hidden  # EAGLE-3 reads three aux layers, EAGLE-1/2 the last
-
     @torch.no_grad()
     def prefill(self, p: Prefill):
-        """Runs the head over the prompt: position t holds (target feature f_t, token x_{t+1})."""
-        next_tokens = torch.cat([p.tokens[1:], p.first.view(1)])  # [T]
-        pos = torch.arange(next_tokens.shape[0], device=next_tokens.device)
-        h = self.head
-        out, lm_in = h(next_tokens[None], h.project(self._features(p.hidden, p.aux)), pos, pos,
+        nxt, h = torch.cat([p.tokens[1:], p.first.view(1)]), self.head  # [T]
+        pos = torch.arange(nxt.shape[0], device=nxt.device)
+        out, lm_in = h(nxt[None], h.project(p.aux if h.c.version == 3 else p.hidden), pos, pos,
                        h.seq_range[None, :] <= pos[:, None])
         self.last_out.copy_(out[0, -1])
         self.last_lm_in.copy_(lm_in[0, -1])
@@ -175,42 +149,31 @@ class EagleDrafter(VocabDrafter):
 
     @torch.no_grad()
     def update(self, a: Accepted):
-        """Runs the head over the accepted path (padded to D+1) and keeps the last accepted position's state."""
-        nxt = a.next_tokens()
-        h = self.head
-        if cpu_draft.usable(self) and h.c.version == 3 and cpu_draft.update(self, a, nxt):
-            # the head's pass in one C call (its ~20 eager ops cost more than its layer), the norm of its last row too
-            self.observe(a, nxt)
-            return
-        feats = self._features(a.hidden, a.aux).index_select(1, a.path)  # [1, D+1, F]
-        pos = a.n + torch.arange(nxt.shape[0], device=nxt.device)
-        out, lm_in = h(nxt[None], h.project(feats), pos, pos, h.seq_range[None, :] <= pos[:, None])
-        idx = (a.L - 1).view(1)
-        self.last_out.copy_(out[0].index_select(0, idx)[0])
-        self.last_lm_in.copy_(lm_in[0].index_select(0, idx)[0])
+        nxt, h = a.next_tokens(), self.head
+        # CPU: one C call, the head's ~20 eager ops cost more than its layer
+        if not (cpu_draft.usable(self) and h.c.version == 3 and cpu_draft.update(self, a, nxt)):
+            feats = (a.aux if h.c.version == 3 else a.hidden).index_select(1, a.path)  # [1, D+1, F]: EAGLE-3 reads aux
+            pos = a.n + torch.arange(nxt.shape[0], device=nxt.device)
+            out, lm_in = h(nxt[None], h.project(feats), pos, pos, h.seq_range[None, :] <= pos[:, None])
+            idx = (a.L - 1).view(1)
+            self.last_out.copy_(out[0].index_select(0, idx)[0])
+            self.last_lm_in.copy_(lm_in[0].index_select(0, idx)[0])
         self.observe(a, nxt)
 
     def budget_key(self, hist: list[int]) -> str:
-        """The statistics budget.Budgets keeps for the next step (hist: every token so far, the next root last)."""
         return "eagle"
 
     def shape_for(self, budget: int | None) -> tuple[int, int, int]:
-        """(top-k, depth, nodes) of the tree drafted for a budget of verified nodes: the configured tree, or
-        for a smaller budget a search scaled to it (top-k up to half the budget, depth up to budget - 1), so
-        drafting costs what the budget verifies (on the AVX2 CPU the full 16-node draft costs about half a
-        decode step, a 4-node one a fifth; a 2-node tree is the root's best child alone: no head forward).
-        One static shape per budget size."""
+        """(top-k, depth, nodes) for a budget: drafting costs what it verifies (CPU: 16 nodes half a step)."""
         if budget is None or budget >= self.nodes:
             return self.topk, self.depth, self.nodes
         return min(self.topk, max(1, budget // 2)), min(self.depth, budget - 1), budget
 
     @torch.no_grad()
     def draft(self, root: Tensor, n: Tensor, budget: int | None = None) -> Tree:
-        """EAGLE-2: expand the top-k frontier by cumulative log-probability for `depth` levels,
-        then keep the best `nodes - 1` candidates (shape_for: scaled to a smaller budget). Static shapes
-        throughout, no host syncs."""
+        """EAGLE-2: expand the top-k frontier by cumulative log-prob for `depth` levels, keep the best `nodes - 1`."""
         k, D, N = self.shape_for(budget)
-        if cpu_draft.usable(self):  # the whole search in one C call: a level's ~30 eager ops cost more than its layer
+        if cpu_draft.usable(self):  # one C call: a level's ~30 eager ops cost more than its layer
             tokens, parents, depth, anc = cpu_draft.tree(self, root, n, k, D, N)
             return Tree(tokens, parents, depth, anc, torch.ones(N, dtype=torch.bool), None, D)
         h, dev = self.head, root.device
@@ -220,36 +183,30 @@ class EagleDrafter(VocabDrafter):
         fr_tok, fr_score, fr_cand = cand_tok[0], s, torch.arange(k, device=dev)
         fr_feat = self.last_out[None].expand(k, -1)  # [k, d]
         fr_anc = F.one_hot(torch.arange(k, device=dev), D * k).bool()  # frontier ancestors among draft slots
+        no_slots = torch.zeros(k, h.seq_range.shape[0], dtype=torch.bool, device=dev)
         base = 0  # index of the first candidate of the current level
         for lvl in range(1, D):
             slots = n + (lvl - 1) * k + torch.arange(k, device=dev)  # draft cache slots of this frontier
-            mask = (h.seq_range[None, :] < n) | self._slot_mask(fr_anc, n)
+            # the prefix, and the frontier's ancestor rows placed at draft cache columns n .. n + D*k
+            mask = (h.seq_range[None, :] < n) | no_slots.index_copy(1, n + torch.arange(D * k, device=dev), fr_anc)
             out, lm_in = h(fr_tok[None], fr_feat[None], (n + lvl - 1).expand(k), slots, mask)
             logp, ids = self._logp(lm_in[0])  # [k, n_rows]
             s, idx = torch.topk(logp, k, dim=-1)  # [k, k]
             sc = (fr_score[:, None] + s).flatten()  # cumulative log-prob of the k*k children
             tok = self.tokens_of(ids[idx]).flatten()
-            parent = fr_cand.repeat_interleave(k)
-            cand_tok.append(tok), cand_score.append(sc), cand_parent.append(parent)
+            cand_tok.append(tok), cand_score.append(sc), cand_parent.append(fr_cand.repeat_interleave(k))
             base += k if lvl == 1 else k * k
             top = torch.topk(sc, k).indices  # next frontier: best k of the k*k
             prow = top // k
-            fr_tok, fr_score, fr_cand = tok[top], sc[top], base + top
-            fr_feat = out[0, prow]
+            fr_tok, fr_score, fr_cand, fr_feat = tok[top], sc[top], base + top, out[0, prow]
             fr_anc = fr_anc[prow] | F.one_hot(lvl * k + torch.arange(k, device=dev), D * k).bool()
         return self._rerank(torch.cat(cand_tok), torch.cat(cand_score), torch.cat(cand_parent), root, k, D, N)
-
-    def _slot_mask(self, fr_anc: Tensor, n: Tensor) -> Tensor:
-        # place the [k, D*k] ancestor rows at draft cache columns n .. n + D*k
-        k = fr_anc.shape[0]
-        m = torch.zeros(k, self.head.seq_range.shape[0], dtype=torch.bool, device=fr_anc.device)
-        return m.index_copy(1, n + torch.arange(fr_anc.shape[1], device=fr_anc.device), fr_anc)
 
     def _rerank(self, tok, score, parent, root, k, D, N) -> Tree:
         dev, C = tok.device, tok.shape[0]
         level = torch.cat([torch.zeros(k, device=dev), torch.arange(1, D, device=dev).repeat_interleave(k * k)])
-        # a child's score never exceeds its parent's; the small depth penalty breaks exact ties the same
-        # way, so a selected child's parent is always selected too
+        # a child's score never exceeds its parent's; the depth penalty breaks exact ties so a selected
+        # child's parent is always selected too
         key = torch.nan_to_num(score, nan=-1e30, neginf=-1e30) - 1e-4 * level
         sel = torch.sort(torch.topk(key, N - 1).indices).values  # [N-1], candidate order = parents first
         # then best first (stable: ties keep parents first), so every prefix is the tree of a smaller budget
@@ -258,9 +215,8 @@ class EagleDrafter(VocabDrafter):
         cp = parent[sel]
         parents = torch.cat([torch.tensor([-1], device=dev), torch.where(cp < 0, 0, pos_of[cp.clamp(min=0)] + 1)])
         depth = torch.cat([torch.zeros(1, device=dev), level[sel] + 1]).long()
-        tokens = torch.cat([root.view(1), tok[sel]])
-        anc = ancestor_mask(parents, D)
-        return Tree(tokens, parents, depth, anc, torch.ones(N, dtype=torch.bool, device=dev), None, D)
+        return Tree(torch.cat([root.view(1), tok[sel]]), parents, depth, ancestor_mask(parents, D),
+                    torch.ones(N, dtype=torch.bool, device=dev), None, D)
 
 
 class ModelDrafter(VocabDrafter):
@@ -271,22 +227,19 @@ class ModelDrafter(VocabDrafter):
             raise ValueError(f"--spec-k must be >= 1, got {k}")
         self.model, self.vocab, self.k, self.sampling = model, vocab, k, sampling
         self.depth, self.nodes = k, k + 1
-        self.lm_head_s = 0.0
 
     def budget_key(self, hist: list[int]) -> str:
         return "model"
 
     def setup(self, max_seq: int):
-        # the chain needs k + 1 slots past the verified prefix; the engine's cache budget already counts
-        # them, so clamping to the draft's context only drops slack
+        # the engine's cache budget already counts the chain's k + 1 slots: clamping only drops slack
         self.model.setup_caches(1, min(max_seq + self.k + 1, self.model.args.max_position_embeddings))
         if getattr(self, "prev", None) is None:
             self.prev = torch.zeros(1, dtype=torch.long, device=self.model.lm_head.weight.device)
 
     @torch.no_grad()
     def prefill(self, p: Prefill):
-        T = p.tokens.shape[0]
-        self.model(p.tokens[None], torch.arange(T, device=p.tokens.device), compute_logits=False)
+        self.model(p.tokens[None], torch.arange(p.tokens.shape[0], device=p.tokens.device), compute_logits=False)
         self.prev.copy_(p.tokens[-1:])
         self.reset_vocab(p)
 
@@ -303,13 +256,12 @@ class ModelDrafter(VocabDrafter):
                 nxt = ids.index_select(0, torch.argmax(scores).view(1))
             else:
                 # index_add: inactive slots (prob 0) may repeat a token id, adding 0 keeps the real entry
-                q = torch.zeros(m.args.vocab_size, device=n.device).index_add(0, ids, logits_to_probs(scores, self.sampling))
-                qs.append(q)
-                nxt = sample_from(q).view(1)
+                qs.append(torch.zeros(m.args.vocab_size, device=n.device).index_add(
+                    0, ids, logits_to_probs(scores, self.sampling)))
+                nxt = sample_from(qs[-1]).view(1)
             chain.append(nxt)
             toks, pos = nxt, pos[-1:] + 1
-        q = torch.stack(qs + [torch.zeros_like(qs[0])]) if qs else None
-        return chain_tree(torch.cat(chain), q=q)
+        return chain_tree(torch.cat(chain), q=torch.stack(qs + [torch.zeros_like(qs[0])]) if qs else None)
 
     def update(self, a: Accepted):
         # the cache already holds root + accepted chain tokens at the right positions

@@ -17,7 +17,7 @@ from model import (Attention, KVCache, Linear, MLP, ModelArgs, ModelError, RMSNo
 
 @dataclass
 class EagleConfig:
-    version: int  # 1 = the EAGLE-1 head (one layer on fc([emb; h]); EAGLE-2 reuses it, changing only the tree), 3 = EAGLE-3
+    version: int  # 1 = the EAGLE-1 head (EAGLE-2 reuses it, changing only the tree), 3 = EAGLE-3
     args: ModelArgs  # the draft layer's dims, norm eps and RoPE (from the head's own config)
     fc_in: int  # 2d (EAGLE-1/2) or 3 * d_target (EAGLE-3)
     fc_bias: bool
@@ -28,27 +28,20 @@ class EagleConfig:
     def from_folder(cls, path: Path, keys: dict, target: ModelArgs) -> "EagleConfig":
         cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
         version = 3 if any(k.startswith("midlayer.") or k.endswith("hidden_norm.weight") for k in keys) else 1
-        fc = keys.get("fc.weight")
-        if fc is None:
+        if (fc := keys.get("fc.weight")) is None:
             raise ModelError(f"{path} is not an EAGLE head (no fc.weight)")
-        d = fc[0]
-        heads = cfg.get("num_attention_heads", target.n_heads)
-        rope = cfg.get("rope_parameters") or {}
-        args = ModelArgs(
-            arch="eagle", dim=d, n_layers=1, n_heads=heads,
-            n_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or d // heads,
-            intermediate_size=cfg.get("intermediate_size", target.intermediate_size),
-            vocab_size=target.vocab_size, norm_eps=cfg.get("rms_norm_eps", target.norm_eps),
-            # the draft's RoPE comes from its own config; official EAGLE-3 heads omit it: base 10000
-            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            rope_scaling=cfg.get("rope_scaling"),
-            max_position_embeddings=max(cfg.get("max_position_embeddings", 0), target.max_position_embeddings),
-            qkv_bias=any(k.endswith("q_proj.bias") for k in keys),
-        )
+        d, heads, L = fc[0], cfg.get("num_attention_heads", target.n_heads), target.n_layers
         if d != target.dim:
             raise ModelError(f"draft hidden size {d} does not match the target's {target.dim}")
-        L = target.n_layers
+        rope = cfg.get("rope_parameters") or {}
+        ctx = max(cfg.get("max_position_embeddings", 0), target.max_position_embeddings)
+        # the draft's RoPE comes from its own config; official EAGLE-3 heads omit it: base 10000
+        args = ModelArgs(arch="eagle", dim=d, n_layers=1, n_heads=heads, vocab_size=target.vocab_size,
+                         n_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=cfg.get("head_dim") or d // heads,
+                         intermediate_size=cfg.get("intermediate_size", target.intermediate_size),
+                         norm_eps=cfg.get("rms_norm_eps", target.norm_eps), rope_scaling=cfg.get("rope_scaling"),
+                         rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+                         max_position_embeddings=ctx, qkv_bias=any(k.endswith("q_proj.bias") for k in keys))
         eagle_cfg = cfg.get("eagle_config") or {}
         aux = tuple(eagle_cfg.get("eagle_aux_hidden_state_layer_ids") or cfg.get("aux_layer_ids") or (2, L // 2, L - 3))
         if version == 3:
@@ -58,29 +51,25 @@ class EagleConfig:
                 raise ModelError(f"EAGLE-3 aux layers {list(aux)} do not exist in a {L}-layer target")
         elif fc[1] != 2 * d:
             raise ModelError(f"EAGLE fc takes {fc[1]} inputs, expected 2 x hidden size = {2 * d}")
-        dv = keys["lm_head.weight"][0] if "lm_head.weight" in keys else target.vocab_size
-        dv = cfg.get("draft_vocab_size", dv)
+        dv = cfg.get("draft_vocab_size", keys["lm_head.weight"][0] if "lm_head.weight" in keys else target.vocab_size)
         if version == 3 and dv > target.vocab_size:
             raise ModelError(f"draft vocabulary {dv} is larger than the target's {target.vocab_size}")
         return cls(version, args, fc[1], "fc.bias" in keys, dv, aux if version == 3 else ())
 
 
 class EagleHead(nn.Module):
-    """The EAGLE-1 head (version 1; EAGLE-2 drafts with it) and the EAGLE-3 head (version 3), parameter names as
-    in the official releases."""
+    """The EAGLE-1/2 head (version 1) and the EAGLE-3 head (version 3), parameter names as in the official releases."""
 
     def __init__(self, c: EagleConfig):
         super().__init__()
-        self.c = c
-        a = c.args
+        self.c, a = c, c.args
         self.fc = Linear(c.fc_in, a.dim, bias=c.fc_bias)
         layer = nn.Module()
         layer.self_attn = Attention(a, in_dim=2 * a.dim if c.version == 3 else a.dim)
         layer.mlp = MLP(a)
         layer.post_attention_layernorm = RMSNorm(a.dim, a.norm_eps)
         if c.version == 3:
-            layer.input_layernorm = RMSNorm(a.dim, a.norm_eps)
-            layer.hidden_norm = RMSNorm(a.dim, a.norm_eps)
+            layer.input_layernorm, layer.hidden_norm = RMSNorm(a.dim, a.norm_eps), RMSNorm(a.dim, a.norm_eps)
             self.midlayer = layer
             self.norm = RMSNorm(a.dim, a.norm_eps)
             self.lm_head = nn.Linear(a.dim, c.draft_vocab_size, bias=False)
@@ -155,9 +144,6 @@ def read_keys(path: Path) -> tuple[dict, Path]:
     raise ModelError(f"no model.safetensors or pytorch_model.bin in {path}")
 
 
-FILL_FILE = "freq.pt"
-
-
 def load_eagle(path, target: Transformer, dtype, device) -> EagleHead:
     path = Path(path)
     keys, wfile = read_keys(path)
@@ -165,8 +151,7 @@ def load_eagle(path, target: Transformer, dtype, device) -> EagleHead:
     with torch.device("meta"):
         head = EagleHead(c)
     if wfile.suffix == ".bin":
-        raw = torch.load(wfile, map_location="cpu", weights_only=True)
-        sd = {k.removeprefix("model."): v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in raw.items()}
+        sd = {k.removeprefix("model."): v for k, v in torch.load(wfile, map_location="cpu", weights_only=True).items()}
     else:
         sd = load_state_dict([wfile], dtype, device, strip_prefix="model.")
     if c.version == 3:  # SpecForge/vLLM exports sometimes name the midlayer layers.0
@@ -179,17 +164,14 @@ def load_eagle(path, target: Transformer, dtype, device) -> EagleHead:
             (path / "config.json").read_text() if (path / "config.json").is_file() else "{}"):
         sd["lm_head.weight"] = target.lm_head.weight  # no draft vocabulary, no lm_head: the target's (as SGLang/vLLM)
     check_tensors(sd, expected, f"EAGLE head {path}")
-    sd = {k: sd[k].to(device=device, dtype=v.dtype if not v.is_floating_point() else dtype) for k, v in expected.items()}
-    if "d2t" in sd:
-        sd["d2t"], sd["t2d"] = sd["d2t"].long(), sd["t2d"].bool()
+    sd = {k: sd[k].to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in expected.items()}
     head.load_state_dict(sd, assign=True, strict=True)
     attach(head, target)
     cpu_gemm.pack_linears(head)  # where the target's load chose the kernel (bf16 on CPU)
     if c.version == 3 and cpu_forward.switched_on() and cpu_forward.fits(c.args, [head.midlayer]):
         head.cpu_pass = cpu_forward.Stack(c.args, [head.midlayer])
-    # a frequency file shipped with the head (FR-Spec's format, ranked over the target's own text): NanoSpec's
-    # free slots score its most frequent tokens (vocab.NanoSpecVocab, "fill")
-    head.fill_path = path / FILL_FILE if (path / FILL_FILE).is_file() else None
+    # a frequency file shipped with the head (FR-Spec's format) fills NanoSpec's free slots (vocab.NanoSpecVocab)
+    head.fill_path = path / "freq.pt" if (path / "freq.pt").is_file() else None
     return head.eval()
 
 

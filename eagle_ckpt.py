@@ -1,5 +1,4 @@
-"""EAGLE-3 training's files: the run checkpoint (resumable only by a run of the same shapes and settings) and
-the exported head folder in the official / SpecForge layout, which a later run may start from (`--init`)."""
+"""EAGLE-3 training's files: the resumable run checkpoint and the exported head folder (official / SpecForge layout)."""
 import json
 import os
 import shutil
@@ -36,8 +35,8 @@ def load_checkpoint(path: Path, expect: dict | None = None) -> dict:
     if not isinstance(ck, dict) or ck.get("format") != CKPT_FORMAT or "signature" not in ck:
         raise TrainError(f"cannot resume from {path}: not an eagle_train.py checkpoint")
     if expect is not None and ck["signature"] != expect:
-        diff = _first_diff(ck["signature"], expect)
-        raise TrainError(f"cannot resume from {path}: it was trained with {diff[0]}={diff[1]!r}, this run has {diff[2]!r}")
+        key, was, now = _first_diff(ck["signature"], expect)
+        raise TrainError(f"cannot resume from {path}: it was trained with {key}={was!r}, this run has {now!r}")
     return ck
 
 
@@ -50,9 +49,8 @@ def _first_diff(a, b, prefix=""):
 
 
 def export_head(head, out_dir, dtype=torch.bfloat16, with_lm_head: bool = True):
-    """An EAGLE-3 folder in the official / SpecForge layout (config.json + model.safetensors: fc, midlayer.*,
-    norm, lm_head), as vLLM's and SGLang's LlamaForCausalLMEagle3 load it. Without lm_head the config omits
-    draft_vocab_size: SGLang (load_lm_head_from_target), vLLM and eagle.load_eagle then use the target's."""
+    """An EAGLE-3 folder as vLLM's and SGLang's LlamaForCausalLMEagle3 load it; without lm_head (and
+    draft_vocab_size) SGLang, vLLM and eagle.load_eagle use the target's."""
     c, a = head.c, head.c.args
     cfg = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_act="silu",
                hidden_size=a.dim, intermediate_size=a.intermediate_size, num_attention_heads=a.n_heads,
@@ -82,9 +80,7 @@ def export_head(head, out_dir, dtype=torch.bfloat16, with_lm_head: bool = True):
 
 
 def init_from(head, folder: Path):
-    """Start from an exported EAGLE-3 head (export_head's folder, e.g. the shipped one): continued training on
-    new data keeps what the head learnt from the old data (which may not be at hand). Its shapes and aux
-    layers must be this run's; without lm_head.weight the new head keeps the target's copy."""
+    """Start from an exported EAGLE-3 head of this run's shapes and aux layers (without lm_head: the target's)."""
     cfg_p, w_p = folder / "config.json", folder / "model.safetensors"
     if not (cfg_p.is_file() and w_p.is_file()):
         raise TrainError(f"--init {folder}: not an EAGLE-3 head folder (config.json + model.safetensors)")

@@ -1,5 +1,2 @@
-"""Bad flags or input, reported as one line (generate.one_line_errors)."""
-
-
 class UsageError(Exception):
-    """Bad flags or input; reported as one line."""
+    """Bad flags or input, reported as one line (generate.one_line_errors)."""

@@ -1,23 +1,9 @@
 """Batch invariance, asked of this machine: which target-pass row counts give every row the same bits.
 
-Greedy speculative output equals autoregressive output bit for bit only if a token's logits do not depend
-on how many rows share its target pass, or on where it sits among them. CPU GEMM and attention kernels pick
-code paths by row count (a GEMV for one row, partial register blocks, flash-attention query blocks), and
-which counts are affected differs between CPUs (AVX2, AVX-512, AMX) and torch versions. So the engine does
-not carry thresholds measured somewhere else; it asks the machine it runs on.
-
-For each candidate pass size r (LADDER) the check runs every GEMM shape of the model, its norms and its
-activation, and exact attention (model.exact_attention, at the request's KV length) on random rows, r at a
-time over all of them at two different offsets, and compares the bits with the same rows computed in passes
-of REF rows. A kernel path that rounds differently shows up in a bf16 result only now and then (one output
-in 10^4 for torch's one-row bf16 GEMV on an AVX-512 BF16 EPYC, the down projection), so each size is checked
-on at least SAMPLES outputs: such a path escapes with probability about exp(-SAMPLES / 10^4) = e^-26.
-A size that agrees gives each row exactly the bits it gets in a REF-row pass, so any two agreeing sizes give
-each other's bits: the engine pads every pass after the prefill (decode steps and tree verification) to the
-smallest size at which the GEMMs, norm and activation agree, and exact attention's query rows (copies of the
-last row, cheap next to the GEMMs) further to the smallest size at which attention agrees. Answers are cached
-on disk per CPU, torch version, thread count and shape, so each is computed once per machine (1-2 s for the
-default model on a 2-core EPYC).
+Greedy speculative output equals autoregressive output bit for bit only if a token's logits do not depend on how
+many rows share its pass, and CPU kernels pick code paths by row count (per CPU and torch version). So each size
+of LADDER is checked on this machine, every op of the model against REF-row passes on at least SAMPLES outputs
+(a one-in-10^4 rounding escapes with probability e^-26), and passes are padded to the smallest agreeing size.
 """
 from pathlib import Path
 from typing import NamedTuple
@@ -37,22 +23,14 @@ SHIFT = 5  # the second offset: rows move to other places in their pass (and in 
 SAMPLES = 1 << 18  # outputs compared per pass size and op, at least (see above)
 
 
-def cache_file() -> Path:
-    return cache_dir() / "invariance-v2.json"  # v2: SAMPLES outputs per size (v1 compared 2 passes, and missed rare roundings)
-
-
 def check_rows(r: int, outputs: int) -> int:
-    """How many random rows a check of r-row passes of an op with `outputs` values per row runs on: at least
-    REF and r + SHIFT, and enough that both offsets' passes compare SAMPLES outputs."""
+    """Random rows to check r-row passes of an op with `outputs` values per row on (both offsets: SAMPLES)."""
     return max(REF, r + SHIFT, -(-SAMPLES // (2 * outputs)))
 
 
 def rows_agree(fn, x: torch.Tensor, r: int) -> bool:
-    """fn maps the rows of x (dim 0) independently. True iff passes of r rows, tiling x from offset 0 and from
-    offset SHIFT, give every row the bits it gets in passes of REF rows. x holds at least max(REF, r + SHIFT)
-    rows."""
-    n = x.shape[0]
-    ref = None
+    """True iff fn (row-wise) in passes of r rows, from offsets 0 and SHIFT, gives x the bits of REF-row passes."""
+    n, ref = x.shape[0], None
     for s in list(range(0, n - REF, REF)) + [n - REF]:  # REF-row passes covering all n rows, the last flush
         y = fn(x[s:s + REF])
         ref = y.new_empty((n, *y.shape[1:])) if ref is None else ref
@@ -66,20 +44,12 @@ class PassRows(NamedTuple):
 
 
 class Invariance:
-    """The target's row-invariance answers on this machine: `pass_rows(n, S)` -> PassRows to pad a pass of
-    n tokens to at KV length S, or None when no size up to MAX_ROWS agrees (exact mode is then unavailable)."""
+    """This machine's answers: pass_rows(n, S) -> PassRows at KV length S, None where no size agrees."""
 
     def __init__(self, model: Transformer, path: Path | None = None):
-        self.model, self.path = model, path or cache_file()
-        self.machine = machine_id()
-        self.answers = self._load()
-        self.memo = {}  # (n, S) -> PassRows or None
-
-    def _load(self) -> dict:
-        return read_json(self.path).get(self.machine, {})
-
-    def _save(self):
-        merge_json(self.path, self.machine, self.answers)
+        self.model, self.path = model, path or cache_dir() / "invariance-v2.json"
+        self.machine, self.memo = machine_id(), {}  # memo: (n, S) -> PassRows or None
+        self.answers = read_json(self.path).get(self.machine, {})
 
     def pass_rows(self, n: int, S: int) -> PassRows | None:
         if self.model.cpu_pass is not None:  # the fused CPU pass is row-invariant by construction (cpu_forward.py)
@@ -94,14 +64,16 @@ class Invariance:
         return all(self._answer(key, r, check) for key, check in self._gemm_checks())
 
     def attn_agrees(self, r: int, S: int) -> bool:
-        return all(self._answer(key, r, check) for key, check in self._attn_checks(S))
+        a, p = self.model.args, self.model.lm_head.weight
+        key = f"exact-attention {str(kv_dtype(p.dtype, p.device))[6:]} H{a.n_heads}/{a.n_kv_heads} hd{a.head_dim} S{S}"
+        return self._answer(key, r, lambda r: self._attention_agrees(r, S, self._randn()))
 
     def _answer(self, key: str, r: int, check) -> bool:
         k = f"{key} r={r}"
         if k not in self.answers:
             with torch.no_grad():
                 self.answers[k] = bool(check(r))
-            self._save()
+            merge_json(self.path, self.machine, self.answers)
         return self.answers[k]
 
     def _randn(self):
@@ -111,15 +83,11 @@ class Invariance:
 
     def _gemm_checks(self):
         """(cache key, check(r) -> bool) for the GEMMs, the norm and the activation of a target pass."""
-        m = self.model
-        a, layer = m.args, m.layers[0]
-        dt = m.lm_head.weight.dtype
-        randn = self._randn()
-
-        seen = set()
+        m, seen, randn = self.model, set(), self._randn()
+        a, layer, dt = m.args, m.layers[0], m.lm_head.weight.dtype
         for mod in [mod for mod in layer.modules() if isinstance(mod, torch.nn.Linear)] + [m.lm_head]:
             w = mod.weight
-            kern = " cpu_gemm" if cpu_gemm.enabled() and getattr(mod, "packed", None) is not None else ""  # its kernel
+            kern = " cpu_gemm" if cpu_gemm.enabled() and getattr(mod, "packed", None) is not None else ""
             key = f"linear {str(w.dtype)[6:]} {w.shape[1]}x{w.shape[0]}{' bias' if mod.bias is not None else ''}{kern}"
             if key not in seen:
                 seen.add(key)
@@ -130,11 +98,6 @@ class Invariance:
         yield f"silu-mul {str(dt)[6:]} {I}", lambda r: rows_agree(lambda x: F.silu(x[:, :I]) * x[:, I:],
                                                                  randn(check_rows(r, I), 2 * I), r)
 
-    def _attn_checks(self, S: int):
-        a, p = self.model.args, self.model.lm_head.weight
-        yield f"exact-attention {str(kv_dtype(p.dtype, p.device))[6:]} H{a.n_heads}/{a.n_kv_heads} hd{a.head_dim} S{S}", \
-            lambda r: self._attention_agrees(r, S, self._randn())
-
     def _attention_agrees(self, r: int, S: int, randn) -> bool:
         a = self.model.args
         kdt = kv_dtype(self.model.lm_head.weight.dtype, self.model.lm_head.weight.device)
@@ -142,30 +105,25 @@ class Invariance:
         k, v = randn(1, a.n_kv_heads, S, a.head_dim, dtype=kdt), randn(1, a.n_kv_heads, S, a.head_dim, dtype=kdt)
         q = randn(1, a.n_heads, n, a.head_dim, dtype=kdt)
         pos = torch.arange(S - n, S, device=q.device)  # the last positions: the flash half sees most keys
-        seq = torch.arange(S, device=q.device)
-        g = a.n_heads // a.n_kv_heads
+        seq, g = torch.arange(S, device=q.device), a.n_heads // a.n_kv_heads
 
         def attn(rows):  # rows: [T] positions of a pass, with their queries
             i = rows - pos[0]
             return exact_attention(q.index_select(2, i), k, v, exact_plan(rows, causal_recent(rows), seq, g))
-
         return rows_agree(lambda rows: attn(rows).movedim(2, 0), pos, r)  # rows of the pass first
 
 
 def cache_len(prompt_len: int, max_new: int, margin: int, limit: int) -> int:
     need = prompt_len + max_new + margin
     if need > limit:
-        raise UsageError(f"prompt of {prompt_len} tokens + {max_new} new tokens exceeds the model's context of {limit} tokens")
+        raise UsageError(f"prompt of {prompt_len} tokens + {max_new} new tokens exceeds the model's context of "
+                         f"{limit} tokens")
     return min(limit, (need + 63) // 64 * 64)  # round up so nearby lengths share compiled graphs
 
 
 class Planner:
-    """A request's KV slots and target-pass rows, and whether it runs in exact mode: on a CPU, bit-exact
-    greedy output (exact attention + the pass sizes this machine keeps row-invariant). requested: None uses
-    it wherever the machine's check passes, True insists, False turns it off. CUDA's SDPA and cuBLAS kernels
-    are not batch-invariant, so there greedy output equals autoregressive output up to floating-point
-    near-ties (as in vLLM and SGLang). fixed: one cache size for every request (CUDA graphs need fixed
-    buffer addresses), or None."""
+    """A request's KV slots, pass rows and exact mode (CPU only). requested: None where the check passes, True
+    insists, False off. fixed: one cache size for every request (CUDA graphs), or None."""
 
     def __init__(self, model: Transformer, requested: bool | None, fixed: int | None, drafter=None):
         self.model, self.requested, self.fixed = model, requested, fixed
@@ -180,18 +138,14 @@ class Planner:
         self.exact = False  # decided per request (plan): the attention check depends on the KV length
 
     def plan(self, T: int, max_new: int, n: int) -> tuple[int, PassRows]:
-        """(KV slots S, rows of each target pass after the prefill) for a request whose passes carry at most
-        n tokens; decides self.exact. Exact mode sizes the cache without the drafter's margin, so that
-        autoregressive and speculative runs attend over the same KV length (one kernel class), and pads passes
-        to the smallest size that this machine keeps row-invariant at that length."""
+        # exact mode sizes the cache without the drafter's margin: every run attends over the same KV length
         limit = self.model.args.max_position_embeddings
-        S, R = cache_len(T, max_new, n + 1, limit), PassRows(n, n)  # raises when even the plain request does not fit
+        S, R = cache_len(T, max_new, n + 1, limit), PassRows(n, n)  # raises where the plain request does not fit
         if self.fixed is not None:
             if T + max_new + n + 1 > self.fixed:
                 raise UsageError(f"prompt of {T} tokens + {max_new} new tokens exceeds --max-seq {self.fixed}")
             S = self.fixed
-        self.exact = False
-        Re = None
+        self.exact, Re = False, None
         if self.invariance is not None and n <= MAX_ROWS:
             Se = self.fixed or min(limit, -(-(T + max_new + MAX_ROWS) // 128) * 128)
             Re = self.invariance.pass_rows(n, Se)
@@ -199,13 +153,13 @@ class Planner:
                 self.exact, S, R = True, Se, Re
         if self.requested and not self.exact:
             why = (f"a pass of {n} tokens is more than exact mode's {MAX_ROWS} rows" if n > MAX_ROWS else
-                   f"no target pass of {n} to {MAX_ROWS} rows gives every row the same bits on this CPU ({machine_id()})"
+                   f"no target pass of {n} to {MAX_ROWS} rows gives every row the same bits on this CPU "
+                   f"({machine_id()})"
                    if Re is None else "the padded passes do not fit the model's context")
             raise UsageError(f"--exact: {why}; use --no-exact")
         return S, R
 
     def pass_rows(self, n: int, S: int) -> PassRows:
-        """Rows to pad a target pass of n tokens to, in this request's mode (plan)."""
         if not self.exact:
             return PassRows(n, n)
         R = self.invariance.pass_rows(n, S)
@@ -215,6 +169,5 @@ class Planner:
 
     @property
     def attention(self) -> bool:
-        """Exact mode through model.exact_attention's recent-key tables: the PyTorch layers need them, the fused
-        CPU pass (row-invariant by construction, cpu_forward.py) does not."""
+        """Exact mode needs exact_attention's recent-key tables in the PyTorch layers, not in the fused CPU pass."""
         return self.exact and self.model.cpu_pass is None

@@ -30,11 +30,8 @@ DEFAULT_PROMPT = "What is the capital of France?"
 DEFAULT_HEAD = Path(__file__).resolve().parent / "heads" / "SmolLM2-135M-Instruct-eagle3"  # trained by eagle_train.py
 
 
-# ---------------------------------------------------------------- the engine
-
 def accepted_tokens(host: list[int]) -> tuple[int, list[int], list[int]]:
-    """host = [L, bonus, path tokens (root first, padded to D+1)..., path node indices...] -> (L, the tokens
-    this step emits: the accepted draft tokens after the root, then the bonus, the accepted node indices)."""
+    """[L, bonus, path tokens (root first)..., path node indices...] -> (L, emitted tokens, accepted nodes)."""
     L, P = host[0], (len(host) - 2) // 2
     return L, host[3:2 + L] + [host[1]], host[2 + P:2 + P + L]
 
@@ -45,37 +42,28 @@ class Engine:
     def __init__(self, model: Transformer, sampling: Sampling = Sampling(), compile: bool = False, drafter=None,
                  max_seq: int = 4096, backend: str = "inductor", exact: bool | None = None, budget: bool = False,
                  budget_cache: str | None = None):
-        self.model = model
-        self.budget = budget  # fit the verified tree size to this machine and request each step (budget.py)
-        self.sampling = sampling
-        self.drafter = drafter
+        self.model, self.sampling, self.drafter, self.budget, self.compiled = model, sampling, drafter, budget, compile
         self.device = model.lm_head.weight.device
         self.decode_fn = self._decode_one
         # a one-node tree's accepted path and length (_spec_decode), made once: no allocation inside a step
         self.root_path = (torch.zeros(1, dtype=torch.long, device=self.device),
                           torch.ones((), dtype=torch.long, device=self.device))
         self.verify_step, self.advance_step = self._spec_verify, self._spec_advance
-        # exact mode and pass sizes, per request (exact.py); CUDA graphs need fixed buffer addresses: one KV
-        # cache of max_seq slots for every request
+        # CUDA graphs need fixed buffer addresses: one KV cache of max_seq slots for every request
         graphed = compile and self.device.type == "cuda"
         self.planner = Planner(model, exact, min(max_seq, model.args.max_position_embeddings) if graphed else None,
                                drafter)
         self.R_dec = self.R_ver = PassRows(1, 1)  # rows of the decode and verify passes of the current request
-        self.compiled = compile
-        # compiled: the drafter's update and next draft run as one step (eager keeps them apart to time each);
-        # drafters that read host values (prompt lookup) always run eagerly
+        # compiled: the drafter's update and next draft run as one step (eager keeps them apart to time each)
         self.fused_steps = compile and drafter is not None and drafter.graphable
         if compile:
             graphs.compile_steps(self, backend)
-        # budget_cache: the caller's key of its drafter and sampling settings; with it the budget memory
-        # outlives the process (budget_memory.py; the CLI gives one, benchmarks start afresh)
+        # budget_cache: the caller's key of its drafter and sampling settings: the budget memory outlives the process
         key = f"exact={exact} compile={compile} {budget_cache}" if budget_cache is not None else None
         self.memory = BudgetMemory(model, drafter, key if budget and drafter is not None else None)
 
     def _decode_one(self, tok: Tensor, pos: Tensor) -> Tensor:
-        # tok [1, 1], pos [1] -> next token [1] (sampled on device). Padded to R_dec rows (exact mode, see
-        # plan) so every row gets the bits a tree verification gives it: the pad rows write KV slots past
-        # the prefix, which the next step overwrites before anything attends to them.
+        # padded to R_dec rows (exact mode): the pad rows write KV slots the next step overwrites before any read
         R = self.R_dec.gemm
         p = pos + torch.arange(R, device=pos.device)
         logits = self.model(tok.expand(1, R), p, recent=causal_recent(p) if self.planner.attention else None,
@@ -83,28 +71,20 @@ class Engine:
         return sample(logits, self.sampling)
 
     def _verify(self, tokens: Tensor, depth: Tensor, anc: Tensor, n: Tensor):
-        # one target pass over the flattened tree: positions n + depth, KV slots n + node index.
-        # Pad nodes up to R_ver rows (exact mode, see plan) see only themselves.
-        m = self.model
-        N = tokens.shape[0]
+        # one target pass over the tree: positions n + depth, KV slots n + node index; pad nodes see only themselves
+        m, N = self.model, tokens.shape[0]
         R = max(self.R_ver.gemm, N)
         if N < R:
-            P = R - N
-            tokens = torch.cat([tokens, tokens.new_zeros(P)])
-            depth = torch.cat([depth, depth.new_zeros(P)])
-            eye = torch.eye(R, dtype=torch.bool, device=anc.device)
-            anc = torch.cat([torch.cat([anc, anc.new_zeros(N, P)], 1), eye[N:]], 0)
+            tokens, depth = torch.cat([tokens, tokens.new_zeros(R - N)]), torch.cat([depth, depth.new_zeros(R - N)])
+            anc = torch.block_diag(anc, torch.eye(R - N, dtype=torch.bool, device=anc.device))
         mask = tree_mask(m.seq_range, anc, n)
         recent = tree_recent(anc, depth, n) if self.planner.attention else None
-        logits, hid, aux = m(tokens[None], n + depth, mask=mask, cache_pos=n + torch.arange(tokens.shape[0], device=n.device),
+        logits, hid, aux = m(tokens[None], n + depth, mask=mask, cache_pos=n + torch.arange(R, device=n.device),
                              return_hidden=True, recent=recent, attn_rows=max(self.R_ver.attn, R))
         return logits[0, :N], hid[:, :N], (aux[:, :N] if aux is not None else None)
 
     def _prefill(self, ptoks: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor | None]:
-        """The target's pass over the prompt [T] -> (logits [R, V] of the last R = min(T, rows) positions, at
-        least the last one; hidden [1, T, d]; aux). The last position's logits are their own one-row projection
-        either way, so the first token has the same bits in every mode; the other rows are projected only when
-        a drafter reads them (an LM head over 200 prompt rows costs a fifth of the prefill on a CPU)."""
+        # logits of the last max(1, min(T, rows)) positions, the last row projected alone: same bits in every mode
         T = ptoks.shape[0]
         _, hid, aux = self.model(ptoks[None], torch.arange(T, device=ptoks.device), return_hidden=True,
                                  compute_logits=False)
@@ -113,9 +93,8 @@ class Engine:
         return (torch.cat([self.model.lm_head(hid[0, T - R:-1]), last]) if R > 1 else last), hid, aux
 
     def warmup(self):
-        """One tiny prefill + decode so one-time kernel set-up (oneDNN, cuBLAS) is not billed to the first prompt."""
-        saved = self.drafter
-        self.drafter = None
+        """A tiny generation, so one-time kernel set-up is not billed to the first prompt."""
+        saved, self.drafter = self.drafter, None
         try:
             self.generate([0, 1], 2)
         finally:
@@ -132,16 +111,10 @@ class Engine:
         S, self.R_dec = self.planner.plan(T, max_new_tokens, 1)
         m.setup_caches(1, S)
         st = Stats(extra=dict(exact=self.planner.exact))
-        t0 = time.perf_counter()
-        logits = self._prefill(torch.tensor(prompt, device=dev), 0)[0]
-        tok = sample(logits, self.sampling)  # [1]
-        out = [int(tok)]
-        st.prefill_s = time.perf_counter() - t0
-        st.target_forwards = 1
+        tok, out, n = self._spec_prefill(prompt, st)
         if on_tokens:
             on_tokens(out)
-        t0 = time.perf_counter()
-        pos = torch.tensor([T], device=dev)
+        t0, pos = time.perf_counter(), n.view(1)
         while len(out) < max_new_tokens and out[-1] not in m.args.eos_ids:
             tok = self.decode_fn(tok.view(1, 1), pos)
             pos += 1
@@ -150,56 +123,40 @@ class Engine:
             if on_tokens:
                 on_tokens(out[-1:])
         sync(dev)
-        st.decode_s = time.perf_counter() - t0
-        st.new_tokens = len(out)
+        st.decode_s, st.new_tokens = time.perf_counter() - t0, len(out)
         return out, st
 
-    # ------------------------------------------------ speculative decoding
-    # A step is two static-shape, sync-free halves so each can be torch.compiled (CPU) or replayed from a
-    # CUDA graph (CUDA --compile): verify = target pass + acceptance + KV compaction; advance = the drafter's
-    # update (with its vocabulary's) + the next draft. Between them sits the step's one host sync.
-
     def _spec_verify(self, tree: Tree, n: Tensor) -> tuple[Tensor, Accepted]:
+        # a step's first static-shape, sync-free half: target pass, acceptance, KV compaction (then _spec_advance)
         if tree.tokens.shape[0] == 1 and self.R_ver.gemm == 1 and not self.planner.attention:
             return self._spec_decode(tree, n)
         logits, hid, aux = self._verify(tree.tokens, tree.depth, tree.anc, n)  # [N, V], [1, N, d], [1, N, 3d]
         if self.sampling.greedy and self.device.type == "cpu" and not torch.compiler.is_compiling():
-            # eager CPU: the acceptance on host lists and the KV moves in one C call (model.compact_kv): the
-            # small device ops they replace met cold caches after the pass (in-process A/B on Zen 5: 0.2-0.4 ms
-            # less a step of 2-16 nodes, 1.02-1.06x)
+            # eager CPU: host-list acceptance, KV moves in one C call (small device ops met cold caches: 1.02-1.06x)
             p, L, bonus = accept_greedy_host(tree, logits)
             if tree.tokens.shape[0] > 1:
                 n0 = int(n)
                 self.model.compact_kv([n0 + i for i in p], n0)
             toks = tree.tokens.tolist()
-            host = torch.tensor([L, bonus] + [toks[i] for i in p] + p)  # [2 + 2 (D + 1)]
-            P = 2 + len(p)  # the Accepted's tensors are views of it: no more allocations
-            return host, Accepted(tree, host[P:], host[0], host[1], logits, hid, aux, n)
-        if self.sampling.greedy:
-            path, L, bonus = accept_greedy(tree, logits)
-        else:
-            path, L, bonus = accept_sample(tree, logits_to_probs(logits, self.sampling))
-        if tree.tokens.shape[0] > 1:  # (a one-node tree, an autoregressive step, has its KV in place)
-            self.model.compact_kv(n + path, n)  # the accepted path's KV moves to slots n .. n + L - 1
+            host = torch.tensor([L, bonus] + [toks[i] for i in p] + p)  # the Accepted holds views of it
+            return host, Accepted(tree, host[2 + len(p):], host[0], host[1], logits, hid, aux, n)
+        path, L, bonus = (accept_greedy(tree, logits) if self.sampling.greedy else
+                          accept_sample(tree, logits_to_probs(logits, self.sampling)))
+        if tree.tokens.shape[0] > 1:  # the accepted path's KV moves to slots n .. n + L - 1
+            self.model.compact_kv(n + path, n)
         host = torch.cat([L.view(1), bonus.view(1), tree.tokens[path], path])  # what the host needs, in one sync
         return host, Accepted(tree, path, L, bonus, logits, hid, aux, n)
 
     def _spec_decode(self, tree: Tree, n: Tensor) -> tuple[Tensor, Accepted]:
-        """_spec_verify of a one-node tree (an autoregressive step: budget.py's fallback, or no draft): the decode
-        step's pass (causal mask: slots <= n, as the tree's mask; the same bits) and the bonus sampled as the
-        decode step samples it, without the tree mask, the path search and the KV compaction. Why: those are
-        about 25 small ops (in-process A/B on Zen 5: 7.21 -> 6.90 ms a step), and most steps of hard text are
-        such steps."""
-        logits, hid, aux = self.model(tree.tokens[None], n.view(1), return_hidden=True)  # [1, 1, V], [1, 1, d], ..
-        logits = logits[0]
-        bonus = sample(logits, self.sampling).view(())
-        path, L = self.root_path  # (never written: every reader indexes with them)
+        """_spec_verify of a one-node tree as the decode step runs it: 25 fewer small ops (7.21 -> 6.90 ms a step)."""
+        logits, hid, aux = self.model(tree.tokens[None], n.view(1), return_hidden=True)
+        bonus = sample(logits[0], self.sampling).view(())
+        path, L = self.root_path  # never written: every reader indexes with them
         host = torch.cat([L.view(1), bonus.view(1), tree.tokens, path])
-        return host, Accepted(tree, path, L, bonus, logits, hid, aux, n)
+        return host, Accepted(tree, path, L, bonus, logits[0], hid, aux, n)
 
     def _spec_advance(self, a: Accepted) -> Tree:
-        # one graph: the vocabulary gather on the copy stream overlaps the draft backbone and joins right
-        # before the first LM-head projection
+        # one graph: the vocabulary gather on the copy stream overlaps the draft backbone
         self.drafter.update(a)
         return self.drafter.draft(a.bonus.view(1), a.n + a.L)
 
@@ -239,12 +196,10 @@ class Engine:
         return out, st
 
     def _spec_setup(self, prompt: list[int], max_new_tokens: int) -> tuple[int, StepBudget]:
-        """Plans the request (KV slots S, pass rows, exact mode), sets up the caches and the drafter -> (S,
-        the request's budget)."""
+        """Plans the request, sets up the caches and the drafter -> (KV slots S, the request's budget)."""
         d = self.drafter
         S, self.R_ver = self.planner.plan(len(prompt), max_new_tokens, d.nodes)
-        # the machine's pass costs, before the caches are set up (it times passes)
-        pass_s = pass_costs(self.model, d.nodes, d.budget_sizes() or ()) if self.budget else None
+        pass_s = pass_costs(self.model, d.nodes, d.budget_sizes() or ()) if self.budget else None  # before caches
         self.model.setup_caches(1, S)
         d.setup(S)
         graphs.follow_buffers((self.verify_step, self.advance_step), self.model, d)
@@ -253,12 +208,12 @@ class Engine:
         return S, StepBudget(d, prompt, max_new_tokens, self.memory if self.budget else None, settle, pass_s)
 
     def _spec_prefill(self, prompt: list[int], st: Stats) -> tuple[Tensor, list[int], Tensor]:
-        """The target's prefill, handed to the drafter -> (first token [1], [it], tokens in the KV cache)."""
         t0 = time.perf_counter()
         ptoks = torch.tensor(prompt, device=self.device)
-        logits, hid, aux = self._prefill(ptoks, self.drafter.prompt_logits)
+        logits, hid, aux = self._prefill(ptoks, self.drafter.prompt_logits if self.drafter else 0)
         tok = sample(logits[-1:], self.sampling)  # [1]
-        self.drafter.prefill(Prefill(ptoks, tok, logits, hid, aux))
+        if self.drafter is not None:
+            self.drafter.prefill(Prefill(ptoks, tok, logits, hid, aux))
         out, n = [int(tok)], torch.tensor(len(prompt), device=self.device)
         st.prefill_s, st.target_forwards = time.perf_counter() - t0, 1
         return tok, out, n
@@ -268,9 +223,7 @@ class Engine:
             return self.drafter.draft(root, n, fit.draft_size(b)) if b > 1 else chain_tree(root)
 
     def _advance(self, a: Accepted, b: int, fit: StepBudget, clock: Clock) -> Tree:
-        """The next step's tree (b nodes verified) after this step's outcome: the drafter's update and its next
-        draft, one compiled step or CUDA graph where fused; an autoregressive step followed by another is kept
-        back (fit.hold), and the drafter catches up on the run in one update."""
+        """The next step's tree: update + draft (one step where fused); autoregressive runs catch up at once."""
         if fit.hold(a, b):
             return chain_tree(a.bonus.view(1))
         if self.fused_steps and b > 1 and not fit.pending:
@@ -278,20 +231,15 @@ class Engine:
                 return self.advance_step(a)
         a = fit.catch_up(a)
         with clock("update"):
-            self.drafter.update(a)  # the drafter's state and its vocabulary's window follow the accepted path
+            self.drafter.update(a)
         return self._draft(a.bonus.view(1), a.n + a.L, b, fit, clock)
 
 
 def stop_at(emitted: list[int], out: list[int], max_new: int, eos: set) -> list[int]:
-    """The emitted tokens up to the token budget and through the first eos, exactly like autoregressive."""
+    """The emitted tokens up to the token budget and through the first eos, as autoregressive decoding."""
     emitted = emitted[:max(max_new - len(out), 0)]
-    for i, t in enumerate(emitted):
-        if t in eos:
-            return emitted[:i + 1]
-    return emitted
+    return emitted[:next((i + 1 for i, t in enumerate(emitted) if t in eos), len(emitted))]
 
-
-# ---------------------------------------------------------------- CLI
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="NanoSpec engine: generate text with speculative decoding")
@@ -310,16 +258,13 @@ def parse_args(argv=None):
                    help="torch.compile decode/verify/draft steps (inductor on CPU; CUDA graphs on CUDA)")
     p.add_argument("--max-seq", type=int, default=4096, help="KV cache slots when CUDA graphs are captured")
     p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
-                   help="CPU: bit-exact greedy output, identical for every drafter and for autoregressive decoding "
-                        "(README 'Why greedy output is bit-identical'); an error where this CPU's check fails. "
-                        "Default: on where it is free (the fused CPU pass, cpu_forward.py, is row-invariant by "
-                        "construction), else off: the fastest arithmetic, equal to autoregressive output up to "
-                        "floating-point near-ties")
+                   help="CPU: greedy output bit-identical to autoregressive decoding (an error where this CPU's "
+                        "check fails). Default: on where free (the fused CPU pass), else the fastest arithmetic")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text + stats")
     g = dc.add_flags(p)
     g.add_argument("--budget", default="auto", choices=["auto", "fixed"],
-                   help="auto: verify as many of the drafted nodes as pays on this machine for this request, "
-                        "decoding autoregressively when none does (measured as it generates); fixed: the whole tree")
+                   help="auto: verify as many drafted nodes as pays on this machine for this request (measured "
+                        "as it generates; none: autoregressive); fixed: the whole tree")
     args = p.parse_args(argv)
     args.given = dc.given_flags(p, argv)
     return args
@@ -336,7 +281,8 @@ def read_prompt(arg: str | None) -> str:
     return arg
 
 
-def load_target(checkpoint: str | None, device: str = "cpu", dtype: str = "bfloat16") -> tuple[Transformer, Tokenizer, Path]:
+def load_target(checkpoint: str | None, device: str = "cpu", dtype: str = "bfloat16"
+                ) -> tuple[Transformer, Tokenizer, Path]:
     """The target model, its tokenizer and folder, from an HF folder or hub id (None: the embedded default model)."""
     try:
         dev = torch.device(device)
@@ -356,9 +302,7 @@ def build_engine(model: Transformer, tok: Tokenizer | None, draft: dc.DraftConfi
                  sampling: Sampling = Sampling(), *, compile: bool = False, max_seq: int = 4096,
                  backend: str = "inductor", exact: bool | None = None, head=None, budget: bool = True,
                  budget_cache: bool = False) -> Engine:
-    """The engine with its drafter and draft vocabulary (CLI, bench, GPU check and trainer build it here);
-    budget=False verifies the whole drafted tree every step instead of fitting its size (budget.py);
-    budget_cache=True keeps the budget's memory across processes, keyed by these settings (the CLI)."""
+    """The engine with its drafter; budget=False verifies the whole tree; budget_cache=True: memory across runs."""
     sampling.validate(model.args.vocab_size)
     drafter = dc.make_drafter(draft, model, sampling, tok, head)
     return Engine(model, sampling, compile=compile, drafter=drafter, max_seq=max_seq, backend=backend, exact=exact,
@@ -367,8 +311,8 @@ def build_engine(model: Transformer, tok: Tokenizer | None, draft: dc.DraftConfi
 
 def stats_line(st: Stats, model: Transformer) -> str:
     d = st.as_dict()
-    s = (f"[{d['new_tokens']} new tokens, {d['tokens_per_s']:.2f} tok/s (decode {d['decode_tokens_per_s']:.2f} tok/s), "
-         f"prefill {st.prefill_s * 1000:.0f} ms")
+    s = (f"[{d['new_tokens']} new tokens, {d['tokens_per_s']:.2f} tok/s (decode {d['decode_tokens_per_s']:.2f} "
+         f"tok/s), prefill {st.prefill_s * 1000:.0f} ms")
     if "mean_accepted_length" in d:
         s += f", {st.target_forwards} target forwards, mean accepted length {d['mean_accepted_length']:.2f}"
     if "accepted_from" in d:
@@ -379,7 +323,8 @@ def stats_line(st: Stats, model: Transformer) -> str:
         s += ", exact" if d["exact"] else ", not exact"
     if model.lm_head.weight.is_cuda:
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        s += f", {nbytes * st.target_forwards / max(st.decode_s, 1e-9) / 1e9:.1f} GB/s, peak {torch.cuda.max_memory_allocated() / 1e9:.2f} GB"
+        s += (f", {nbytes * st.target_forwards / max(st.decode_s, 1e-9) / 1e9:.1f} GB/s, "
+              f"peak {torch.cuda.max_memory_allocated() / 1e9:.2f} GB")
     return s + "]"
 
 
@@ -389,16 +334,16 @@ def run(args) -> int:
     model, tok, _ = load_target(args.checkpoint, args.device, args.dtype)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     exact = args.exact if args.exact is not None else (None if model.cpu_pass is not None else False)
-    engine = build_engine(model, tok, dc.from_flags(args, DEFAULT_HEAD), sampling, compile=args.compile, max_seq=args.max_seq,
-                          exact=exact, budget=args.budget == "auto", budget_cache=True)
+    engine = build_engine(model, tok, dc.from_flags(args, DEFAULT_HEAD), sampling, compile=args.compile,
+                          max_seq=args.max_seq, exact=exact, budget=args.budget == "auto", budget_cache=True)
     torch.manual_seed(args.seed)
     engine.warmup()
     if args.chat:
         return chat_loop(engine, tok, args)
     text = read_prompt(args.prompt)
-    ids = tok.encode(text) if args.raw or tok.chat_template is None else tok.encode_chat([{"role": "user", "content": text}])
-    streamer = None if args.json else Streamer(tok)
-    out, st = engine.generate(ids, args.max_new_tokens, on_tokens=streamer)
+    chat = not args.raw and tok.chat_template is not None
+    ids = tok.encode_chat([{"role": "user", "content": text}]) if chat else tok.encode(text)
+    out, st = engine.generate(ids, args.max_new_tokens, on_tokens=None if args.json else Streamer(tok))
     if args.json:
         print(json.dumps(dict(text=tok.decode(out), **st.as_dict())))
     else:
@@ -426,7 +371,7 @@ def chat_loop(engine: Engine, tok: Tokenizer, args) -> int:
 
 
 def one_line_errors(fn, args, errors=(UsageError, ModelError, CheckpointError, ValueError)) -> int:
-    """fn(args), with bad input reported as one line and exit code 2 instead of a traceback."""
+    """fn(args), with bad input reported as one line and exit code 2."""
     try:
         return fn(args)
     except errors as e:

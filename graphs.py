@@ -4,22 +4,13 @@ import torch.utils._pytree as pytree
 
 
 class Graphed:
-    """Calls fn through CUDA graphs captured per input signature (pytree structure, tensor shapes/dtypes
-    and plain values).
-
-    The first call of a signature runs fn eagerly (it warms up lazily initialised kernels and libraries on
-    the real state); the second captures fn (capture records kernels without running them) and replays it,
-    so every call executes fn exactly once and state-mutating steps stay correct. Tensor inputs are copied
-    into the graph's static buffers; the returned tensors are the graph's own outputs, valid until its next
-    replay (callers consume them within the step)."""
+    """Calls fn through CUDA graphs captured per input signature (pytree structure, tensor shapes and dtypes,
+    plain values). A signature's first call runs eagerly (warm-up); the second captures (which runs nothing)
+    and replays, so fn runs exactly once per call. Outputs are the graph's own, valid until its next replay."""
 
     def __init__(self, fn):
         self.fn, self.graphs, self.seen = fn, {}, set()
         self.addresses = None  # of the buffers the graphs read (follow_buffers)
-
-    def reset(self):
-        self.graphs.clear()
-        self.seen.clear()
 
     def __call__(self, *args):
         leaves, spec = pytree.tree_flatten(args)
@@ -45,9 +36,8 @@ class Graphed:
 
 
 def compile_steps(engine, backend: str):
-    """Rebinds the engine's decode step and its two speculative halves (verify; the drafter's update + next
-    draft) to compiled ones. reduce-overhead = CUDA graphs on CUDA; on CPU inductor fuses the small per-layer
-    ops. The halves are captured explicitly on CUDA (Graphed): robust with the copy-stream fork/join inside."""
+    """Rebinds the engine's decode step and its two speculative halves to compiled ones; on CUDA the halves are
+    captured explicitly (Graphed): robust with the copy-stream fork/join inside."""
     cuda = engine.device.type == "cuda"
     engine.decode_fn = torch.compile(engine._decode_one, mode="reduce-overhead" if cuda else None,
                                      fullgraph=True, dynamic=False, backend=backend)
@@ -57,14 +47,13 @@ def compile_steps(engine, backend: str):
 
 
 def follow_buffers(steps, model, drafter):
-    """Before a request: where another engine sharing this model or head resized its caches, the captured
-    graphs would read the freed buffers, so they capture again on the new ones. (torch.compile'd CPU steps
-    guard on their buffers themselves.)"""
+    """Before a request: where another engine sharing this model or head resized its caches, capture again."""
     graphed = [s for s in steps if isinstance(s, Graphed)]
     if graphed:
         mods = [model] + [v for v in vars(drafter).values() if isinstance(v, torch.nn.Module)]
         addresses = tuple(b.data_ptr() for mod in mods for b in mod.buffers())
         for step in graphed:
             if step.addresses != addresses:
-                step.reset()
+                step.graphs.clear()
+                step.seen.clear()
                 step.addresses = addresses

@@ -1,8 +1,5 @@
-"""The target transformer: Llama-3.x / SmolLM2 / Qwen2 / Qwen3 in HF weight layout, gpt-fast style.
-
-One `forward(tokens, input_pos, mask=None, cache_pos=None)` serves prefill, one-token decode and
-tree verification (explicit mask over the static KV cache). Knows nothing about drafts or vocabularies.
-"""
+"""The target transformer (Llama-3.x / SmolLM2 / Qwen2 / Qwen3 in HF weight layout), gpt-fast style: one forward
+serves prefill, decode and tree verification (explicit mask over the static KV cache)."""
 import json
 import math
 from dataclasses import dataclass, field
@@ -50,36 +47,24 @@ class ModelArgs:
         if arch not in SUPPORTED_ARCHS:
             raise ModelError(f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
         try:
-            dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
-            eos = cfg.get("eos_token_id")
+            dim, n_heads, eos = cfg["hidden_size"], cfg["num_attention_heads"], cfg.get("eos_token_id")
             rope = cfg.get("rope_parameters") or {}  # transformers >= 5 nests RoPE settings here
             scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-            return cls(
-                arch=arch,
-                dim=dim,
-                n_layers=cfg["num_hidden_layers"],
-                n_heads=n_heads,
-                n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-                head_dim=cfg.get("head_dim") or dim // n_heads,
-                intermediate_size=cfg["intermediate_size"],
-                vocab_size=cfg["vocab_size"],
-                norm_eps=cfg.get("rms_norm_eps", 1e-6),
-                rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-                rope_scaling=scaling,
-                max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-                qk_norm=arch == "Qwen3ForCausalLM",
-                eos_ids=[eos] if isinstance(eos, int) else list(eos or []),
-                bos_id=cfg.get("bos_token_id"),
-            )
+            return cls(arch=arch, dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
+                       intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+                       n_kv_heads=cfg.get("num_key_value_heads") or n_heads, norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                       head_dim=cfg.get("head_dim") or dim // n_heads, bos_id=cfg.get("bos_token_id"),
+                       rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))), rope_scaling=scaling,
+                       max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+                       tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                       qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+                       qk_norm=arch == "Qwen3ForCausalLM", eos_ids=[eos] if isinstance(eos, int) else list(eos or []))
         except KeyError as e:
             raise ModelError(f"config.json lacks required field {e.args[0]!r}") from None
 
 
 def kv_dtype(dtype, device) -> torch.dtype:
-    # On CPU, SDPA in bf16/fp16 is many times slower than in fp32 (measured ~10x for head_dim 64), so the
-    # cache holds fp32 there and attention runs in fp32; on GPU the cache keeps the model dtype.
+    # CPU SDPA in bf16/fp16 is ~10x slower than in fp32 (head_dim 64): the CPU cache and attention run in fp32.
     return torch.float32 if torch.device(device).type == "cpu" else dtype
 
 
@@ -89,10 +74,9 @@ class KVCache(nn.Module):
         super().__init__()
         dtype = kv_dtype(dtype, device if device is not None else "cpu")
         shape = (max_batch, n_kv_heads, max_seq, head_dim)
-        k = torch.zeros(shape, dtype=dtype, device=device) if kv is None else kv[0][None]
-        v = torch.zeros(shape, dtype=dtype, device=device) if kv is None else kv[1][None]
-        self.register_buffer("k", k, persistent=False)
-        self.register_buffer("v", v, persistent=False)
+        for i, name in enumerate("kv"):
+            buf = torch.zeros(shape, dtype=dtype, device=device) if kv is None else kv[i][None]
+            self.register_buffer(name, buf, persistent=False)
 
     def update(self, cache_pos: Tensor, k: Tensor, v: Tensor):
         # cache_pos [T]; k, v [B, Hkv, T, hd]. index_copy_ keeps shapes static (no slicing by Python ints).
@@ -103,9 +87,7 @@ class KVCache(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear (HF weight names) whose bf16 CPU products go through cpu_gemm where this machine's check
-    chose it: row-invariant, and extra rows of a verification pass cost little (cpu_gemm.py)."""
-
+    """nn.Linear whose bf16 CPU products go through cpu_gemm where chosen: row-invariant, cheap extra rows."""
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.register_buffer("packed", None, persistent=False)  # cpu_gemm.pack(weight), set by cpu_gemm.pack_linears
@@ -123,26 +105,20 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # Normalise in fp32 as HF does, then cast back before the weight multiply (HF order).
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # x [B, H, T, hd]; cos/sin [T, hd] or [B, 1, T, hd] (HF rotate-half layout: HF q/k weights need no permutation)
-    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> Tensor:
+def rope_cache(max_seq: int, head_dim: int, base: float, scaling: dict | None) -> tuple[Tensor, Tensor]:
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # fp32 as HF
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
     if kind == "llama3":  # Llama-3.1 frequency-dependent scaling
-        factor = scaling["factor"]
-        lo, hi = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        factor, lo, hi = scaling["factor"], scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
         old_ctx = scaling.get("original_max_position_embeddings", 8192)
         wavelen = 2 * math.pi / inv_freq
         smooth = (old_ctx / wavelen - lo) / (hi - lo)
@@ -154,23 +130,15 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> Tensor:
         inv_freq = inv_freq / scaling["factor"]
     elif kind not in (None, "default"):
         raise ModelError(f"unsupported rope_scaling type {kind!r}")
-    return inv_freq
-
-
-def rope_cache(max_seq: int, head_dim: int, base: float, scaling: dict | None) -> tuple[Tensor, Tensor]:
-    inv_freq = rope_inv_freq(head_dim, base, scaling)
-    t = torch.arange(max_seq, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq)
+    freqs = torch.outer(torch.arange(max_seq, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)  # [S, hd]
     return emb.cos(), emb.sin()
 
 
-# ---------------------------------------------------------------- exact attention
-# Speculative output must equal autoregressive output bit for bit, but SDPA's reductions depend on where the
-# unmasked keys sit (scattered for a tree node's ancestors, consecutive for a decoded token's), so bf16
-# near-ties flip. exact_attention splits each query's keys at logical (RoPE) position p - RECENT + 1: earlier
-# keys sit at their own slots (one flash pass), the last RECENT are gathered into logical order, so both halves
-# see the same data at the same offsets for any row; a log-sum-exp merge joins them. Trees: depth < RECENT.
+# Exact attention: speculative output must equal autoregressive output bit for bit, but SDPA's reductions depend on
+# where the unmasked keys sit, so bf16 near-ties flip. Keys split at logical position p - RECENT + 1: earlier ones in
+# one flash pass at their own slots, the last RECENT gathered into logical order, then a log-sum-exp merge (exact for
+# chains of any length and trees shallower than RECENT).
 RECENT = 16
 
 
@@ -189,9 +157,7 @@ def tree_mask(seq_range: Tensor, anc: Tensor, n: Tensor) -> Tensor:
 
 
 def tree_recent(anc: Tensor, depth: Tensor, n: Tensor, W: int = RECENT) -> Tensor:
-    """[N, W] KV slots of each tree node's last W keys in logical order: keys before the step's first slot n
-    are the prefix (slot == position), the rest the node's ancestors at depth position - n, at slot n +
-    (ancestor's node index). Exact for chains of any length and for trees shallower than W."""
+    """[N, W] slots of each node's last W keys in logical order: the prefix at slot == position, ancestors at n + j."""
     N, dev = anc.shape[0], anc.device
     lv = torch.arange(N, device=dev)  # depth < N: chains of any length work too
     anc_at = torch.argmax((anc[:, None, :] & (depth[None, None, :] == lv[None, :, None])).int(), dim=-1)  # [N, N]
@@ -201,15 +167,13 @@ def tree_recent(anc: Tensor, depth: Tensor, n: Tensor, W: int = RECENT) -> Tenso
 
 
 def exact_plan(input_pos: Tensor, recent: Tensor, seq_range: Tensor, n_groups: int, rows: int | None = None) -> tuple:
-    """What every layer's exact_attention shares, built once per forward: the flash half's additive mask
-    [g*T', S] (keys at positions < input_pos - W + 1), its emptiness [T'], and the recent half's slots.
-    rows: attention's own pass size T' >= T (exact.py), reached with copies of the last row."""
+    """Every layer's exact_attention inputs: the flash half's additive mask [g*T', S], its emptiness [T'] and the
+    recent half's slots. rows: attention's pass size T' >= T (exact.py), padded with copies of the last row."""
     T = input_pos.shape[0]
-    if rows is not None and rows > T:  # the attention kernels may need more rows than the GEMMs (exact.py)
+    if rows is not None and rows > T:
         input_pos = torch.cat([input_pos, input_pos[-1:].expand(rows - T)])
         recent = torch.cat([recent, recent[-1:].expand(rows - T, -1)])
-    W = recent.shape[1]
-    split = input_pos - (W - 1)  # [T]
+    split = input_pos - (recent.shape[1] - 1)  # [T]
     mask = torch.zeros(input_pos.shape[0], seq_range.shape[0], device=input_pos.device)
     mask = mask.masked_fill(seq_range[None, :] >= split[:, None], float("-inf")).repeat(n_groups, 1)
     return mask, split > 0, recent.clamp(min=0).flatten(), recent < 0
@@ -223,15 +187,13 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, plan: tuple) -> Tensor:
     if T > T0:
         q = torch.cat([q, q[:, :, -1:].expand(B, H, T - T0, hd)], 2)
     Hkv, W = k.shape[1], pad.shape[-1]
-    g = H // Hkv
-    scale = hd ** -0.5
+    g, scale = H // Hkv, hd ** -0.5
     # query heads sharing a KV head become extra query rows: no repeat_interleave copy of the cache
     oa, la = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.reshape(B, Hkv, g * T, hd), k, v, attn_mask=mask, scale=scale)[:2]
     oa, la = oa.reshape(B, Hkv, g, T, hd), la.reshape(B, Hkv, g, T)
     la = torch.where(has_flash, la, float("-inf"))  # an empty flash half (early positions) has no weight
-    # recent half: elementwise products and sums over a fixed axis, so a row's arithmetic ignores T (a flash
-    # pass would not: its kernels change with the batch size)
+    # recent half: elementwise products, sums over a fixed axis: a row's arithmetic ignores T (flash kernels do not)
     kb = k.index_select(2, idx).view(B, Hkv, 1, T, W, hd)
     vb = v.index_select(2, idx).view(B, Hkv, 1, T, W, hd)
     s = ((q.view(B, Hkv, g, T, 1, hd) * kb).sum(-1) * scale).masked_fill(pad, float("-inf"))  # [B, Hkv, g, T, W]
@@ -240,8 +202,7 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, plan: tuple) -> Tensor:
     sb = e.sum(-1)
     ob = (e[..., None] * vb).sum(-2) / sb[..., None]  # [B, Hkv, g, T, hd]
     lb = mb + torch.log(sb)
-    # log-sum-exp merge in plain mul/add/exp/div: fused ops such as lerp round differently in their
-    # vectorised body and scalar tail, which would make a row's result depend on T again
+    # log-sum-exp merge in plain mul/add/exp/div: fused ops (lerp) round differently in vector body and scalar tail
     m = torch.maximum(la, lb)
     wa, wb = torch.exp(la - m)[..., None], torch.exp(lb - m)[..., None]
     return ((wa * oa + wb * ob) / (wa + wb)).reshape(B, H, T, hd)[:, :, :T0]
@@ -257,8 +218,7 @@ class Attention(nn.Module):
         self.v_proj = Linear(in_dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.o_proj = Linear(a.n_heads * a.head_dim, a.dim, bias=False)
         if a.qk_norm:
-            self.q_norm = RMSNorm(a.head_dim, a.norm_eps)
-            self.k_norm = RMSNorm(a.head_dim, a.norm_eps)
+            self.q_norm, self.k_norm = RMSNorm(a.head_dim, a.norm_eps), RMSNorm(a.head_dim, a.norm_eps)
         self.qk_norm = a.qk_norm
         self.kv_cache: KVCache | None = None
 
@@ -274,10 +234,11 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         c = self.kv_cache
         k, v = c.update(cache_pos, k.to(c.k.dtype), v.to(c.k.dtype))  # [B, Hkv, S, hd]
+        q = q.to(k.dtype)
         if exact is not None:
-            y = exact_attention(q.to(k.dtype), k, v, exact)
+            y = exact_attention(q, k, v, exact)
         else:  # enable_gqa: SDPA broadcasts KV heads instead of copying them
-            y = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(y.to(x.dtype).transpose(1, 2).reshape(B, T, -1))
 
 
@@ -320,8 +281,7 @@ class Transformer(nn.Module):
         self.kt: Tensor | None = None  # the same keys transposed for cpu_pass's scores (cpu_forward.transposed_keys)
 
     def eagle3_aux_layers(self) -> tuple[int, int, int]:
-        L = self.args.n_layers
-        return (2, L // 2, L - 3)
+        return (2, self.args.n_layers // 2, self.args.n_layers - 3)
 
     def setup_caches(self, max_batch: int, max_seq: int):
         """Allocate the static KV cache and RoPE tables; max_seq bounds prompt + generated + tree nodes."""
@@ -331,33 +291,27 @@ class Transformer(nn.Module):
             return
         self.max_batch, self.max_seq = max_batch, max_seq
         p, a = self.lm_head.weight, self.args
-        # the fused CPU pass keeps the cache in bf16 (k and v come out of bf16 GEMMs), in one tensor
+        # the fused CPU pass's bf16 cache in one tensor, and its keys again, transposed for the AVX-512 BF16 scores
         self.kv = torch.zeros(a.n_layers, 2, a.n_kv_heads, max_seq, a.head_dim, dtype=p.dtype, device=p.device) \
             if self.cpu_pass is not None and max_batch == 1 else None
-        # and its keys once more, transposed for the AVX-512 BF16 build's scores: K's bytes again, for speed
         self.kt = None if self.kv is None else cpu_forward.transposed_keys(self.kv)
         for i, layer in enumerate(self.layers):
             layer.self_attn.kv_cache = KVCache(max_batch, max_seq, a.n_kv_heads, a.head_dim, p.dtype, p.device,
                                                None if self.kv is None else self.kv[i])
-        cos, sin = rope_cache(max_seq, self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
+        cos, sin = rope_cache(max_seq, a.head_dim, a.rope_theta, a.rope_scaling)
         self.register_buffer("rope_cos", cos.to(p.device, p.dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(p.device, p.dtype), persistent=False)
         self.register_buffer("seq_range", torch.arange(max_seq, device=p.device), persistent=False)
 
     def causal_mask(self, cache_pos: Tensor) -> Tensor:
-        # [T, S]: query at cache slot p sees slots <= p.
-        return self.seq_range[None, :] <= cache_pos[:, None]
+        return self.seq_range[None, :] <= cache_pos[:, None]  # [T, S]: query at cache slot p sees slots <= p
 
     def forward(self, tokens: Tensor, input_pos: Tensor, mask: Tensor | None = None,
                 cache_pos: Tensor | None = None, return_hidden: bool = False, compute_logits: bool = True,
                 recent: Tensor | None = None, attn_rows: int | None = None):
-        """tokens [B, T]; input_pos [T] RoPE positions (or [B, T] per row, e.g. left-padded batches);
-        cache_pos [T] KV slots (default input_pos, which must then be [T]);
-        mask [T, S] or [B, 1, T, S] bool over the whole cache (default causal).
-        Returns logits [B, T, V], or (logits, hidden [B, T, D] final-normed, aux [B, T, len(aux)*D] or None);
-        compute_logits=False skips the LM head (logits None) for callers that project a sub-vocabulary;
-        recent [T, RECENT] (CPU, input_pos [T]) switches to exact_attention with these recent-key slots, over
-        attn_rows query rows (padded with copies of the last one; exact.py)."""
+        """tokens [B, T]; input_pos [T] RoPE positions (or [B, T]); cache_pos [T] KV slots (default input_pos); mask
+        [T, S] or [B, 1, T, S] bool (default causal); recent [T, RECENT] (CPU): exact_attention over attn_rows rows.
+        -> logits [B, T, V] (None if not compute_logits), or (logits, normed hidden, aux or None) with return_hidden."""
         cache_pos = input_pos if cache_pos is None else cache_pos
         mask = self.causal_mask(cache_pos) if mask is None else mask
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, hd] or [B, T, hd]
@@ -365,8 +319,7 @@ class Transformer(nn.Module):
             cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         x = self.embed_tokens(tokens)  # [B, T, D]
         if self.kv is not None and tokens.shape[0] == 1 and input_pos.dim() == 1 and mask.dim() == 2:
-            # the layer stack and the final norm in one C call, row-invariant by construction, so exact mode's
-            # recent-key gathers and padded rows are not needed (cpu_forward.py)
+            # layers and final norm in one C call, row-invariant by construction: no exact mode needed (cpu_forward.py)
             h, aux = self.cpu_pass(x[0], cos, sin, mask, cache_pos, self.kv, self.aux_layers, kt=self.kt,
                                    norm=self.norm.weight)
             h, aux = h[None], (aux[None] if self.aux_layers else None)
@@ -383,15 +336,11 @@ class Transformer(nn.Module):
                 self.kt.copy_(cpu_forward.transposed_keys(self.kv))
             h = self.norm(x)
         logits = self.lm_head(h) if compute_logits else None
-        if not return_hidden:
-            return logits
-        return logits, h, aux
+        return (logits, h, aux) if return_hidden else logits
 
     @torch.no_grad()
     def compact_kv(self, src: Tensor | list[int], dst_start: Tensor | int):
-        """Move KV rows at cache slots src [n] to slots dst_start + [0, n) (the accepted tree path). A fixed n
-        keeps shapes static: rows past the accepted length are copied too, and overwritten before any read.
-        Eager CPU callers may pass a list and an int."""
+        """Move KV rows at slots src [n] to dst_start + [0, n); a fixed n keeps shapes static (extras are rewritten)."""
         if (self.kv is not None and self.kv.device.type == "cpu" and self.kv.dtype == torch.bfloat16
                 and not torch.compiler.is_compiling()):
             # eager CPU: one C call, skipping slots already in place (a chain's accepted path always is)
@@ -403,9 +352,8 @@ class Transformer(nn.Module):
         dst = dst_start + torch.arange(src.shape[0], device=src.device)
         if self.kv is not None:  # one tensor: one gather and one scatter for every layer
             self.kv.index_copy_(3, dst, self.kv.index_select(3, src))
-            if self.kt is not None and self.kt.numel():  # and the keys' transposed copy: slot s is lane s % 16
-                kt = self.kt  # [L, Hkv, S / 16, hd / 2, 16]
-                kt[:, :, dst // 16, :, dst % 16] = kt[:, :, src // 16, :, src % 16]
+            if self.kt is not None and self.kt.numel():  # kt [L, Hkv, S/16, hd/2, 16]: slot s is lane s % 16
+                self.kt[:, :, dst // 16, :, dst % 16] = self.kt[:, :, src // 16, :, src % 16]
             return
         for layer in self.layers:
             c = layer.self_attn.kv_cache
@@ -414,34 +362,16 @@ class Transformer(nn.Module):
             c.v.index_copy_(2, dst, c.v.index_select(2, src))
 
 
-# ---------------------------------------------------------------- loading
-
-def read_config(path: Path) -> dict:
-    path = Path(path)
-    f = path / "config.json"
-    if not path.is_dir():
-        raise ModelError(f"checkpoint folder not found: {path}")
-    if not f.is_file():
-        raise ModelError(f"no config.json in {path}")
-    try:
-        return json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelError(f"{f} is not valid JSON ({e.msg}, line {e.lineno})") from None
-
-
 def safetensor_files(path: Path) -> list[Path]:
-    path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [path / n for n in names]
+        files = [path / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     elif (path / "model.safetensors").is_file():
         files = [path / "model.safetensors"]
     else:
         raise ModelError(f"no model.safetensors or model.safetensors.index.json in {path}")
-    for f in files:
-        if not f.is_file():
-            raise ModelError(f"missing weight shard {f.name} in {path}")
+    if missing := [f for f in files if not f.is_file()]:
+        raise ModelError(f"missing weight shard {missing[0].name} in {path}")
     return files
 
 
@@ -452,9 +382,8 @@ def load_state_dict(files, dtype, device, strip_prefix: str = "") -> dict:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as fh:
                 for k in fh.keys():
-                    name = k[len(strip_prefix):] if strip_prefix and k.startswith(strip_prefix) else k
                     t = fh.get_tensor(k)
-                    sd[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+                    sd[k.removeprefix(strip_prefix)] = t.to(device, dtype if t.is_floating_point() else t.dtype)
         except Exception as e:  # safetensors raises several types for corrupt files
             raise ModelError(f"cannot read {f}: {str(e).splitlines()[0]}") from None
     return sd
@@ -462,8 +391,7 @@ def load_state_dict(files, dtype, device, strip_prefix: str = "") -> dict:
 
 def check_tensors(sd: dict, expected: dict, where: str):
     """Every tensor the module expects is in sd, with its shape, else one ModelError naming the first."""
-    missing = [k for k in expected if k not in sd]
-    if missing:
+    if missing := [k for k in expected if k not in sd]:
         raise ModelError(f"{where} lacks {len(missing)} tensors, e.g. {missing[0]!r}")
     for k, v in expected.items():
         if tuple(sd[k].shape) != tuple(v.shape):
@@ -473,13 +401,18 @@ def check_tensors(sd: dict, expected: dict, where: str):
 def load_model(path, dtype=torch.bfloat16, device="cpu") -> Transformer:
     """Build on the meta device, then assign the checkpoint tensors (no init, no conversion step)."""
     path = Path(path)
-    cfg = read_config(path)
-    args = ModelArgs.from_hf_config(cfg)
+    if not path.is_dir():
+        raise ModelError(f"checkpoint folder not found: {path}")
+    if not (f := path / "config.json").is_file():
+        raise ModelError(f"no config.json in {path}")
+    try:
+        args = ModelArgs.from_hf_config(json.loads(f.read_text()))
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{f} is not valid JSON ({e.msg}, line {e.lineno})") from None
     gen = path / "generation_config.json"
-    if gen.is_file():  # generation_config's eos list is the one chat models stop on
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        if eos is not None:
-            args.eos_ids = sorted(set(args.eos_ids) | set([eos] if isinstance(eos, int) else eos))
+    eos = (json.loads(gen.read_text()) if gen.is_file() else {}).get("eos_token_id")
+    if eos is not None:  # generation_config's eos list is the one chat models stop on
+        args.eos_ids = sorted(set(args.eos_ids) | set([eos] if isinstance(eos, int) else eos))
     with torch.device("meta"):
         model = Transformer(args)
     sd = load_state_dict(safetensor_files(path), dtype, device, strip_prefix="model.")

@@ -1,6 +1,4 @@
-"""Sampling and acceptance: temperature / top-k / top-p, sync-free draws, and the speculative acceptance rules
-(greedy longest path; the lossless sampled rule). Shared by the engine (generate.py) and the drafters
-(draft.py), which import it without importing each other."""
+"""Sampling (temperature / top-k / top-p, sync-free draws) and the speculative acceptance rules."""
 from dataclasses import dataclass
 
 import torch
@@ -39,17 +37,14 @@ def logits_to_probs(logits: Tensor, s: Sampling) -> Tensor:
     if s.top_p < 1.0:
         sp, si = torch.sort(probs, dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop = (sp.cumsum(-1) - sp) >= s.top_p
-        sp = sp.masked_fill(drop, 0.0)
+        sp = sp.masked_fill((sp.cumsum(-1) - sp) >= s.top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, si, sp)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
 
-# The greedy choice over a target pass's logits (csrc/argmax.c). Why C: torch's CPU argmax is a scalar loop
-# (measured on the AVX2 EPYC: 108 us per 49,152-entry bf16 row, 27 us in fp32), so the greedy check of a 16-node
-# verification cost 1.7 ms (5% of the pass) and every autoregressive token 0.2 ms; two AVX2 sweeps per row
-# (the largest value, then its first index) take microseconds.
+# csrc/argmax.c: torch's CPU argmax is a scalar loop (108 us per 49,152-entry bf16 row on the AVX2 EPYC, 5% of a
+# 16-node verification); two AVX2 sweeps per row (the largest value, then its first index) take microseconds.
 def _argmax_fn():
     return cpu_gemm.c_function("argmax_rows")
 
@@ -58,10 +53,9 @@ def _argmax_c(x: Tensor) -> Tensor:
     fn = _argmax_fn()
     if fn is None:
         return torch.argmax(x, dim=-1)
-    V = x.shape[-1]
-    x2 = x.reshape(-1, V).contiguous()
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(x2.shape[0], dtype=torch.long)
-    fn(x2.data_ptr(), int(x2.dtype == torch.bfloat16), x2.shape[0], V, out.data_ptr(), torch.get_num_threads())
+    fn(x2.data_ptr(), int(x2.dtype == torch.bfloat16), *x2.shape, out.data_ptr(), torch.get_num_threads())
     return out.view(x.shape[:-1])
 
 
@@ -93,12 +87,8 @@ def sample_from(probs: Tensor) -> Tensor:
 
 
 def sample(logits: Tensor, s: Sampling) -> Tensor:
-    if s.greedy:
-        return argmax(logits)
-    return sample_from(logits_to_probs(logits, s))
+    return argmax(logits) if s.greedy else sample_from(logits_to_probs(logits, s))
 
-
-# ---------------------------------------------------------------- speculative acceptance
 
 def best_path(tree, correct: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """correct [N] bool (is node i the target's choice given its parent) -> (path [D+1] node ids, L 0-dim
@@ -116,16 +106,12 @@ def best_path(tree, correct: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def accept_greedy(tree, logits: Tensor):
     """logits [N, V] -> (path, L, bonus): the longest path whose tokens equal the target argmax."""
     pred = argmax(logits)  # [N]
-    correct = tree.tokens == pred[tree.parents.clamp(min=0)]
-    path, L, best = best_path(tree, correct)
+    path, L, best = best_path(tree, tree.tokens == pred[tree.parents.clamp(min=0)])
     return path, L, pred.index_select(0, best.view(1))[0]
 
 
 def accept_greedy_host(tree, logits: Tensor) -> tuple[list[int], int, int]:
-    """accept_greedy on host lists, for eager CPU steps (reading a CPU tensor is a memory read): (path as
-    best_path pads it, 0 past L, to max_depth + 1 entries; L; bonus), the same values from one argmax over the
-    rows and one walk over the nodes (parents come before children; the deepest accepted node, ties to the lower
-    index, as best_path's argmax). Why: accept_greedy's dozen small ops cost about 0.1 ms a step there."""
+    """accept_greedy's values, padding and ties from host lists, for eager CPU steps (its ops cost 0.1 ms a step)."""
     pred = argmax(logits).tolist()
     toks, par, dep, val = tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist(), tree.valid.tolist()
     ok, best = [True] + [False] * (len(toks) - 1), 0
@@ -142,22 +128,18 @@ def accept_greedy_host(tree, logits: Tensor) -> tuple[list[int], int, int]:
 
 
 def accept_sample(tree, probs: Tensor):
-    """probs [N, V] target distributions (after temperature/top-k/top-p) -> (path, L, bonus), exact in
-    distribution. Deterministic proposals (tree.q None): siblings are tried in rank order, x accepted with
-    its residual probability p(x) / (1 - sum of rejected siblings' p), rejected mass removed; the bonus is
-    drawn from what remains. Sampled chains (tree.q): accept with min(1, p/q), residual max(0, p - q)."""
+    """probs [N, V] -> (path, L, bonus), exact in distribution. Tree (q None): siblings in rank order, x accepted
+    with p(x) / (1 - rejected siblings' p). Sampled chain: min(1, p/q), residual max(0, p - q)."""
     N, dev = tree.tokens.shape[0], probs.device
     par = tree.parents.clamp(min=0)
-    p_par = probs[par]  # [N, V] the target distribution each node was proposed under
-    px = p_par.gather(1, tree.tokens[:, None])[:, 0] * tree.valid  # [N]
+    px = probs[par].gather(1, tree.tokens[:, None])[:, 0] * tree.valid  # [N] under the parent's distribution
     ar = torch.arange(N, device=dev)
     if tree.q is None:
         sib_before = (tree.parents[None, :] == tree.parents[:, None]) & (ar[None, :] < ar[:, None])
         rejected_mass = (sib_before.float() * px[None, :]).sum(-1)
         acc = px / (1.0 - rejected_mass).clamp(min=1e-20)
     else:
-        qx = tree.q[par].gather(1, tree.tokens[:, None])[:, 0]
-        acc = px / qx.clamp(min=1e-20)
+        acc = px / tree.q[par].gather(1, tree.tokens[:, None])[:, 0].clamp(min=1e-20)
     hit = torch.rand(N, device=dev) < acc
     if tree.q is None:  # only the first hit among siblings counts: later ones were never tried
         hit = hit & ~(sib_before & hit[None, :]).any(-1)
@@ -165,8 +147,7 @@ def accept_sample(tree, probs: Tensor):
     children = (tree.parents == best) & tree.valid  # all tried and rejected (or none)
     p = probs.index_select(0, best.view(1))[0]
     if tree.q is None:
-        drop = torch.zeros_like(p).scatter_reduce(0, tree.tokens, children.float(), "amax")
-        res = p * (1.0 - drop)
+        res = p * (1.0 - torch.zeros_like(p).scatter_reduce(0, tree.tokens, children.float(), "amax"))
     else:
         res = torch.where(children.any(), (p - tree.q.index_select(0, best.view(1))[0]).clamp(min=0), p)
     res = torch.where(res.sum() > 0, res, p)  # numerical guard: never sample from an all-zero residual

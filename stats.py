@@ -44,8 +44,8 @@ def sync(device):
 
 
 class Clock:
-    """The wall time of a request after its prefill: each `with clock(phase):` block's, added to
-    phase_s[phase], and each step's (lap(): what the budget observes). On CUDA unsynced: launch time."""
+    """Wall time after the prefill: `with clock(phase):` adds to phase_s[phase]; lap() is each step's (unsynced
+    on CUDA: launch time)."""
 
     def __init__(self, phase_s: dict):
         self.phase_s, self.name = phase_s, None
@@ -62,7 +62,6 @@ class Clock:
         self.phase_s[self.name] += time.perf_counter() - self.t1
 
     def lap(self) -> float:
-        """Seconds since the last lap (or the start)."""
         t, self.t_lap = self.t_lap, time.perf_counter()
         return self.t_lap - t
 

@@ -5,10 +5,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import cpu_gemm
+import draft as dr
+import draft_eagle as de
 import exact
 from conftest import write_tiny_hf
+from eagle import load_eagle
 from errors import UsageError
+from generate import Engine
 from model import causal_recent, exact_attention, exact_plan, load_model
+from test_generate import PROMPTS, tiny  # noqa: F401 (tiny: a fixture)
+from vocab import make_vocab
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +132,87 @@ def test_planner_sizes_the_cache_and_refuses_what_does_not_fit(tmp_path):
     with pytest.raises(UsageError, match="--tree-depth must be below"):
         exact.Planner(m, True, None, Deep())
     assert exact.Planner(m, None, None, Deep()).invariance is None  # too deep for exact mode: off
+
+
+def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trust_all=False, cache=None, kernel=False,
+                          fused=False):
+    """For one EAGLE-3 tree on the tiny target: per node, do its verify logits equal, bit for bit, the logits
+    autoregressive decoding computes for the same token sequence (as Engine._decode_one runs it)?"""
+    path, heads, _, _ = tiny
+    m = load_model(path, dtype=dtype)
+    if fault:
+        fault(m)
+    head = load_eagle(heads["eagle3"], m, dtype, "cpu")
+    m.aux_layers = head.c.aux_layers
+    d = de.EagleDrafter(head, make_vocab("full", head.lm_weight()), topk=4, depth=4, nodes=nodes)
+    e = Engine(m, drafter=d)
+    if cache:  # a faulty model must not share the machine's answers for healthy kernels of its shapes
+        e.planner.invariance = exact.Invariance(m, cache)
+    if trust_all:  # the control: take every pass size as row-invariant without asking the machine
+        e.planner.invariance.gemm_agrees = e.planner.invariance.attn_agrees = lambda r, S=None: True
+    p = torch.tensor(PROMPTS[2] * 3)
+    T = len(p)
+    S, e.R_ver = e.planner.plan(T, 8, nodes)
+    e.R_dec = e.planner.pass_rows(1, S)
+    assert e.planner.exact
+    assert (cpu_gemm.enabled() and m.lm_head.packed is not None) == kernel
+    assert (m.cpu_pass is not None) == fused
+    if fused:  # the fused CPU pass: row-invariant by construction, no padding at all
+        assert e.R_dec == exact.PassRows(1, 1) and e.R_ver == exact.PassRows(nodes, nodes), (e.R_dec, e.R_ver)
+    elif kernel:  # row-invariant GEMMs by construction: no padding rows past the ladder's next size
+        assert e.R_dec.gemm == 1 and e.R_ver.gemm == next(r for r in exact.LADDER if r >= nodes), (e.R_dec, e.R_ver)
+    if plain_sdpa:
+        e.planner.exact, e.R_ver, e.R_dec = False, exact.PassRows(nodes, nodes), exact.PassRows(1, 1)
+    m.setup_caches(1, S)
+    d.setup(S)
+    with torch.no_grad():
+        logits, hid, aux = m(p[None], torch.arange(T), return_hidden=True)
+        tok = logits[0, -1].argmax().view(1)
+        d.prefill(dr.Prefill(p, tok, logits[0], hid, aux))
+        tree = d.draft(tok, torch.tensor(T))
+        assert bool((tree.depth != torch.arange(len(tree.depth))).any())  # some nodes are off the spine
+        tree_logits = e._verify(tree.tokens, tree.depth, tree.anc, torch.tensor(T))[0]
+        same = []
+        for i in range(len(tree.tokens)):
+            chain = sorted(torch.nonzero(tree.anc[i])[:, 0].tolist(), key=lambda j: int(tree.depth[j]))
+            m(p[None], torch.arange(T))  # same prefix KV; later slots are rewritten before being read
+            for t, j in enumerate(chain):  # autoregressive decode steps, as Engine._decode_one runs them
+                pos = T + t + torch.arange(e.R_dec.gemm)
+                out = m(tree.tokens[j].view(1, 1).expand(1, e.R_dec.gemm), pos,
+                        recent=causal_recent(pos) if e.planner.exact else None, attn_rows=e.R_dec.attn)[0, 0]
+            same.append(torch.equal(out, tree_logits[i]))
+    return same
+
+
+@pytest.mark.parametrize("dtype,plain_sdpa,nodes,gemm", [
+    (torch.bfloat16, False, 14, "torch"), (torch.bfloat16, False, 14, "kernel"), (torch.float32, False, 14, "torch"),
+    (torch.float32, True, 14, "torch"), (torch.float32, False, 17, "torch"), (torch.bfloat16, False, 50, "torch"),
+    (torch.bfloat16, False, 50, "kernel"), (torch.float32, False, 50, "torch"), (torch.bfloat16, False, 14, "fused"),
+    (torch.bfloat16, False, 50, "fused")])
+def test_tree_verify_is_bitwise_autoregressive(tiny, dtype, plain_sdpa, nodes, gemm, monkeypatch):
+    """CPU: every tree node's verify logits equal, bit for bit, the logits autoregressive decoding
+    computes for the same token sequence (exact attention + the pass sizes exact.py finds on this machine).
+    This is what makes greedy speculative output identical to autoregressive output even at near-ties.
+    The plain-SDPA variant is the control (fp32, where attention's rounding differences reach the logits
+    directly): a tree node off the spine sees its ancestors at scattered KV slots and rounds differently,
+    so the assertion must fail there for at least one node (it shows the test can fail). gemm: torch's bf16
+    GEMM, cpu_gemm's kernel in the PyTorch layers (row-invariant by construction, so no pass needs padding),
+    or the fused CPU pass (cpu_forward.py: no exact attention, no padding)."""
+    monkeypatch.setenv("NANOSPEC_CPU_GEMM", "torch" if gemm == "torch" else "kernel")
+    monkeypatch.setenv("NANOSPEC_CPU_FORWARD", "on" if gemm == "fused" else "off")
+    if gemm != "torch" and cpu_gemm.kernel() is None:
+        pytest.skip("cpu_gemm's kernel needs x86-64 with AVX2+FMA and a C compiler")
+    same = verify_matches_decode(tiny, dtype, nodes, plain_sdpa, kernel=gemm != "torch", fused=gemm == "fused")
+    if plain_sdpa:
+        assert not all(same)
+    else:
+        assert all(same), same
+
+
+def test_exact_mode_pads_past_a_faulty_kernel(tiny, tmp_path):
+    """The control for exact.py: a GEMM that rounds short passes differently (as a GEMV or partial-block path
+    does on some CPUs) breaks bit-exactness when every pass size is trusted, and the machine check finds
+    the sizes that keep it."""
+    fault = lambda m: fault_small_passes(m, below=8)
+    assert not all(verify_matches_decode(tiny, torch.float32, 14, fault=fault, trust_all=True, cache=tmp_path / "a"))
+    assert all(verify_matches_decode(tiny, torch.float32, 14, fault=fault, cache=tmp_path / "b"))

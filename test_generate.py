@@ -1,5 +1,5 @@
 """Decode loops: losslessness of every drafter x vocabulary, exact speculative sampling, the budget in the loop,
-exact mode's bits, CLI errors. (Shared fixtures and helpers of the drafter tests live here too.)"""
+CLI errors. (Shared fixtures and helpers of the drafter tests live here too.)"""
 import json
 
 import pytest
@@ -16,12 +16,11 @@ import draft_lookup as dl
 from budget import Budget
 from conftest import write_eagle_head, write_tiny_hf
 from eagle import load_eagle
-from exact import LADDER, Invariance, PassRows
+from exact import Invariance
 import generate as g
 from generate import Engine, main
 from sampling import Sampling, accept_greedy, best_path, logits_to_probs, sample_from
-from model import causal_recent, load_model
-from test_exact import fault_small_passes
+from model import load_model
 from vocab import make_vocab
 
 
@@ -273,22 +272,6 @@ def test_cli_says_whether_it_is_exact(tiny, capsys, monkeypatch):
     assert Engine(target(tiny[0])).generate([5, 6], 3)[1].extra["exact"] is False  # the library default falls back
 
 
-@pytest.mark.parametrize("kind,vocab_spec", [("eagle3", "nanospec"), ("eagle2", "full"), ("model", "nanospec"),
-                                             ("ngram", "full")])
-def test_compiled_steps_equal_eager(tiny, kind, vocab_spec):
-    """--compile on CPU: the fused verify and advance steps under torch.compile(fullgraph=True) give the
-    eager tokens (backend 'eager' here for speed; the CLI uses inductor)."""
-    torch._dynamo.reset()
-    m = target(tiny[0])
-    ref = [autoregressive(m, p, 24) for p in PROMPTS]
-    # static n-gram chains: what build_drafter and bench pass under --compile
-    eng = Engine(m, compile=True, backend="eager", drafter=make_drafter(kind, tiny, m, vocab_spec, static=True))
-    for p, r in zip(PROMPTS, ref):
-        assert eng.generate(p, 24)[0] == r
-    if kind == "ngram":  # padded to k + 1 nodes: one traced verify shape whatever the proposal length
-        assert eng.drafter.static and eng.drafter.draft(torch.tensor([5]), torch.tensor(3)).tokens.shape[0] == eng.drafter.k + 1
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_eager_cpu_verify_equals_the_traced_step(tiny, dtype):
     """Eager CPU verify steps take shortcuts the traced step (torch.compile, CUDA graphs) cannot: a one-node
@@ -328,90 +311,6 @@ def test_eager_cpu_verify_equals_the_traced_step(tiny, dtype):
             x.copy_(old)
     assert Ls[:3] == [(5, [0, 2, 4, 5, 6]), (3, [0, 2, 4]), (2, [0, 2])] and Ls[3][0] == 1 and Ls[4][0] == 3
     assert (m.kv is not None) == (dtype == torch.bfloat16 and cpu_gemm.kernel() is not None)  # bf16: the C moves
-
-
-def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trust_all=False, cache=None, kernel=False,
-                          fused=False):
-    """For one EAGLE-3 tree on the tiny target: per node, do its verify logits equal, bit for bit, the logits
-    autoregressive decoding computes for the same token sequence (as Engine._decode_one runs it)?"""
-    path, heads, _, _ = tiny
-    m = load_model(path, dtype=dtype)
-    if fault:
-        fault(m)
-    head = load_eagle(heads["eagle3"], m, dtype, "cpu")
-    m.aux_layers = head.c.aux_layers
-    d = de.EagleDrafter(head, make_vocab("full", head.lm_weight()), topk=4, depth=4, nodes=nodes)
-    e = Engine(m, drafter=d)
-    if cache:  # a faulty model must not share the machine's answers for healthy kernels of its shapes
-        e.planner.invariance = Invariance(m, cache)
-    if trust_all:  # the control: take every pass size as row-invariant without asking the machine
-        e.planner.invariance.gemm_agrees = e.planner.invariance.attn_agrees = lambda r, S=None: True
-    p = torch.tensor(PROMPTS[2] * 3)
-    T = len(p)
-    S, e.R_ver = e.planner.plan(T, 8, nodes)
-    e.R_dec = e.planner.pass_rows(1, S)
-    assert e.planner.exact
-    assert (cpu_gemm.enabled() and m.lm_head.packed is not None) == kernel
-    assert (m.cpu_pass is not None) == fused
-    if fused:  # the fused CPU pass: row-invariant by construction, no padding at all
-        assert e.R_dec == PassRows(1, 1) and e.R_ver == PassRows(nodes, nodes), (e.R_dec, e.R_ver)
-    elif kernel:  # row-invariant GEMMs by construction: no padding rows past the ladder's next size
-        assert e.R_dec.gemm == 1 and e.R_ver.gemm == next(r for r in LADDER if r >= nodes), (e.R_dec, e.R_ver)
-    if plain_sdpa:
-        e.planner.exact, e.R_ver, e.R_dec = False, PassRows(nodes, nodes), PassRows(1, 1)
-    m.setup_caches(1, S)
-    d.setup(S)
-    with torch.no_grad():
-        logits, hid, aux = m(p[None], torch.arange(T), return_hidden=True)
-        tok = logits[0, -1].argmax().view(1)
-        d.prefill(dr.Prefill(p, tok, logits[0], hid, aux))
-        tree = d.draft(tok, torch.tensor(T))
-        assert bool((tree.depth != torch.arange(len(tree.depth))).any())  # some nodes are off the spine
-        tree_logits = e._verify(tree.tokens, tree.depth, tree.anc, torch.tensor(T))[0]
-        same = []
-        for i in range(len(tree.tokens)):
-            chain = sorted(torch.nonzero(tree.anc[i])[:, 0].tolist(), key=lambda j: int(tree.depth[j]))
-            m(p[None], torch.arange(T))  # same prefix KV; later slots are rewritten before being read
-            for t, j in enumerate(chain):  # autoregressive decode steps, as Engine._decode_one runs them
-                pos = T + t + torch.arange(e.R_dec.gemm)
-                out = m(tree.tokens[j].view(1, 1).expand(1, e.R_dec.gemm), pos,
-                        recent=causal_recent(pos) if e.planner.exact else None, attn_rows=e.R_dec.attn)[0, 0]
-            same.append(torch.equal(out, tree_logits[i]))
-    return same
-
-
-@pytest.mark.parametrize("dtype,plain_sdpa,nodes,gemm", [
-    (torch.bfloat16, False, 14, "torch"), (torch.bfloat16, False, 14, "kernel"), (torch.float32, False, 14, "torch"),
-    (torch.float32, True, 14, "torch"), (torch.float32, False, 17, "torch"), (torch.bfloat16, False, 50, "torch"),
-    (torch.bfloat16, False, 50, "kernel"), (torch.float32, False, 50, "torch"), (torch.bfloat16, False, 14, "fused"),
-    (torch.bfloat16, False, 50, "fused")])
-def test_tree_verify_is_bitwise_autoregressive(tiny, dtype, plain_sdpa, nodes, gemm, monkeypatch):
-    """CPU: every tree node's verify logits equal, bit for bit, the logits autoregressive decoding
-    computes for the same token sequence (exact attention + the pass sizes exact.py finds on this machine).
-    This is what makes greedy speculative output identical to autoregressive output even at near-ties.
-    The plain-SDPA variant is the control (fp32, where attention's rounding differences reach the logits
-    directly): a tree node off the spine sees its ancestors at scattered KV slots and rounds differently,
-    so the assertion must fail there for at least one node (it shows the test can fail). gemm: torch's bf16
-    GEMM, cpu_gemm's kernel in the PyTorch layers (row-invariant by construction, so no pass needs padding),
-    or the fused CPU pass (cpu_forward.py: no exact attention, no padding)."""
-    monkeypatch.setenv("NANOSPEC_CPU_GEMM", "torch" if gemm == "torch" else "kernel")
-    monkeypatch.setenv("NANOSPEC_CPU_FORWARD", "on" if gemm == "fused" else "off")
-    if gemm != "torch" and cpu_gemm.kernel() is None:
-        pytest.skip("cpu_gemm's kernel needs x86-64 with AVX2+FMA and a C compiler")
-    same = verify_matches_decode(tiny, dtype, nodes, plain_sdpa, kernel=gemm != "torch", fused=gemm == "fused")
-    if plain_sdpa:
-        assert not all(same)
-    else:
-        assert all(same), same
-
-
-def test_exact_mode_pads_past_a_faulty_kernel(tiny, tmp_path):
-    """The control for exact.py: a GEMM that rounds short passes differently (as a GEMV or partial-block path
-    does on some CPUs) breaks bit-exactness when every pass size is trusted, and the machine check finds
-    the sizes that keep it."""
-    fault = lambda m: fault_small_passes(m, below=8)
-    assert not all(verify_matches_decode(tiny, torch.float32, 14, fault=fault, trust_all=True, cache=tmp_path / "a"))
-    assert all(verify_matches_decode(tiny, torch.float32, 14, fault=fault, cache=tmp_path / "b"))
 
 
 @pytest.mark.parametrize("bad", ["missing", "corrupt"])

@@ -1,4 +1,5 @@
-"""graphs.py: the CUDA-graph plumbing on a CPU (a fake capture), with the engine's persistent state checked."""
+"""graphs.py: compiled steps equal eager ones; the CUDA-graph plumbing on a CPU (a fake capture), state checked."""
+import pytest
 import torch
 import torch.utils._pytree as pytree
 
@@ -83,3 +84,19 @@ def test_graph_capture_plumbing_on_cpu(tiny, monkeypatch):
             assert eng.generate(p, 30)[0] == ref, kind  # replays of graphs captured in the first request
             m.setup_caches(1, 300 + 8 * i)  # another engine on this model resizes its caches: re-capture
         assert eng.verify_step.graphs and eng.advance_step.graphs  # replays really happened
+
+
+@pytest.mark.parametrize("kind,vocab_spec", [("eagle3", "nanospec"), ("eagle2", "full"), ("model", "nanospec"),
+                                             ("ngram", "full")])
+def test_compiled_steps_equal_eager(tiny, kind, vocab_spec):
+    """--compile on CPU: the fused verify and advance steps under torch.compile(fullgraph=True) give the
+    eager tokens (backend 'eager' here for speed; the CLI uses inductor)."""
+    torch._dynamo.reset()
+    m = target(tiny[0])
+    ref = [autoregressive(m, p, 24) for p in PROMPTS]
+    # static n-gram chains: what build_drafter and bench pass under --compile
+    eng = Engine(m, compile=True, backend="eager", drafter=make_drafter(kind, tiny, m, vocab_spec, static=True))
+    for p, r in zip(PROMPTS, ref):
+        assert eng.generate(p, 24)[0] == r
+    if kind == "ngram":  # padded to k + 1 nodes: one traced verify shape whatever the proposal length
+        assert eng.drafter.static and eng.drafter.draft(torch.tensor([5]), torch.tensor(3)).tokens.shape[0] == eng.drafter.k + 1

@@ -8,8 +8,6 @@ from tokenizers import Tokenizer as HFTokenizer
 
 
 class Tokenizer:
-    """`tokenizers.Tokenizer` + the jinja2 chat template from tokenizer_config.json."""
-
     def __init__(self, path: Path):
         f = Path(path) / "tokenizer.json"
         if not f.is_file():
@@ -52,13 +50,11 @@ class Tokenizer:
                                      bos_token=self.special("bos_token"), eos_token=self.special("eos_token"))
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        # The template already spells out BOS where the model wants it.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)  # the template spells out BOS
 
 
 class Streamer:
     """Prints text as tokens arrive; decodes the whole tail so multi-byte characters come out whole."""
-
     def __init__(self, tok: Tokenizer, out=sys.stdout):
         self.tok, self.ids, self.printed, self.out = tok, [], "", out
 

@@ -1,20 +1,9 @@
-"""Draft-vocabulary strategies: which LM-head rows the draft scores.
-
-All three share one duck-typed interface (row space == token space; a head with a
-reduced vocabulary maps its ids through d2t itself):
+"""Draft-vocabulary strategies, which LM-head rows the draft scores: FullVocab (every row), FreqVocab (FR-Spec's fixed
+top-K), NanoSpecVocab (the dynamic window, README). One duck-typed interface:
 
     logits(h [..., d]) -> (scores [..., N], ids [N] long)   score column j is token ids[j]
-    reset(prompt_ids [T], prompt_topk [T, K] | None)        start of a sequence (prefill)
-    update(draft_ids [N], draft_valid [N], ver_ids [A, K], ver_valid [A])   one spec step
-    contains(ids [n]) -> bool [n]     coverage metric
-    active_size() -> 0-dim tensor     number of active rows
-    state_bytes() -> int              device memory of the strategy's own state
-    width -> int                      N, the number of score columns (static)
-    wait()                            make the current stream wait for an async update
-
-FullVocab    every row (the baseline).
-FreqVocab    FR-Spec: a fixed top-K frequency subset, rows packed once.
-NanoSpecVocab  the dynamic window (README, "How NanoSpec works here").
+    reset(prompt_ids [T], prompt_topk [T, K] | None); update(draft_ids [N], draft_valid [N], ver_ids [A, K], ver_valid)
+    contains(ids) -> bool; active_size() -> 0-dim; state_bytes() -> int; width: N (static); wait(): async update
 
 CLI:  python vocab.py build-freq --tokenizer tokenizer.json --corpus FILE --out freq.pt   (vocab_freq.py)
 """
@@ -29,13 +18,10 @@ import cpu_gemm
 import cuda_gather
 import vocab_freq
 
-# ---------------------------------------------------------------- Full vocabulary
-
 
 def packed_copy(rows):
-    """cpu_gemm's packed copy of LM-head rows [N, d] where this machine chose its kernel (bf16 on the CPU), else
-    None. Why: torch's bf16 GEMM on AVX2 costs about the same per row at any row count, and a drafting level
-    scores top-k rows at once (measured: 8 rows x 3072 NanoSpec rows, 1.9 ms with torch, 0.3 ms packed)."""
+    """cpu_gemm's packed copy of LM-head rows [N, d] where this machine chose its kernel, else None. Why: a drafting
+    level scores top-k rows at once (measured: 8 rows x 3072 NanoSpec rows, 1.9 ms with torch, 0.3 ms packed)."""
     return cpu_gemm.pack(rows) if cpu_gemm.enabled() and cpu_gemm.usable(rows) else None
 
 
@@ -77,9 +63,6 @@ class FullVocab(StaticVocab):
         return nbytes(self.ids, self.packed)
 
 
-# ---------------------------------------------------------------- FR-Spec static frequency subset
-
-
 class FreqVocab(StaticVocab):
     def __init__(self, weight, ids):
         V = weight.shape[0]
@@ -87,12 +70,10 @@ class FreqVocab(StaticVocab):
         if ids.numel() == 0:
             raise ValueError("FreqVocab needs at least one token id")
         if int(ids.min()) < 0 or int(ids.max()) >= V:
-            raise ValueError(f"FreqVocab: token ids must lie in [0, {V}), got range "
-                             f"[{int(ids.min())}, {int(ids.max())}]")
+            raise ValueError(f"FreqVocab: token ids must lie in [0, {V}), got [{int(ids.min())}, {int(ids.max())}]")
         self.weight = weight
         self.ids = ids.to(weight.device)
-        # Packed once: the per-step GEMM reads K contiguous rows instead of gathering.
-        self.rows = weight.index_select(0, self.ids).contiguous()    # [K, d]
+        self.rows = weight.index_select(0, self.ids).contiguous()    # [K, d] once: no gather per step
         self.packed = packed_copy(self.rows)
         self.mask = torch.zeros(V, dtype=torch.bool, device=weight.device)
         self.mask[self.ids] = True                                    # [V] for contains()
@@ -108,39 +89,15 @@ class FreqVocab(StaticVocab):
         return nbytes(self.rows, self.ids, self.mask, self.packed)
 
 
-# ---------------------------------------------------------------- NanoSpec dynamic window
-
 ABLATIONS = (None, "ctx", "ext", "noasync", "nofill")
 
 
 class NanoSpecVocab:
-    """Active rows = distinct tokens among the last w_max entries of the candidate stream.
-
-    State (all on weight.device, sizes fixed at construction):
-      ring [W+1]     stream ring buffer of token ids (-1 empty); entry W is a write sink
-      head           0-dim write position (counter mod W)
-      count_ [V+1]   int32 multiplicity of each token in the window (active = count > 0)
-      slot_of_ [V+1] int32 slot of each active token, -1 otherwise
-      token_of_ [W+1] token in each slot, -1 when free
-      rows [W, d]    LM-head rows of the slot owners, packed (absent for "noasync")
-      ids [W], bias [W]   what logits() returns / adds: token_of clamped to 0, and 0 / -inf
-      winner [V+1]   int32 scratch for de-duplicating one append
-      fill_tok [W+1] the fill token of each slot (-1 none), fill_slot_ [V+1] its inverse (with fill only)
-    The extra last entry of the V- and W-sized tensors is a sink that masked writes go
-    to, so every scatter has a static width and no host sync is needed.
-
-    Stream order at reset: per prompt position t, the prompt token p_t, then the target's top-k_pre ids at t
-    (time order), so keeping the last W entries keeps the most recent positions whole.
-
-    Fill (a frequency file's ids, most frequent first): a free slot s scores fill_tok[s] unless the window
-    holds that token, so the W-row GEMM, which spans every slot anyway, scores the most frequent tokens in the
-    slots the window leaves free (it holds a few hundred of 3072 on chat text). No extra GEMM width, two more
-    row gathers per update. "nofill" (or fill=None) is the paper's window alone.
-
-    Fewer active rows than a caller's top-k: the extra picks score -inf and map to token 0 (invalid picks).
-    On CUDA, update() runs on the copy stream and the readers wait for it; the `ids` logits() returns is
-    rewritten by the next update(): index it first. Reading the state tensors directly needs wait() first.
-    """
+    """Active rows = distinct tokens among the last w_max entries of the candidate stream (ring, with count_ per
+    token and the slot map slot_of_ / token_of_). The last entry of each V- and W-sized tensor is a sink for masked
+    writes, so every scatter has a static width and no host sync. Fill (a frequency file's ids): a free slot scores
+    its fill token unless the window holds it, so the W-row GEMM scores frequent tokens in the slots left free.
+    On CUDA, update() runs on the copy stream: index the `ids` logits() returned before the next update()."""
 
     def __init__(self, weight, w_max=3072, k_pre=3, k_ver=3, ablation=None, max_append=None, fill=None):
         V, d = weight.shape
@@ -154,9 +111,8 @@ class NanoSpecVocab:
             raise ValueError(f"k_pre and k_ver must be >= 1, got {k_pre}, {k_ver}")
         if max_append is not None and max_append > w_max:
             raise ValueError(f"w_max ({w_max}) smaller than one step's append width ({max_append})")
-        self.weight, self.V, self.W = weight, V, w_max
+        self.weight, self.V, self.W, self.width = weight, V, w_max, w_max
         self.k_pre, self.k_ver, self.ablation = k_pre, k_ver, ablation
-        self.width = w_max
         dev = weight.device
         self.ring = torch.full((w_max + 1,), -1, dtype=torch.long, device=dev)
         self.head = torch.zeros((), dtype=torch.long, device=dev)
@@ -166,17 +122,14 @@ class NanoSpecVocab:
         self.winner = torch.zeros(V + 1, dtype=torch.int32, device=dev)
         self.ids = torch.zeros(w_max, dtype=torch.long, device=dev)
         self.bias = torch.full((w_max,), float("-inf"), dtype=weight.dtype, device=dev)
-        # "noasync" scores weight rows in place each call, so it has no packed buffer.
         self.rows = None if ablation == "noasync" else torch.zeros(w_max, d, dtype=weight.dtype, device=dev)
-        # cpu_gemm's layout of rows (bf16 CPU), plus row W: the sink masked writes go to, never scored
-        self.packed = None if self.rows is None else packed_copy(torch.zeros(w_max + 1, d, dtype=weight.dtype,
-                                                                              device=dev))
-        # the row writes in one C call where it serves (bf16 CPU: cpu_gemm.write_rows_)
+        # cpu_gemm's layout of rows, plus row W: the sink masked writes go to, never scored
+        self.packed = None if self.rows is None else packed_copy(weight.new_zeros(w_max + 1, d))
         self.c_rows = self.rows is not None and cpu_gemm.writes_rows(self.rows, self.packed, weight)
         self._arange_w = torch.arange(w_max, device=dev)
         self._inf = torch.tensor(float("-inf"), dtype=weight.dtype, device=dev)
         self.fill_tok = torch.full((w_max + 1,), -1, dtype=torch.long, device=dev)
-        self.fill_slot_ = None  # [V+1] with fill only (an O(V) map the paper's window does without)
+        self.fill_slot_ = None  # [V+1] with fill only
         fill = None if ablation == "nofill" or fill is None else torch.as_tensor(fill, dtype=torch.long).reshape(-1)
         if fill is not None and fill.numel():
             self.fill_slot_ = torch.full((V + 1,), -1, dtype=torch.int32, device=dev)
@@ -206,8 +159,6 @@ class NanoSpecVocab:
     def token_of(self):
         return self.token_of_[: self.W]
 
-    # ---------------------------------------------------------------- hot path
-
     def logits(self, h):
         self.wait()
         if self.rows is None:  # "noasync": indexed GEMM over non-contiguous weight rows
@@ -216,11 +167,7 @@ class NanoSpecVocab:
         return cpu_gemm.linear(h, self.rows, self.bias, self.packed), self.ids  # [..., W], [W]
 
     def update(self, draft_ids, draft_valid, ver_ids, ver_valid):
-        """Append the valid draft tokens and the top-k_ver ids of the valid accepted positions.
-
-        draft_ids [N], draft_valid [N] bool, ver_ids [A, K>=k_ver], ver_valid [A] or [A, K] bool.
-        Static shapes, no host syncs: traceable by torch.compile(fullgraph=True).
-        """
+        """Append the valid draft tokens and the top-k_ver ids of the valid accepted positions (no host syncs)."""
         if self.ablation == "ctx":
             return
         ver_ids = ver_ids[:, : self.k_ver]
@@ -236,8 +183,7 @@ class NanoSpecVocab:
         else:
             with cuda_gather.on_copy_stream(self._stream, self._ready, new, valid):
                 self._append(new, valid)
-            # host-side flag: only an outstanding update is waited on, so a CUDA graph that does not
-            # contain the update never waits on an event recorded outside its capture
+            # host-side flag: a CUDA graph without the update never waits on an event recorded outside its capture
             self._pending = True
 
     def _append(self, new, valid):
@@ -247,8 +193,7 @@ class NanoSpecVocab:
         valid = valid & (new >= 0) & (new < V)                       # [n] out-of-range ids drop
         new = torch.where(valid, new, V)                             # [n] invalid -> sink token
         n = new.shape[0]
-        # Compact: the r-th valid entry goes to ring position (head + r) % W; invalid
-        # entries go to the sink W. n <= W, so the valid positions are distinct.
+        # the r-th valid entry goes to ring position (head + r) % W (distinct: n <= W), invalid ones to the sink W
         rank = torch.cumsum(valid, 0) - 1
         pos = torch.where(valid, (self.head + rank) % W, W)
         old = self.ring[pos]                                         # [n] evicted (-1 empty)
@@ -275,8 +220,7 @@ class NanoSpecVocab:
         if self.has_fill and self.rows is not None:  # a freed slot's fill row back, before born rows take it
             back = self.fill_tok[dead_slot]                           # [2n] (-1: none, or the sink)
             self._write_rows(back.clamp(min=0), torch.where(back >= 0, dead_slot, W))
-        # k-th born token takes the k-th free slot (ranks by cumsum, O(W), no sort).
-        # Enough free slots always exist: distinct tokens in a W-long window <= W.
+        # k-th born token takes the k-th free slot (cumsum ranks, no sort); a W-long window never needs more
         free = self.token_of_[:W] < 0
         free_rank = torch.where(free, torch.cumsum(free, 0) - 1, W)
         free_list = torch.empty(W + 1, dtype=torch.long, device=new.device)
@@ -288,14 +232,13 @@ class NanoSpecVocab:
         self.slot_of_[V] = -1
         self.token_of_[W] = -1
         self._outputs()
-        # Gather only the newly active rows, into their slots.
-        if self.rows is not None:
-            self._write_rows(new, slot[:n])                          # born tokens are all in `new`
+        if self.rows is not None:  # only the newly active rows (born tokens are all in `new`)
+            self._write_rows(new, slot[:n])
 
     def _write_rows(self, tok, slot):
         """rows[slot[i]] = weight[tok[i]] (and the packed copy) where slot[i] < W; static shapes."""
         if self.c_rows and self.packed is not None:  # (reset() rebuilds the packed copy once, after)
-            cpu_gemm.write_rows_(self.rows, self.packed, self.weight, tok, slot)  # both copies in one C call
+            cpu_gemm.write_rows_(self.rows, self.packed, self.weight, tok, slot)
             return
         cuda_gather.gather_rows_(self.rows, self.weight, tok, torch.where(slot < self.W, slot, -1))
         if self.packed is not None:  # the same rows into the packed copy (slot W: its sink)
@@ -314,8 +257,6 @@ class NanoSpecVocab:
         self.ids.copy_(torch.where(tok >= 0, tok, ft.clamp(min=0)))
         self.bias.copy_(torch.where((tok >= 0) | fill_on, 0.0, self._inf))
 
-    # ---------------------------------------------------------------- sequence start
-
     def _clear(self):
         self.ring.fill_(-1)
         self.head.zero_()
@@ -331,21 +272,15 @@ class NanoSpecVocab:
             self._outputs()
 
     def reset(self, prompt_ids, prompt_topk=None):
-        """Rebuild the window from the prompt (host-side slicing allowed: not the hot path).
-
-        Stream = [p_0, topk_0[:k_pre], p_1, topk_1[:k_pre], ...], negative ids dropped,
-        last W entries kept. "ext" (no prompt initialisation): only the target's
-        top-k_pre at the last prompt position, so the first draft step has candidates
-        (empty if prompt_topk is None).
-        """
+        """Rebuild the window from the stream [p_0, topk_0[:k_pre], p_1, ...], its last W entries. "ext": only the
+        target's top-k_pre at the last prompt position, so the first draft step has candidates."""
         self.wait()
         dev = self.weight.device
         prompt_ids = torch.as_tensor(prompt_ids, device=dev).reshape(-1).long()
         if prompt_topk is not None:
             prompt_topk = torch.as_tensor(prompt_topk, device=dev).long()
             if prompt_topk.dim() != 2 or prompt_topk.shape[0] != prompt_ids.shape[0]:
-                raise ValueError(f"prompt_topk must be [T={prompt_ids.shape[0]}, K], "
-                                 f"got {tuple(prompt_topk.shape)}")
+                raise ValueError(f"prompt_topk must be [T={prompt_ids.shape[0]}, K], got {tuple(prompt_topk.shape)}")
             prompt_topk = prompt_topk[:, : self.k_pre]
         if self.ablation == "ext":
             stream = prompt_topk[-1] if prompt_topk is not None and prompt_topk.shape[0] else prompt_ids[:0]
@@ -364,8 +299,6 @@ class NanoSpecVocab:
         if packed is not None:  # one strided copy of every slot's row (scattering thousands of rows: 5x slower)
             new = cpu_gemm.pack(self.rows)
             packed[: new.shape[0]].copy_(new)
-
-    # ---------------------------------------------------------------- metrics
 
     def wait(self):
         if self._pending:
@@ -388,9 +321,8 @@ class NanoSpecVocab:
         return (self.token_of_[: self.W] >= 0).sum()
 
     def state_bytes(self):
-        bufs = [self.ring, self.head, self.count_, self.slot_of_, self.token_of_, self.winner,
-                self.ids, self.bias, self._arange_w, self._inf, self.fill_tok, self.fill_slot_]
-        return nbytes(*bufs, self.rows, self.packed)
+        return nbytes(self.ring, self.head, self.count_, self.slot_of_, self.token_of_, self.winner, self.ids,
+                      self.bias, self._arange_w, self._inf, self.fill_tok, self.fill_slot_, self.rows, self.packed)
 
 
 def nanospec_state_bytes(V, d, w_max=3072, dtype=torch.float16, **kw):
@@ -398,16 +330,10 @@ def nanospec_state_bytes(V, d, w_max=3072, dtype=torch.float16, **kw):
     return NanoSpecVocab(torch.empty(V, d, dtype=dtype, device="meta"), w_max, **kw).state_bytes()
 
 
-# ---------------------------------------------------------------- Factory
-
-
 def make_vocab(spec, weight, *, w_max=3072, k_pre=3, k_ver=3, ablation=None, eos_ids=(),
                max_append=None, token_to_row=None, fill=None):
-    """spec: "full" | "freq:PATH" | "freq:PATH:K" | "nanospec". fill: NanoSpec's free-slot tokens (ids, most
-    frequent first), or a frequency file's path.
-
-    token_to_row [V_target] (-1 = absent) maps a frequency file's target token ids to the rows of a
-    head with a pruned vocabulary (EAGLE-3 d2t); None when rows are token ids."""
+    """spec: "full" | "freq:PATH" | "freq:PATH:K" | "nanospec". fill: NanoSpec's free-slot tokens (most frequent
+    first) or a frequency file. token_to_row [V_target] (-1 absent): a pruned head's rows (EAGLE-3 d2t), or None."""
     if ablation is not None and spec != "nanospec":
         raise ValueError(f"ablation {ablation!r} only applies to the 'nanospec' vocabulary, not {spec!r}")
     if spec == "full":
@@ -426,8 +352,7 @@ def make_vocab(spec, weight, *, w_max=3072, k_pre=3, k_ver=3, ablation=None, eos
             raise ValueError(f"vocab spec {spec!r}: missing frequency file path")
         if token_to_row is None:
             return FreqVocab(weight, vocab_freq.load_freq_file(path, weight.shape[0], k, eos_ids))
-        ranked = torch.as_tensor(vocab_freq.load_freq_file(path, token_to_row.shape[0], None, eos_ids), dtype=torch.long)
-        rows = token_to_row.cpu()[ranked]
+        rows = token_to_row.cpu()[vocab_freq.load_freq_file(path, token_to_row.shape[0], None, eos_ids)]
         rows = rows[rows >= 0][: k or weight.shape[0]]  # target tokens the pruned head cannot emit drop out
         return FreqVocab(weight, rows)
     raise ValueError(f"unknown vocab spec {spec!r}; use 'full', 'freq:PATH[:K]' or 'nanospec'")

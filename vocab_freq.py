@@ -1,8 +1,5 @@
-"""FR-Spec frequency files: token ids ranked by how often they occur, most frequent first (`torch.save` of a
-list of ids). FR-Spec's static vocabulary (vocab.FreqVocab) takes the top K; NanoSpec's window fills its free
-slots from one (vocab.NanoSpecVocab).
-
-CLI:  python vocab.py build-freq --tokenizer tokenizer.json --corpus FILE [FILE ...] --out freq.pt
+"""FR-Spec frequency files (`torch.save` of a list of token ids, most frequent first): vocab.FreqVocab takes the top
+K, vocab.NanoSpecVocab fills its free slots from one. CLI: python vocab.py build-freq --tokenizer T --corpus F --out O
 """
 import argparse
 import json
@@ -14,13 +11,8 @@ from tokenizers import Tokenizer
 
 
 def load_freq_file(path, vocab_size, k=None, eos_ids=()):
-    """Token ids of an FR-Spec frequency file (most frequent first), top k, eos included.
-
-    The file is `torch.save` of a list (or 1-D tensor) of ids. Repeated ids keep their
-    first rank. k=None takes the whole file (capped at vocab_size). Exactly k ids come
-    back: eos ids missing from the top k replace the least frequent entries, so the
-    budget (and the GEMM width) stays k.
-    """
+    """The file's top k ids (None: all, capped at vocab_size), repeats keeping their first rank. Exactly k come back:
+    eos ids missing from the top k replace the least frequent ones, so the GEMM width stays k."""
     if not Path(path).is_file():
         raise ValueError(f"frequency file not found: {path}")
     try:
@@ -30,8 +22,7 @@ def load_freq_file(path, vocab_size, k=None, eos_ids=()):
                          f"{str(e).splitlines()[0][:120]}") from None
     if isinstance(data, torch.Tensor):
         if data.dim() != 1 or data.is_floating_point() or data.is_complex():
-            raise ValueError(f"{path}: expected a 1-D integer tensor of token ids, got "
-                             f"{data.dtype} of shape {tuple(data.shape)}")
+            raise ValueError(f"{path}: expected a 1-D integer tensor of ids, got {data.dtype} {tuple(data.shape)}")
         data = data.tolist()
     if not isinstance(data, (list, tuple)) or not all(isinstance(x, int) for x in data):
         raise ValueError(f"{path}: expected a list of int token ids (FR-Spec freq_*.pt format)")
@@ -57,24 +48,15 @@ def load_freq_file(path, vocab_size, k=None, eos_ids=()):
     top = ranked[:k]
     in_top = set(top)
     missing = [e for e in eos if e not in in_top]
-    if missing:
-        keep, n_drop = [], len(missing)
-        for t in reversed(top):                                      # drop least frequent non-eos
-            if n_drop and t not in eos:
-                n_drop -= 1
-                continue
-            keep.append(t)
-        top = keep[::-1] + missing
+    if missing:  # they replace the least frequent non-eos ids
+        others = [t for t in top if t not in eos]
+        drop = set(others[len(others) - len(missing):])
+        top = [t for t in top if t not in drop] + missing
     return torch.tensor(top, dtype=torch.long)
 
 
 def build_freq(token_ids, vocab_size):
-    """Ids that occur in `token_ids`, by descending count (ties: smaller id first).
-
-    Ids that never occur are left out (like FR-Spec's files, and so that the default K
-    of "freq:PATH" means "every token seen"). Accepts a tensor or any iterable of ints,
-    e.g. the tokens the target generated itself.
-    """
+    """Ids that occur in `token_ids` by descending count, ties by id; unseen ids left out, as in FR-Spec's files."""
     t = torch.as_tensor(token_ids if isinstance(token_ids, torch.Tensor) else list(token_ids),
                         dtype=torch.long).flatten().cpu()
     return _rank(build_freq_counts(t, vocab_size))
@@ -97,8 +79,7 @@ _TEXT_KEYS = {"text", "prompt", "turns", "conversations", "messages", "content",
 
 
 def _json_texts(obj, is_text=False):
-    # Strings are kept only under text-like keys (so ids, categories, roles are skipped);
-    # lists inherit their key, dicts (e.g. a conversation turn) re-decide per key.
+    # strings only under text-like keys (not ids, categories, roles); lists inherit their key, dicts re-decide
     if isinstance(obj, str):
         if is_text:
             yield obj
@@ -111,10 +92,8 @@ def _json_texts(obj, is_text=False):
 
 
 def corpus_texts(path, id_lists=None):
-    """Texts of a .txt (one per non-empty line) or .jsonl corpus. jsonl lines that are already token ids
-    ({"ids": [int, ...]}, e.g. `eagle_train.py data` records) go to id_lists instead, when it is given; a
-    record's "spans" (the target's own answers) are all of it that counts (FR-Spec ranks what the model
-    writes, not the prompts it reads)."""
+    """Texts of a .txt (one per non-empty line) or .jsonl corpus. Token-id records ({"ids": [...]}) go to id_lists
+    when given, only their "spans" (the target's answers: FR-Spec ranks what the model writes) where they have any."""
     is_jsonl = str(path).endswith(".jsonl")
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -159,11 +138,9 @@ def main(argv=None):
     b = sub.add_parser("build-freq", help="rank token ids by frequency in a corpus (FR-Spec file)")
     b.add_argument("--tokenizer", required=True, help="path to tokenizer.json")
     b.add_argument("--corpus", required=True, nargs="+",
-                   help=".txt (one text per line) or .jsonl (texts, or token-id records {\"ids\": [...]} such as "
-                        "`eagle_train.py data` writes)")
+                   help=".txt (one text per line) or .jsonl (texts, or token-id records {\"ids\": [...]})")
     b.add_argument("--out", required=True, help="output .pt (list of ids, most frequent first)")
-    b.add_argument("--vocab-size", type=int, default=None,
-                   help="model vocabulary size (default: the tokenizer's, incl. added tokens)")
+    b.add_argument("--vocab-size", type=int, help="model vocabulary size (default: the tokenizer's, added tokens too)")
     a = p.parse_args(argv)
     ranked = build_freq_file(a.tokenizer, a.corpus, a.out, a.vocab_size)
     print(f"wrote {len(ranked)} ranked token ids to {a.out}")
