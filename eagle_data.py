@@ -252,10 +252,11 @@ def json_objects(path: Path) -> tuple[list[tuple[str, object]], bool]:
         out.append((f"record {len(out) + 1}", obj))
 
 
-def read_conversations(path) -> list[list[dict]]:
+def read_conversations(path, answers: bool = False) -> list[list[dict]]:
     """ShareGPT (`conversations`: from/value) or UltraChat/OpenAI (`messages`: role/content) records, as jsonl or
     as one JSON array (a cut-off last record is dropped) -> message lists that keep the system prompt and the
-    user turns (assistant turns are regenerated). Logs how many conversations were kept and dropped, and why."""
+    user turns, and the assistant turns with answers=True (else they are regenerated). The same conversations
+    are kept either way, so a --seed/--offset chunk names the same ones in both. Logs what was kept and dropped."""
     path = Path(path)
     if not path.is_file():
         raise TrainError(f"dataset not found: {path}")
@@ -275,7 +276,7 @@ def read_conversations(path) -> list[list[dict]]:
                 raise TrainError(f"{path} {where}: a turn lacks a known role/from or a text value/content")
             if role == "system" and msgs:
                 continue
-            if role != "assistant" and text.strip():
+            if text.strip() and (answers or role != "assistant"):
                 msgs.append({"role": role, "content": text})
         if any(m["role"] == "user" for m in msgs):
             convs.append(msgs)
@@ -287,6 +288,34 @@ def read_conversations(path) -> list[list[dict]]:
     log(f"{path.name}: {len(convs)} conversations ({users} user turns) of {len(records)} complete records; dropped "
         f"{no_user} without a user turn" + (", and the last record, cut off mid-way" if cut else ""))
     return convs
+
+
+def dataset_records(tok, convs, eos_ids, max_tokens: int | None = None, max_turns: int | None = None) -> list[dict]:
+    """Conversations as they are: records whose spans cover each assistant turn up to its end-of-turn token. The
+    labels are the target's own logits at train time, so a human answer still teaches the target's distribution
+    (EAGLE: regeneration helps, but little). A conversation ends before a turn that would take it past
+    max_tokens, or whose re-rendered prefix the template tokenises differently, or after max_turns answers."""
+    def render(msgs, gen):
+        return tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=gen), add_special_tokens=False)
+    recs = []
+    for c in convs:
+        ids, spans = [], []
+        for i, m in enumerate(c):
+            if m["role"] != "assistant" or i == 0:
+                continue
+            p, full = render(c[:i], True), render(c[:i + 1], False)
+            if (full[:len(p)] != p or full[:len(ids)] != ids or (max_tokens and len(full) > max_tokens)
+                    or (max_turns and len(spans) >= max_turns)):
+                break
+            # the template's own end of turn, read off an empty answer: what follows its eos is not supervised
+            tail = render(c[:i] + [{"role": "assistant", "content": ""}], False)[len(p):]
+            k = next((j for j, t in enumerate(tail) if t in eos_ids), len(tail) - 1)
+            end = len(full) - (len(tail) - 1 - k)
+            ids = full
+            spans.append([len(p), end])
+        if spans:
+            recs.append(dict(ids=ids, spans=spans))
+    return recs
 
 
 def write_records(path, records: list[dict], meta: dict):
@@ -303,6 +332,24 @@ def write_records(path, records: list[dict], meta: dict):
     tmp.write_text(json.dumps(dict(meta, records=len(records), tokens=sum(len(r["ids"]) for r in records),
                                    supervised=sum(e - s for r in records for s, e in r["spans"])), indent=1))
     os.replace(tmp, meta_path)
+
+
+def check_held_out(held_out, data: list) -> None:
+    """A TrainError where a data file shares conversations with the held-out chunk: both cut from the same
+    --dataset with the same --seed, their [offset, offset + num) ranges overlapping (their .meta.json sidecars)."""
+    def chunk(p):
+        m = Path(str(p) + ".meta.json")
+        if not m.is_file():
+            raise TrainError(f"no {m.name} beside {p}: cannot tell which conversations it holds")
+        meta = json.loads(m.read_text())
+        lo = meta.get("offset") or 0
+        return meta.get("dataset"), meta.get("seed"), lo, lo + meta["num"] if meta.get("num") else float("inf")
+    ds, seed, lo, hi = chunk(held_out)
+    for p in data:
+        d, sd, a, b = chunk(p)
+        if ds is not None and d is not None and Path(d).name == Path(ds).name and sd == seed and a < hi and lo < b:
+            raise TrainError(f"{p} overlaps the held-out chunk {held_out} (conversations {max(a, lo)}-{min(b, hi) - 1} "
+                             f"of {Path(ds).name}, seed {seed})")
 
 
 def read_records(path, vocab_size: int | None = None, max_len: int | None = None) -> list[dict]:

@@ -33,8 +33,8 @@ from torch.utils.data import DistributedSampler
 import eagle_eval as ev
 from download import CheckpointError, resolve_checkpoint
 from eagle_ckpt import CKPT_FORMAT, CKPT_NAME, atomic_save, export_head, init_from, load_checkpoint, signature
-from eagle_data import (TrainError, answer_conversations, log, magpie_data, progress, read_conversations, read_records,
-                        write_records)
+from eagle_data import (TrainError, answer_conversations, check_held_out, dataset_records, log, magpie_data, progress,
+                        read_conversations, read_records, write_records)
 from eagle_ttt import TTTLoss, aux_layer_ids, head_from_config, loss_columns, new_head, target_pass
 from generate import one_line_errors
 from model import ModelError, load_model
@@ -148,6 +148,10 @@ def _train(args, device, rank, world) -> dict:
     warmup = max(1, int(args.warmup * total) if args.warmup < 1 else int(args.warmup))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, total, args.min_lr_ratio))
     step = 0
+    if args.start_step and ck is None:  # a campaign restarted from its exported head: Adam starts afresh
+        step = args.start_step
+        for _ in range(step):
+            sched.step()
     if ck is not None:
         opt.load_state_dict(ck["optim"])
         sched.load_state_dict(ck["sched"])
@@ -173,7 +177,7 @@ def _train(args, device, rank, world) -> dict:
 
     bar = progress(total=total, initial=step, desc="train", unit="step")
     t_start = time.perf_counter()
-    ema = None
+    ema, n_sup_seen = None, 0
     stop = min(total, args.stop_after) if args.stop_after else total
     while step < stop:
         epoch, skip = divmod(step, per_epoch)
@@ -196,7 +200,9 @@ def _train(args, device, rank, world) -> dict:
             ema = lv if ema is None else 0.95 * ema + 0.05 * lv
             accs = [round(float(a), 3) for a in acc]
             history.append(dict(step=step, loss=lv, acc=accs, grad_norm=float(gnorm), lr=sched.get_last_lr()[0]))
-            bar.set_postfix_str(f"loss {ema:.3f} acc {' '.join(f'{a:.2f}' for a in accs)}")
+            n_sup_seen += int(sup[:, 2:].sum()) * world
+            rate = n_sup_seen / (time.perf_counter() - t_start)
+            bar.set_postfix_str(f"loss {ema:.3f} acc {' '.join(f'{a:.2f}' for a in accs)} {rate:.0f} supervised tok/s")
             bar.update(1)
             if args.save_every and step % args.save_every == 0:
                 save()
@@ -207,6 +213,8 @@ def _train(args, device, rank, world) -> dict:
     elapsed = time.perf_counter() - t_start
     res = dict(steps=step, seconds=elapsed, history=history)
     if rank == 0:
+        log(f"step {step}: {n_sup_seen} supervised tokens in {elapsed:.0f} s "
+            f"({n_sup_seen / max(elapsed, 1e-9):.0f} supervised tok/s)")
         hist_path.write_text(json.dumps(history))
         if args.export and step >= total:
             export_head(head, args.export, getattr(torch, args.export_dtype), with_lm_head=not args.no_lm_head)
@@ -222,11 +230,14 @@ def data_meta(args, ckpt_path: Path) -> dict:
     ident = hashlib.sha256(cfg + (str(w.stat().st_size).encode() if w.is_file() else b"")).hexdigest()[:16]
     keys = ["dataset", "num", "offset", "max_turns", "max_prompt_tokens", "seed", "batch_size", "max_new_tokens",
             "request_tokens", "temperature", "sampled_frac", "min_request_chars"]
-    return dict(kind="regenerated" if args.dataset else "magpie", target=ident,
+    kind = ("as-is" if args.as_is else "regenerated") if args.dataset else "magpie"
+    return dict(kind=kind, target=ident,
                 **{k: getattr(args, k) for k in keys if hasattr(args, k)})
 
 
 def cmd_data(args):
+    if args.as_is and not args.dataset:
+        raise TrainError("--as-is keeps a --dataset's own answers; name the dataset")
     path = resolve_checkpoint(args.checkpoint)
     meta = data_meta(args, path)
     out = Path(args.out)
@@ -244,7 +255,7 @@ def cmd_data(args):
         raise TrainError(f"no eos_token_id in {path}; cannot tell where generations end")
     t0 = time.perf_counter()
     if args.dataset:
-        convs = read_conversations(args.dataset)
+        convs = read_conversations(args.dataset, answers=args.as_is)
         if args.num:
             rng = random.Random(args.seed)
             rng.shuffle(convs)
@@ -253,6 +264,11 @@ def cmd_data(args):
             convs = convs[args.offset:]
         if not convs:
             raise TrainError(f"no conversations left in {args.dataset} at --offset {args.offset}")
+    if args.as_is:
+        recs = dataset_records(tok, convs, model.args.eos_ids, args.max_prompt_tokens, args.max_turns)
+        if not recs:
+            raise TrainError(f"no conversation in this chunk of {args.dataset} has an assistant turn that fits")
+    elif args.dataset:
         recs = answer_conversations(model, tok, convs, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                                     temperature=args.temperature, sampled_frac=1.0 if args.temperature > 0 else 0.0,
                                     seed=args.seed, max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens)
@@ -263,7 +279,8 @@ def cmd_data(args):
     dt = time.perf_counter() - t0
     write_records(out, recs, meta)
     n_tok = sum(e - s for r in recs for s, e in r["spans"])
-    log(f"wrote {len(recs)} records to {out}: {n_tok} generated tokens in {dt:.0f} s ({n_tok / max(dt, 1e-9):.0f} tok/s)")
+    what = "supervised" if args.as_is else "generated"
+    log(f"wrote {len(recs)} records to {out}: {n_tok} {what} tokens in {dt:.0f} s ({n_tok / max(dt, 1e-9):.0f} tok/s)")
     return 0
 
 
@@ -320,6 +337,10 @@ def cmd_train(args):
         raise TrainError("--no-lm-head needs --freeze-lm-head (the exported head then shares the target's lm_head)")
     if args.ttt_steps < 1:
         raise TrainError(f"--ttt-steps must be >= 1, got {args.ttt_steps}")
+    if args.start_step and (not args.init or args.resume):
+        raise TrainError("--start-step continues a schedule from an exported head: it needs --init and no --resume")
+    if args.held_out:
+        check_held_out(args.held_out, args.data)
     train(args)
     return 0
 
@@ -350,9 +371,11 @@ def parse_args(argv=None):
     d.add_argument("--offset", type=int, default=0,
                    help="--dataset: skip this many of the shuffled conversations first (disjoint chunks: --offset 0, "
                         "--offset N, ... with the same --num N and --seed)")
+    d.add_argument("--as-is", action="store_true",
+                   help="--dataset: keep its own assistant turns (no generation; the target's logits label them)")
     d.add_argument("--max-turns", type=int, default=None, help="--dataset: answer at most this many user turns each")
     d.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="--dataset: end a conversation before a turn whose prompt is longer")
+                   help="--dataset: end a conversation before a turn whose prompt (--as-is: the whole turn) is longer")
     d.add_argument("--max-new-tokens", type=int, default=256, help="assistant tokens per turn")
     d.add_argument("--request-tokens", type=int, default=64, help="self-generated request budget (unfinished ones are dropped)")
     d.add_argument("--min-request-chars", type=int, default=12, help="self-generated: drop shorter requests")
@@ -367,9 +390,14 @@ def parse_args(argv=None):
     t.add_argument("--data", required=True, nargs="+", help="jsonl file(s) from `eagle_train.py data`")
     t.add_argument("--out", required=True, help="run folder (checkpoint.pt, history.json)")
     t.add_argument("--export", default=None, help="write the EAGLE-3 folder here at the end")
+    t.add_argument("--held-out", default=None,
+                   help="held-out records (eval's --data): an error if a --data file shares conversations with them")
     t.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
     t.add_argument("--init", default=None,
                    help="start from this exported EAGLE-3 head folder (continued training on new data)")
+    t.add_argument("--start-step", type=int, default=0,
+                   help="with --init: continue a schedule from this step (the data order and learning rate resume; "
+                        "Adam starts afresh)")
     t.add_argument("--ttt-steps", type=int, default=3 if cpu else 7, help="unrolled training-time-test steps")
     t.add_argument("--epochs", type=int, default=1)
     t.add_argument("--max-steps", type=int, default=None, help="schedule length: at most this many optimizer steps")

@@ -95,6 +95,15 @@ def test_self_generated_data_is_deterministic(tmp_path):
     assert (tmp_path / "d0.jsonl").stat().st_mtime_ns == before
 
 
+def chat_dataset(tmp_path, records: list[dict]):
+    """A tiny chat target (byte tokenizer, ChatML) and a jsonl dataset of records -> (target folder, dataset)."""
+    path, _ = write_tiny_hf(tmp_path / "chat", num_hidden_layers=2, vocab_size=260)
+    write_byte_tokenizer(path, [258] + list(range(150, 256)))
+    ds = tmp_path / "sharegpt.jsonl"
+    ds.write_text("\n".join(json.dumps(x) for x in records) + "\n")
+    return path, ds
+
+
 def test_user_turn_prefix_is_cut_from_the_template(tmp_path):
     path, _ = write_tiny_hf(tmp_path / "chat", num_hidden_layers=2, vocab_size=260)
     write_byte_tokenizer(path, [258])
@@ -102,15 +111,12 @@ def test_user_turn_prefix_is_cut_from_the_template(tmp_path):
 
 
 def test_regenerated_dataset_keeps_user_turns(tmp_path, capsys):
-    path, _ = write_tiny_hf(tmp_path / "chat", num_hidden_layers=2, vocab_size=260)
-    write_byte_tokenizer(path, [258] + list(range(150, 256)))
-    ds = tmp_path / "sharegpt.jsonl"
-    ds.write_text("\n".join(json.dumps(x) for x in [
+    path, ds = chat_dataset(tmp_path, [
         {"conversations": [{"from": "human", "value": "hi there"}, {"from": "gpt", "value": "old answer"},
                            {"from": "human", "value": "more"}, {"from": "gpt", "value": "old"}]},
         {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"}]},
         {"conversations": [{"from": "gpt", "value": "no user turn: skipped"}]},
-    ]) + "\n")
+    ])
     convs = ed.read_conversations(ds)
     assert [[m["role"] for m in c] for c in convs] == [["user", "user"], ["system", "user"]]
     out = tmp_path / "regen.jsonl"
@@ -149,6 +155,39 @@ def test_regenerated_dataset_keeps_user_turns(tmp_path, capsys):
         assert et.main(args) == 0
         got.append(ed.read_records(o)[0]["ids"])
     assert len(got) == 2 and got[0] != got[1]
+
+
+def test_dataset_as_is_supervises_its_own_answers(tmp_path, capsys):
+    """--as-is keeps the dataset's assistant turns (no generation): each span covers one answer up to its
+    end-of-turn token, the chunk of a --seed/--offset names the same conversations as regeneration does, and
+    --max-turns / --max-prompt-tokens end a conversation early."""
+    path, ds = chat_dataset(tmp_path, [
+        {"conversations": [{"from": "human", "value": "hi there"}, {"from": "gpt", "value": "old answer"},
+                           {"from": "human", "value": "more"}, {"from": "gpt", "value": "second"}]},
+        {"conversations": [{"from": "human", "value": "unanswered"}]},
+        {"conversations": [{"from": "gpt", "value": "no user turn: skipped"}]},
+    ])
+    tok = Tokenizer(path)
+    assert [len(c) for c in ed.read_conversations(ds, answers=True)] == [4, 1]
+    assert [len(c) for c in ed.read_conversations(ds)] == [2, 1]  # the same conversations, answers dropped
+    out = tmp_path / "asis.jsonl"
+    assert et.main(["data", "--checkpoint", str(path), "--dataset", str(ds), "--as-is", "--out", str(out)]) == 0
+    recs = ed.read_records(out)
+    assert len(recs) == 1 and len(recs[0]["spans"]) == 2  # the unanswered conversation gives no record
+    ids = recs[0]["ids"]
+    text = [tok.tok.decode(ids[s:e], skip_special_tokens=False) for s, e in recs[0]["spans"]]
+    assert text == ["old answer<|im_end|>", "second<|im_end|>"], text
+    assert ids == tok.encode(tok.apply_chat_template(ed.read_conversations(ds, answers=True)[0],
+                                                     add_generation_prompt=False), add_special_tokens=False)
+    assert json.loads((tmp_path / "asis.jsonl.meta.json").read_text())["kind"] == "as-is"
+    for flags, n in ((["--max-turns", "1"], 1), (["--max-prompt-tokens", str(len(ids) - 1)], 1)):
+        o = tmp_path / "cut.jsonl"
+        assert et.main(["data", "--checkpoint", str(path), "--dataset", str(ds), "--as-is", "--out", str(o),
+                        "--overwrite"] + flags) == 0
+        assert [len(r["spans"]) for r in ed.read_records(o)] == [n]
+    capsys.readouterr()
+    rc = et.main(["data", "--checkpoint", str(path), "--as-is", "--out", str(o)])
+    one_line_error(capsys, rc, "--as-is")
 
 
 def test_sharegpt_json_array_cut_off_mid_record(tmp_path, capsys):

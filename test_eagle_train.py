@@ -85,6 +85,27 @@ def test_resume_continues_exactly(tiny, tmp_path):
         torch.testing.assert_close(a["model"][k], b["model"][k], atol=0, rtol=0)
 
 
+def test_campaign_restarts_from_its_exported_head(tiny, tmp_path, capsys):
+    """--init HEAD --start-step N continues a schedule whose Adam state was not kept: the learning rate and the
+    data order resume at step N (lr 0: the restarted steps see the batches, hence the losses, of an
+    uninterrupted run); --start-step without --init, or with --resume, is a one-line error."""
+    hist = {}
+    for lr in ("2e-3", "0"):
+        straight, part = tmp_path / f"straight{lr}", tmp_path / f"part{lr}"
+        assert train_cli(tiny, straight, "--max-steps", "6", "--lr", lr) == 0
+        assert train_cli(tiny, part, "--max-steps", "6", "--lr", lr, "--stop-after", "2") == 0
+        assert et.main(["export", "--run", str(part), "--out", str(part / "head"), "--dtype", "float32"]) == 0
+        assert train_cli(tiny, tmp_path / f"restart{lr}", "--max-steps", "6", "--lr", lr, "--init", str(part / "head"),
+                         "--start-step", "2") == 0
+        hist[lr] = [json.loads((d / "history.json").read_text()) for d in (straight, tmp_path / f"restart{lr}")]
+    a, b = hist["2e-3"]
+    assert [h["step"] for h in b] == [3, 4, 5, 6] and [h["lr"] for h in b] == [h["lr"] for h in a[2:]]
+    a, b = hist["0"]
+    assert [h["loss"] for h in b] == [h["loss"] for h in a[2:]]
+    capsys.readouterr()
+    one_line_error(capsys, train_cli(tiny, tmp_path / "x", "--start-step", "2"), "--start-step", "--init")
+
+
 def test_init_from_an_exported_head(tiny, tmp_path, capsys):
     """--init starts from an exported head (the shipped one, for continued training on new data): with lr 0
     the run's weights are the folder's; a folder that is not a head, or one of other aux layers, is a one-line
@@ -145,6 +166,31 @@ def test_several_data_files(tiny, tmp_path, capsys):
     bad.write_text("not json\n")
     rc = et.main(["train", "--checkpoint", str(tiny["path"]), "--data", str(good), str(bad), "--out", str(tmp_path / "r3")])
     one_line_error(capsys, rc, "bad.jsonl", "line 1")
+
+
+def test_held_out_chunk_that_overlaps_the_training_data(tiny, tmp_path, capsys):
+    """--held-out: a data file cut from the same dataset and seed whose [offset, offset + num) meets the held-out
+    chunk is a one-line error before any training; a disjoint chunk, another seed or another dataset trains."""
+    rec = '{"ids": [5, 6, 7, 8, 9], "spans": [[1, 5]]}\n'
+
+    def chunk(name, **meta):
+        f = tmp_path / name
+        f.write_text(rec)
+        (tmp_path / (name + ".meta.json")).write_text(json.dumps(dict(dict(dataset="/d/sg.json", seed=0), **meta)))
+        return str(f)
+    held = chunk("held.jsonl", offset=100, num=50)
+    args = ["train", "--checkpoint", str(tiny["path"]), "--out", str(tmp_path / "r"), "--held-out", held,
+            "--target-dtype", "float32", "--no-bf16", "--max-steps", "1"]
+    for name, meta in [("a", dict(offset=0, num=101)), ("b", dict(offset=149, num=10)), ("c", dict(offset=120)),
+                       ("d", dict(offset=0, num=0))]:
+        rc = et.main(args + ["--data", chunk(name + ".jsonl", **meta)])
+        one_line_error(capsys, rc, f"{name}.jsonl", "overlaps", "held.jsonl")
+    ok = [chunk("e.jsonl", offset=0, num=100), chunk("f.jsonl", offset=150, num=5),
+          chunk("g.jsonl", offset=100, num=50, seed=1), chunk("h.jsonl", offset=100, num=50, dataset="/d/other.json")]
+    assert et.main(args + ["--data"] + ok) == 0
+    (tmp_path / "e.jsonl.meta.json").unlink()
+    capsys.readouterr()
+    one_line_error(capsys, et.main(args + ["--data", ok[0], "--out", str(tmp_path / "r2")]), "e.jsonl.meta.json")
 
 
 def test_incompatible_or_broken_resume(tiny, tmp_path, capsys):
