@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+import batch
 import draft_config as dc
 import graphs
 from budget import StepBudget
@@ -261,6 +262,10 @@ def parse_args(argv=None):
                    help="CPU: greedy output bit-identical to autoregressive decoding (an error where this CPU's "
                         "check fails). Default: on where free (the fused CPU pass), else the fastest arithmetic")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text + stats")
+    p.add_argument("--prompts", default=None, help="a file of prompts, one a line (JSON {\"prompt\", ...} or text): "
+                   "decoded --batch at a time, one JSON line each as it finishes")
+    p.add_argument("--batch", type=int, default=None, help="--prompts: sequences per target pass (default 8)")
+    p.add_argument("--ordered", action="store_true", help="--prompts: print results in input order")
     g = dc.add_flags(p)
     g.add_argument("--budget", default="auto", choices=["auto", "fixed"],
                    help="auto: verify as many drafted nodes as pays on this machine for this request (measured "
@@ -331,8 +336,18 @@ def stats_line(st: Stats, model: Transformer) -> str:
 def run(args) -> int:
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.prompts is None and (args.batch is not None or args.ordered):
+        raise UsageError("--batch and --ordered go with --prompts FILE")
+    drafting = args.given or args.draft not in (None, "none") or args.vocab or args.ngram or args.vocab_ablation
+    if args.prompts is not None and (args.chat or args.prompt is not None or drafting or args.compile):
+        raise UsageError("--prompts decodes its batch autoregressively: drop --chat, --prompt, --compile and the "
+                         "drafting flags")
     model, tok, _ = load_target(args.checkpoint, args.device, args.dtype)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    if args.prompts is not None:
+        sampling.validate(model.args.vocab_size)
+        args.batch = 8 if args.batch is None else args.batch
+        return batch.run_prompts(model, tok, args, sampling)
     exact = args.exact if args.exact is not None else (None if model.cpu_pass is not None else False)
     engine = build_engine(model, tok, dc.from_flags(args, DEFAULT_HEAD), sampling, compile=args.compile,
                           max_seq=args.max_seq, exact=exact, budget=args.budget == "auto", budget_cache=True)

@@ -275,7 +275,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(a.dim, a.norm_eps)
         self.lm_head = Linear(a.dim, a.vocab_size, bias=False)
         self.aux_layers: tuple[int, ...] = ()  # layers whose *inputs* forward(return_hidden=True) also returns
-        self.max_batch = self.max_seq = -1
+        self.max_batch = self.max_seq = self.slots = -1
         self.cpu_pass: cpu_forward.Stack | None = None  # the fused CPU pass (bf16 on CPU, cpu_forward.py)
         self.kv: Tensor | None = None  # [L, 2, Hkv, S, hd]: every layer's KV cache in one tensor, for cpu_pass
         self.kt: Tensor | None = None  # the same keys transposed for cpu_pass's scores (cpu_forward.transposed_keys)
@@ -283,25 +283,27 @@ class Transformer(nn.Module):
     def eagle3_aux_layers(self) -> tuple[int, int, int]:
         return (2, self.args.n_layers // 2, self.args.n_layers - 3)
 
-    def setup_caches(self, max_batch: int, max_seq: int):
-        """Allocate the static KV cache and RoPE tables; max_seq bounds prompt + generated + tree nodes."""
+    def setup_caches(self, max_batch: int, max_seq: int, slots: int | None = None):
+        """Allocate the static KV cache and RoPE tables; max_seq bounds prompt + generated + tree nodes; slots: KV
+        slots when they outnumber positions (batch.py: one range of max_seq slots per sequence)."""
+        slots = slots or max_seq
         if max_seq > self.args.max_position_embeddings:
             raise ModelError(f"sequence of {max_seq} tokens exceeds the model's {self.args.max_position_embeddings} positions")
-        if (max_batch, max_seq) == (self.max_batch, self.max_seq):
+        if (max_batch, max_seq, slots) == (self.max_batch, self.max_seq, self.slots):
             return
-        self.max_batch, self.max_seq = max_batch, max_seq
+        self.max_batch, self.max_seq, self.slots = max_batch, max_seq, slots
         p, a = self.lm_head.weight, self.args
         # the fused CPU pass's bf16 cache in one tensor, and its keys again, transposed for the AVX-512 BF16 scores
-        self.kv = torch.zeros(a.n_layers, 2, a.n_kv_heads, max_seq, a.head_dim, dtype=p.dtype, device=p.device) \
+        self.kv = torch.zeros(a.n_layers, 2, a.n_kv_heads, slots, a.head_dim, dtype=p.dtype, device=p.device) \
             if self.cpu_pass is not None and max_batch == 1 else None
         self.kt = None if self.kv is None else cpu_forward.transposed_keys(self.kv)
         for i, layer in enumerate(self.layers):
-            layer.self_attn.kv_cache = KVCache(max_batch, max_seq, a.n_kv_heads, a.head_dim, p.dtype, p.device,
+            layer.self_attn.kv_cache = KVCache(max_batch, slots, a.n_kv_heads, a.head_dim, p.dtype, p.device,
                                                None if self.kv is None else self.kv[i])
         cos, sin = rope_cache(max_seq, a.head_dim, a.rope_theta, a.rope_scaling)
         self.register_buffer("rope_cos", cos.to(p.device, p.dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(p.device, p.dtype), persistent=False)
-        self.register_buffer("seq_range", torch.arange(max_seq, device=p.device), persistent=False)
+        self.register_buffer("seq_range", torch.arange(slots, device=p.device), persistent=False)
 
     def causal_mask(self, cache_pos: Tensor) -> Tensor:
         return self.seq_range[None, :] <= cache_pos[:, None]  # [T, S]: query at cache slot p sees slots <= p
