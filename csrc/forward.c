@@ -271,8 +271,8 @@ static inline __attribute__((always_inline)) void pv_rows(const float* const* p,
 
 /* attend_g's transposed-key path for NQ (<= 6) queries of one KV head that may come from different rows of
    the pass (a few rows' heads): query i has its own keys ks[i][0 .. n[i]) and leading run pre[i]. The rows
-   share the loads of what they share: every query scores every 16-slot block up to the last one any of them
-   needs (a block's scores that a query's mask does not allow are dropped, as attend_g drops them), and the
+   share the loads of what they share: every query scores every 16-slot block from the first to the last one
+   any of them needs (a batch's sequences each read their own range of slots; a block's scores that a query's mask does not allow are dropped, as attend_g drops them), and the
    value rows of their common leading run (pv_rows). Each score is still its own chain in its lane (lanes512)
    and each output its own FMA chain over its query's keys in order: the bits of one row alone. Why: a tree's
    rows all read the same context; one row at a time, a 16-row verification at 750 keys spent 2.7 ms in
@@ -284,7 +284,7 @@ static void attend_rows(const float* const* q, const uint16_t* V, const int* con
     float qwide[6][256];  /* the same values widened to fp32 (the AVX-512F scores' broadcasts) */
     const uint32_t* qb[6];
     const float* qf[6];
-    long nbmax = 0, m = pre[0];
+    long nbmax = 0, m = pre[0], bfirst = -1;
     for (int i = 0; i < NQ; i++) {
         for (long d = 0; d < hd; d += 2) qbuf[i][d / 2] = (uint32_t)to_bf16(q[i][d]) | (uint32_t)to_bf16(q[i][d + 1]) << 16;
 #ifndef __AVX512BF16__  /* (the BF16 build's scores read the pairs) */
@@ -295,6 +295,7 @@ static void attend_rows(const float* const* q, const uint16_t* V, const int* con
         const long nb = n[i] ? ((long)ks[i][n[i] - 1] >> 4) + 1 : 0;
         nbmax = nb > nbmax ? nb : nbmax;
         m = pre[i] < m ? pre[i] : m;
+        if (n[i] && (bfirst < 0 || (ks[i][0] >> 4) < bfirst)) bfirst = ks[i][0] >> 4;
     }
     const long pb = m >> 4;
     long b = 0;
@@ -303,6 +304,7 @@ static void attend_rows(const float* const* q, const uint16_t* V, const int* con
         case NQC: \
             for (; b + LANES_MB <= pb; b += LANES_MB) lanes512(qb, qf, kt, hd, scale, s, b, NQC, LANES_MB); \
             for (; b < pb; b++) lanes512(qb, qf, kt, hd, scale, s, b, NQC, 1); \
+            b = b > bfirst ? b : bfirst; \
             for (; b + LANES_MB <= nbmax; b += LANES_MB) lanes512(qb, qf, kt, hd, scale, sl, b, NQC, LANES_MB); \
             for (; b < nbmax; b++) lanes512(qb, qf, kt, hd, scale, sl, b, NQC, 1); \
             break;
