@@ -11,6 +11,7 @@ import eagle_data as ed
 import eagle_train as et
 from conftest import one_line_error, write_tiny_hf
 from generate import Engine
+from model import load_model
 from tokenizer import Tokenizer
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -155,6 +156,22 @@ def test_regenerated_dataset_keeps_user_turns(tmp_path, capsys):
         assert et.main(args) == 0
         got.append(ed.read_records(o)[0]["ids"])
     assert len(got) == 2 and got[0] != got[1]
+
+
+def test_regenerated_turns_are_the_targets_own_greedy_answers(tmp_path):
+    """answer_conversations decodes through the batch engine (batch 2 over 3 conversations, next turns joining as
+    answers end): each answer is what the target writes for that prompt alone, and the last user turn is answered."""
+    path, _ = chat_dataset(tmp_path, [])
+    m = load_model(path, dtype=torch.float32)
+    tok = Tokenizer(path)
+    convs = [[{"role": "user", "content": q} for q in qs] for qs in (["hi there", "more"], ["why?"], ["a", "b", "c"])]
+    recs = ed.answer_conversations(m, tok, convs, batch_size=2, max_new_tokens=6)
+    eng = Engine(m)
+    assert len(recs) == 3
+    for c, r in zip(convs, recs):
+        for s, e in r["spans"]:  # (an earlier turn's span is dropped where the template re-tokenises its answer)
+            assert r["ids"][s:e] == eng.generate(r["ids"][:s], 6)[0]
+        assert tok.decode(r["ids"][:r["spans"][-1][0]]).endswith(c[-1]["content"] + "\nassistant\n")
 
 
 def test_dataset_as_is_supervises_its_own_answers(tmp_path, capsys):
