@@ -8,6 +8,7 @@
 3. Latency at the Llama-3.1-8B shape with random weights (bench.py --latency), plus the measured
    device-to-device copy bandwidth, and whether the NanoSpec gather hides behind the draft backbone.
 4. End-to-end tokens/s on the default model: autoregressive, EAGLE full vocabulary, FR-Spec, NanoSpec.
+5. Batched decoding: batch outputs == one prompt at a time (fp32), and batch 16's tokens/s (bf16).
 Writes OUT/gpu_check.json and OUT/gpu_check.md.
 """
 import argparse
@@ -21,10 +22,11 @@ import torch
 
 import bench
 import draft_config as dc
+from batch import BatchEngine
 import cuda_gather
 from download import resolve_checkpoint
 from eagle import load_eagle
-from generate import build_engine, load_target
+from generate import Engine, build_engine, load_target
 
 REPO = Path(__file__).resolve().parent
 HEAD = REPO / "heads" / "SmolLM2-135M-Instruct-eagle3"
@@ -70,6 +72,20 @@ def engines(path, device, dtype, compile, head_path):
         out.append((name, build_engine(m, tok, c, compile=compile, max_seq=1024, head=head if draft == head_path else None,
                                         budget=False)))
     return out, tok
+
+
+def check_batch(path, device, dtype, n_new, batch=4):
+    """The batch engine against one prompt at a time (autoregressive): (same outputs, batch tok/s, one-at-a-time
+    tok/s) over PROMPTS repeated to 2 x batch sequences."""
+    m, tok, _ = load_target(str(path), device, str(dtype).replace("torch.", ""))
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in (PROMPTS * (2 * batch))[:2 * batch]]
+    eng, t0 = Engine(m), time.perf_counter()
+    single = [eng.generate(p, n_new)[0] for p in prompts]
+    t1 = time.perf_counter()
+    outs = BatchEngine(m, batch, max(len(p) for p in prompts) + n_new).generate_batch(prompts, n_new)
+    t2 = time.perf_counter()
+    n = sum(len(o) for o in outs)
+    return outs == single, n / (t2 - t1), sum(len(o) for o in single) / (t1 - t0)
 
 
 def run_all(path, device, dtype, compile, head_path, n_new, repeats=1):
@@ -126,6 +142,12 @@ def main():
     for name in graph16:
         rows.append([f"tok/s default model: {name}", "bf16 CUDA graphs",
                      f"{graph16[name][1]:.1f}", f"eager {gpu16[name][1]:.1f}, x{graph16[name][1] / graph16['autoregressive'][1]:.2f} vs AR"])
+
+    same32, _, _ = check_batch(path, "cuda", torch.float32, n_new)
+    _, tps, tps1 = check_batch(path, "cuda", torch.bfloat16, n_new, batch=16)
+    ok &= same32
+    rows.append(["batched decoding (batch.py)", "fp32: batch 4 == one at a time", "PASS" if same32 else "FAIL",
+                 f"bf16 batch 16: {tps:.1f} tok/s, x{tps / tps1:.2f} vs one at a time"])
 
     # device-to-device copy bandwidth (the roofline for a decode step)
     x = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")

@@ -22,3 +22,9 @@ def test_gpu_check_refuses_without_cuda(capsys, monkeypatch):
     monkeypatch.setattr("sys.argv", ["gpu_check.py"])
     assert gpu_check.main() == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_gpu_check_batch_runs_on_cpu(tmp_path):
+    path, _ = write_tiny_hf(tmp_path / "t")
+    same, tps, tps1 = gpu_check.check_batch(path, "cpu", torch.float32, n_new=6, batch=2)
+    assert same and tps > 0 and tps1 > 0
