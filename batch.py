@@ -16,6 +16,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -156,7 +157,7 @@ def read_prompts(path: str) -> list[dict]:
     """One prompt a line: a JSON object {"prompt", optional "max_new_tokens", "temperature", "seed"} or plain text
     -> [{"prompt", ...}]; a bad line is a UsageError naming it."""
     try:
-        lines = open(path, encoding="utf-8").read().splitlines()
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise UsageError(f"cannot read --prompts {path}: {e.strerror}") from None
     out, kinds = [], {"max_new_tokens": int, "temperature": (int, float), "seed": int}
