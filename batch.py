@@ -110,10 +110,10 @@ class BatchEngine:
             self.free.append(s.slot // self.S)
         return done
 
-    def _mask(self, slot: Tensor, pos: Tensor) -> Tensor:
-        """[R] rows' range starts and positions -> [R, slots]: each row sees its own range up to its position."""
-        r = self.model.seq_range[None, :]
-        return (r >= slot[:, None]) & (r <= (slot + pos)[:, None])
+    def _mask(self, pos: Tensor) -> Tensor:
+        """[R] rows' positions -> [R, max_seq] over each row's own range (model.forward's mask_base): the keys up to
+        its position. Why a window: a dense [R, batch * max_seq] mask grows with the batch squared."""
+        return self.model.seq_range[None, :self.S] <= pos[:, None]
 
     def _prefill(self, seqs: list[Seq]) -> Tensor:
         # every admitted prompt in one pass, each at its own slots; the logits of each prompt's last row
@@ -121,8 +121,8 @@ class BatchEngine:
         toks = torch.tensor([t for s in seqs for t in s.prompt], device=dev)
         pos = torch.cat([torch.arange(len(s.prompt), device=dev) for s in seqs])
         slot = torch.cat([torch.full((len(s.prompt),), s.slot, device=dev) for s in seqs])
-        _, hid, _ = self.model(toks[None], pos, mask=self._mask(slot, pos), cache_pos=slot + pos, return_hidden=True,
-                               compute_logits=False)
+        _, hid, _ = self.model(toks[None], pos, mask=self._mask(pos), mask_base=slot, cache_pos=slot + pos,
+                               return_hidden=True, compute_logits=False)
         last = torch.tensor([len(s.prompt) for s in seqs], device=dev).cumsum(0) - 1
         return self.model.lm_head(hid[0, last])
 
@@ -133,7 +133,7 @@ class BatchEngine:
 
     def decode_step(self, toks: Tensor, pos: Tensor, slot: Tensor) -> Tensor:
         """[R] tokens, positions and range starts -> [R, V] logits: static shapes per batch size, no host sync."""
-        return self.model(toks[None], pos, mask=self._mask(slot, pos), cache_pos=slot + pos)[0]
+        return self.model(toks[None], pos, mask=self._mask(pos), mask_base=slot, cache_pos=slot + pos)[0]
 
     def _sample(self, logits: Tensor, seqs: list[Seq]) -> Tensor:
         out = argmax(logits)

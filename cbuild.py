@@ -26,7 +26,7 @@ class RowsDst(ctypes.Structure):
 
 class StackArgs(ctypes.Structure):
     _fields_ = [("tab", P), ("L", L), ("D", L), ("H", L), ("Hkv", L), ("hd", L), ("I", L), ("eps", F32), ("T", L),
-                ("S", L), ("x", P), ("emb", P), ("cs", P), ("sn", P), ("mask", P), ("cpos", P), ("kv", P), ("kt", P),
+                ("S", L), ("x", P), ("emb", P), ("cs", P), ("sn", P), ("mask", P), ("mbase", P), ("W", L), ("cpos", P), ("kv", P), ("kt", P),
                 ("aux_of", P), ("n_aux", L), ("aux", P), ("fnorm", P), ("threads", INT)]
 
 

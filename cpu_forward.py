@@ -176,15 +176,16 @@ class Stack:
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor,
                  aux_layers: tuple[int, ...] = (), emb: Tensor | None = None, kt: Tensor | None = None,
-                 norm: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """x [T, D] bf16 (an EAGLE-3 head: its input features, emb its token embeddings); mask [T, S]; kv [L, 2,
+                 norm: Tensor | None = None, mask_base: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """x [T, D] bf16 (an EAGLE-3 head: its input features, emb its token embeddings); mask [T, S], or [T, W]
+        over slots mask_base[t] + [0, W) (batch.py: each row reads its sequence's range); kv [L, 2,
         Hkv, S, hd] (and kt, transposed_keys) written at cache_pos; aux_layers: layers whose inputs to return; norm:
         the final RMSNorm's weight or None -> (x after the layers and norm [T, D], aux [T, len(aux_layers) * D])."""
         a, key = self.args, tuple(aux_layers)
         if key not in self.aux_of:
             self.aux_of[key] = torch.tensor(list(key) or [-1], dtype=torch.int64)
         args = (x, emb, cos, sin, mask, cache_pos, kv, self.no_kt if kt is None else kt, self.table, self.aux_of[key],
-                len(key), a.n_heads, a.intermediate_size, a.norm_eps, norm)
+                len(key), a.n_heads, a.intermediate_size, a.norm_eps, norm, mask_base)
         return torch.ops.nanospec.cpu_stack(*args) if torch.compiler.is_compiling() else run(*args)
 
 
@@ -194,19 +195,23 @@ def pack_of(lin) -> Tensor:
 
 def run(x: Tensor, emb: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor,
         kt: Tensor, table: Tensor, aux_of: Tensor, n_aux: int, n_heads: int, inter: int, eps: float,
-        norm: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        norm: Tensor | None = None, mask_base: Tensor | None = None) -> tuple[Tensor, Tensor]:
     T, D = x.shape
     L, _, Hkv, S, hd = kv.shape
-    assert kv.is_contiguous() and mask.shape == (T, S) and hd % 8 == 0 and hd <= 256 and table.shape[0] == L
+    W = mask.shape[1]
+    assert kv.is_contiguous() and mask.shape[0] == T and hd % 8 == 0 and hd <= 256 and table.shape[0] == L
+    assert (W == S and mask_base is None) or (W <= S and mask_base is not None and mask_base.shape == (T,))
     assert kt.numel() == 0 or (kt.is_contiguous() and kt.shape == (L, Hkv, -(-S // 16), hd // 2, 16))
     x = x.contiguous().clone()  # the kernel works in place
     aux = x.new_empty(T, max(n_aux, 1) * D)
     # contiguous copies bound to names: they must outlive the call
     m = mask.contiguous().view(torch.uint8) if mask.dtype == torch.bool else (mask != 0).view(torch.uint8)
     cos, sin, pos = cos.contiguous(), sin.contiguous(), cache_pos.to(torch.int64).contiguous()
+    mb = None if mask_base is None else mask_base.to(torch.int64).contiguous()
     e = None if emb is None else emb.contiguous()
     a = cbuild.StackArgs(table.data_ptr(), L, D, n_heads, Hkv, hd, inter, eps, T, S, x.data_ptr(),
-                         0 if e is None else e.data_ptr(), cos.data_ptr(), sin.data_ptr(), m.data_ptr(), pos.data_ptr(),
+                         0 if e is None else e.data_ptr(), cos.data_ptr(), sin.data_ptr(), m.data_ptr(),
+                         0 if mb is None else mb.data_ptr(), W, pos.data_ptr(),
                          kv.data_ptr(), kt.data_ptr() if kt.numel() else 0, aux_of.data_ptr(), n_aux, aux.data_ptr(),
                          0 if norm is None else norm.data_ptr(), torch.get_num_threads())
     kernel()(cbuild.ptr(a))
@@ -217,5 +222,5 @@ cpu_stack_op = torch.library.custom_op("nanospec::cpu_stack", run, mutates_args=
 
 
 @cpu_stack_op.register_fake
-def _(x, emb, cos, sin, mask, cache_pos, kv, kt, table, aux_of, n_aux, n_heads, inter, eps, norm=None):
+def _(x, emb, cos, sin, mask, cache_pos, kv, kt, table, aux_of, n_aux, n_heads, inter, eps, norm=None, mask_base=None):
     return x.new_empty(x.shape), x.new_empty(x.shape[0], max(n_aux, 1) * x.shape[1])

@@ -310,9 +310,10 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: Tensor, input_pos: Tensor, mask: Tensor | None = None,
                 cache_pos: Tensor | None = None, return_hidden: bool = False, compute_logits: bool = True,
-                recent: Tensor | None = None, attn_rows: int | None = None):
+                recent: Tensor | None = None, attn_rows: int | None = None, mask_base: Tensor | None = None):
         """tokens [B, T]; input_pos [T] RoPE positions (or [B, T]); cache_pos [T] KV slots (default input_pos); mask
-        [T, S] or [B, 1, T, S] bool (default causal); recent [T, RECENT] (CPU): exact_attention over attn_rows rows.
+        [T, S] or [B, 1, T, S] bool (default causal), or [T, W] over slots mask_base[t] + [0, W) (batch.py: a row
+        reads its sequence's range); recent [T, RECENT] (CPU): exact_attention over attn_rows rows.
         -> logits [B, T, V] (None if not compute_logits), or (logits, normed hidden, aux or None) with return_hidden."""
         cache_pos = input_pos if cache_pos is None else cache_pos
         mask = self.causal_mask(cache_pos) if mask is None else mask
@@ -323,9 +324,12 @@ class Transformer(nn.Module):
         if self.kv is not None and tokens.shape[0] == 1 and input_pos.dim() == 1 and mask.dim() == 2:
             # layers and final norm in one C call, row-invariant by construction: no exact mode needed (cpu_forward.py)
             h, aux = self.cpu_pass(x[0], cos, sin, mask, cache_pos, self.kv, self.aux_layers, kt=self.kt,
-                                   norm=self.norm.weight)
+                                   norm=self.norm.weight, mask_base=mask_base)
             h, aux = h[None], (aux[None] if self.aux_layers else None)
         else:
+            if mask_base is not None:  # the window's columns at their slots
+                j = self.seq_range[None, :] - mask_base[:, None]
+                mask = (j >= 0) & (j < mask.shape[1]) & mask.gather(1, j.clamp(0, mask.shape[1] - 1))
             exact = None if recent is None else exact_plan(input_pos, recent, self.seq_range,
                                                             self.args.n_heads // self.args.n_kv_heads, attn_rows)
             states = {}

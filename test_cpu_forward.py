@@ -107,6 +107,31 @@ def test_tree_rows_are_autoregressive_bits(target, monkeypatch):
 
 
 @torch.no_grad()
+def test_batch_rows_in_windows_are_their_own_bits(target, monkeypatch):
+    """A batch's pass (batch.py): 6 sequences in ranges of 40 slots (not multiples of the attention's 16-slot
+    blocks), their rows in a shuffled order of ranges, masks as windows over each range (mask_base). Each row's
+    logits equal its sequence's batch-1 pass bit for bit, and the windowed masks equal the dense [T, S] ones."""
+    m = load(target, True, monkeypatch)
+    R, lens, order = 40, [7, 33, 1, 20, 39, 12], [3, 0, 5, 1, 4, 2]
+    m.setup_caches(1, R, slots=6 * R)
+    for b, n in enumerate(lens):  # each sequence's prompt into its range, less its last token
+        if n > 1:
+            pos = torch.arange(n - 1)
+            m(toks(n, b)[:, :-1], pos, mask=m.seq_range[None, :R] <= pos[:, None],
+              mask_base=torch.full((n - 1,), b * R), cache_pos=b * R + pos)
+    last = torch.cat([toks(lens[b], b)[:, -1] for b in order])[None]
+    pos = torch.tensor([lens[b] - 1 for b in order])
+    base = torch.tensor([b * R for b in order])
+    win = m(last, pos, mask=m.seq_range[None, :R] <= pos[:, None], mask_base=base, cache_pos=base + pos)
+    j = m.seq_range[None, :] - base[:, None]
+    dense = m(last, pos, mask=(j >= 0) & (j <= pos[:, None]), cache_pos=base + pos)
+    assert torch.equal(win, dense)
+    m.setup_caches(1, 64)
+    for i, b in enumerate(order):
+        assert torch.equal(m(toks(lens[b], b), torch.arange(lens[b]))[0, -1], win[0, i]), b
+
+
+@torch.no_grad()
 def test_compact_kv_moves_every_layer(target, monkeypatch):
     """compact_kv on the one-tensor cache moves every layer's K and V rows (overlapping ranges included), and
     the layers' own cache views see the move."""

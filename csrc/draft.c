@@ -176,8 +176,8 @@ static void head_layer(const Head* h, uint16_t* x, long T, const int64_t* tok, c
         memcpy(cs + i * hd, h->cos_t + pos[i] * hd, sizeof(uint16_t) * hd);
         memcpy(sn + i * hd, h->sin_t + pos[i] * hd, sizeof(uint16_t) * hd);
     }
-    const StackArgs a = {h->tab, 1, D, h->H, h->Hkv, hd, h->I, h->eps, T, h->S, x, emb, cs, sn, mask, cpos, h->kv, 0,
-                         &no_aux, 0, aux_dummy, 0, threads};
+    const StackArgs a = {h->tab, 1, D, h->H, h->Hkv, hd, h->I, h->eps, T, h->S, x, emb, cs, sn, mask, 0, h->S, cpos,
+                         h->kv, 0, &no_aux, 0, aux_dummy, 0, threads};
     stack_bf16(&a);
     free(emb); free(cs); free(sn);
 }

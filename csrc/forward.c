@@ -103,7 +103,7 @@ PV_FN(pv512, __m512, _mm512, 16, load_bf16x16)
 #define LANES_MB 2
 #endif
 static inline __attribute__((always_inline)) void lanes512(const uint32_t* const* qb, const float* const* qf,
-        const uint32_t* kt, long hd, float scale, float* const* sl, long b0, const int G, const int MB) {
+        const uint32_t* kt, long hd, float scale, float* const* sl, long b0, long wb, const int G, const int MB) {
     __m512 acc[6][LANES_MB];
     const long H2 = hd / 2;
     for (int h = 0; h < G; h++) for (int i = 0; i < MB; i++) acc[h][i] = _mm512_setzero_ps();
@@ -132,8 +132,8 @@ static inline __attribute__((always_inline)) void lanes512(const uint32_t* const
 #endif
     }
     const __m512 sc = _mm512_set1_ps(scale);
-    for (int h = 0; h < G; h++)
-        for (int i = 0; i < MB; i++) _mm512_storeu_ps(sl[h] + (b0 + i) * 16, _mm512_mul_ps(acc[h][i], sc));
+    for (int h = 0; h < G; h++)  /* block b's scores at sl[h] + (b - wb) * 16 */
+        for (int i = 0; i < MB; i++) _mm512_storeu_ps(sl[h] + (b0 - wb + i) * 16, _mm512_mul_ps(acc[h][i], sc));
 }
 
 #endif
@@ -223,7 +223,7 @@ static void attend(const float* const* q, const uint16_t* K, const uint16_t* V, 
 
 #ifdef __AVX512F__
 /* o[i][c0 .. c0 + 16 CB) = sum over query i's keys j (in key order) of p[i][j] * V[ks[i][j]][c] for NQ queries
-   of one KV head: their common leading run of slots 0 .. m - 1 first, one load and widening of each value row
+   of one KV head: their common leading run of slots r0 .. r0 + m - 1 first, one load and widening of each value row
    for all of them, then each query's own rest. Every accumulator is one FMA chain over its query's keys in
    order, as pv512's: the same bits however the queries are grouped. A value row's 32 values at a time are
    one load, its low halves shifted up (the even columns) and its masked high halves (the odd ones) two fp32
@@ -233,11 +233,12 @@ static void attend(const float* const* q, const uint16_t* K, const uint16_t* V, 
 static inline __m512 lo_bf16x16(__m512i u) { return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)); }
 static inline __m512 hi_bf16x16(__m512i u) { return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u))); }
 static inline __attribute__((always_inline)) void pv_rows(const float* const* p, const uint16_t* V,
-        const int* const* ks, const long* n, long m, long hd, long c0, float* const* out, const int NQ, const int CB) {
+        const int* const* ks, const long* n, long r0, long m, long hd, long c0, float* const* out, const int NQ,
+        const int CB) {
     __m512 o[6][4];
     for (int i = 0; i < NQ; i++) for (int c = 0; c < CB; c++) o[i][c] = _mm512_setzero_ps();
-    for (long j = 0; j < m; j++) {  /* key j is slot j for every query here */
-        const uint16_t* vr = V + j * hd + c0;
+    for (long j = 0; j < m; j++) {  /* key j is slot r0 + j for every query here */
+        const uint16_t* vr = V + (r0 + j) * hd + c0;
         __m512 v[4];
         for (int u = 0; u < CB / 2; u++) {
             const __m512i w = _mm512_loadu_si512(vr + 32 * u);
@@ -272,8 +273,9 @@ static inline __attribute__((always_inline)) void pv_rows(const float* const* p,
 /* attend_g's transposed-key path for NQ (<= 6) queries of one KV head that may come from different rows of
    the pass (a few rows' heads): query i has its own keys ks[i][0 .. n[i]) and leading run pre[i]. The rows
    share the loads of what they share: every query scores every 16-slot block from the first to the last one
-   any of them needs (a batch's sequences each read their own range of slots; a block's scores that a query's mask does not allow are dropped, as attend_g drops them), and the
-   value rows of their common leading run (pv_rows). Each score is still its own chain in its lane (lanes512)
+   any of them needs (a block's scores that a query's mask does not allow are dropped, as attend_g drops
+   them), and the value rows of their common leading run of consecutive slots (pv_rows; a batch's sequence
+   reads its own range, its run starting at the range's first slot). Each score is still its own chain in its lane (lanes512)
    and each output its own FMA chain over its query's keys in order: the bits of one row alone. Why: a tree's
    rows all read the same context; one row at a time, a 16-row verification at 750 keys spent 2.7 ms in
    attention against 0.85 ms for one row (Zen 5), its value widening and key loads repeated per row. */
@@ -297,23 +299,29 @@ static void attend_rows(const float* const* q, const uint16_t* V, const int* con
         m = pre[i] < m ? pre[i] : m;
         if (n[i] && (bfirst < 0 || (ks[i][0] >> 4) < bfirst)) bfirst = ks[i][0] >> 4;
     }
-    const long pb = m >> 4;
-    long b = 0;
+    /* the common run starts at the same slot r0 for every query (a 16-slot block edge: its scores go straight
+       to s), else there is none */
+    long r0 = n[0] ? ks[0][0] : 0;
+    for (int i = 0; i < NQ; i++) if (!n[i] || ks[i][0] != r0) m = 0;
+    if (r0 % 16) m = 0;
+    if (!m) r0 = 0;
+    const long pb = (r0 + m) >> 4;
+    long b = r0 >> 4;
     switch (NQ) {  /* (constant query counts: the accumulators stay in registers) */
 #define LANES(NQC) \
         case NQC: \
-            for (; b + LANES_MB <= pb; b += LANES_MB) lanes512(qb, qf, kt, hd, scale, s, b, NQC, LANES_MB); \
-            for (; b < pb; b++) lanes512(qb, qf, kt, hd, scale, s, b, NQC, 1); \
+            for (; b + LANES_MB <= pb; b += LANES_MB) lanes512(qb, qf, kt, hd, scale, s, b, r0 >> 4, NQC, LANES_MB); \
+            for (; b < pb; b++) lanes512(qb, qf, kt, hd, scale, s, b, r0 >> 4, NQC, 1); \
             b = b > bfirst ? b : bfirst; \
-            for (; b + LANES_MB <= nbmax; b += LANES_MB) lanes512(qb, qf, kt, hd, scale, sl, b, NQC, LANES_MB); \
-            for (; b < nbmax; b++) lanes512(qb, qf, kt, hd, scale, sl, b, NQC, 1); \
+            for (; b + LANES_MB <= nbmax; b += LANES_MB) lanes512(qb, qf, kt, hd, scale, sl, b, 0, NQC, LANES_MB); \
+            for (; b < nbmax; b++) lanes512(qb, qf, kt, hd, scale, sl, b, 0, NQC, 1); \
             break;
         LANES(1) LANES(2) LANES(3) LANES(4) LANES(5) LANES(6)
 #undef LANES
     }
     float inv[6];
     for (int i = 0; i < NQ; i++) {
-        for (long j = pb * 16; j < n[i]; j++) s[i][j] = sl[i][ks[i][j]];
+        for (long j = m >> 4 << 4; j < n[i]; j++) s[i][j] = sl[i][ks[i][j]];
         inv[i] = softmax_row(s[i], n[i]);
     }
     const float* const* p = (const float* const*)s;
@@ -321,8 +329,8 @@ static void attend_rows(const float* const* q, const uint16_t* V, const int* con
     switch (NQ) {
 #define PV(NQC) \
         case NQC: \
-            for (; c0 + 64 <= hd; c0 += 64) pv_rows(p, V, ks, n, m, hd, c0, out, NQC, 4); \
-            for (; c0 < hd; c0 += 32) pv_rows(p, V, ks, n, m, hd, c0, out, NQC, 2); \
+            for (; c0 + 64 <= hd; c0 += 64) pv_rows(p, V, ks, n, r0, m, hd, c0, out, NQC, 4); \
+            for (; c0 < hd; c0 += 32) pv_rows(p, V, ks, n, r0, m, hd, c0, out, NQC, 2); \
             break;
         PV(1) PV(2) PV(3) PV(4) PV(5) PV(6)
 #undef PV
@@ -371,7 +379,8 @@ static void residual(float* xr, const float* o, long n) {
 enum { W_IN, W_QKV, B_QKV, W_O, W_POST, W_GU, W_DOWN, W_HID, NW };
 
 /* (StackArgs) x [T, D] bf16, in place: the rows after all L layers. tab [L, NW] pointers (packed weights, norms, bias
-   or 0). cs, sn [T, hd] bf16 RoPE rows; mask [T, S] (bool bytes) over the cache's S slots; cpos [T] the
+   or 0). cs, sn [T, hd] bf16 RoPE rows; mask [T, W] (bool bytes): row t may read slot mbase[t] + j where
+   mask[t, j] (mbase 0: slot j; W <= S: a batch's rows each read their own range of the slots); cpos [T] the
    slots this pass writes; kv [L, 2, Hkv, S, hd] bf16; kt (AVX-512 builds with hd % 32 == 0, or 0) the same
    keys transposed, [L, Hkv, ceil(S / 16), hd / 2, 16] bf16 pairs (lanes512's layout), written with them and
    read instead of K for the scores. aux [T, n_aux, D]: slot j gets the input of layer
@@ -381,6 +390,8 @@ enum { W_IN, W_QKV, B_QKV, W_O, W_POST, W_GU, W_DOWN, W_HID, NW };
 void stack_bf16(const StackArgs* a) {
     const int64_t* tab = a->tab;
     long L = a->L, D = a->D, H = a->H, Hkv = a->Hkv, hd = a->hd, I = a->I, T = a->T, S = a->S, n_aux = a->n_aux;
+    const long W = a->W;
+    const int64_t* mbase = a->mbase;
     float eps = a->eps;
     uint16_t *x = a->x, *kv = a->kv, *aux = a->aux;
     const uint16_t *emb = a->emb, *cs = a->cs, *sn = a->sn, *fnorm = a->fnorm;
@@ -407,22 +418,40 @@ void stack_bf16(const StackArgs* a) {
     float* ef = emb ? malloc(sizeof(float) * T * D) : 0;
     float* y = malloc(sizeof(float) * T * wide);
     float* o = malloc(sizeof(float) * T * D);
-    int* keys = malloc(sizeof(int) * T * S);
-    long* nk = malloc(sizeof(long) * 2 * T);  /* each row's key count, then its leading run of slots 0, 1, .. */
+    int* keys = malloc(sizeof(int) * T * W);
+    long* nk = malloc(sizeof(long) * 2 * T);  /* each row's key count, then its leading run of consecutive slots */
     long* npre = nk + T;
-    float* sc = malloc(sizeof(float) * threads * 6 * (S + 8));
+    float* sc = malloc(sizeof(float) * threads * 6 * (W + 8));
     uint16_t* xs = malloc(sizeof(uint16_t) * threads * T * hw);  /* gemm_rows' bf16 copies of its input (AVX-512 BF16) */
     const long hb = T * Hkv >= 2 * threads ? (g < 4 ? g : 4) : 1;  /* heads per attention task */
     const long nb = (g + hb - 1) / hb;
-    /* rows per attention task (the transposed-key path, attend_rows): as many as keep each task's queries at
-       most 6 while there are still two tasks per thread */
-    long rb = kt ? 6 / hb : 1;
-    while (rb > 1 && (T + rb - 1) / rb * Hkv * nb < 2 * threads) rb--;
-    const long nrb = (T + rb - 1) / rb;
     for (long t = 0; t < T; t++) {  /* each row's keys, in slot order, once for all layers and heads */
         nk[t] = 0;
-        for (long j = 0; j < S; j++) if (mask[t * S + j]) keys[t * S + nk[t]++] = (int)j;
-        for (npre[t] = 0; npre[t] < nk[t] && keys[t * S + npre[t]] == npre[t];) npre[t]++;
+        const long b = mbase ? mbase[t] : 0;
+        for (long j = 0; j < W; j++) if (mask[t * W + j]) keys[t * W + nk[t]++] = (int)(b + j);
+        for (npre[t] = 0; npre[t] < nk[t] && keys[t * W + npre[t]] == keys[t * W] + npre[t];) npre[t]++;
+    }
+    /* rows per attention task (the transposed-key path, attend_rows): consecutive rows whose keys overlap, at
+       most 6 queries a task, as many as keep two tasks per thread. A task's scores are computed for all its
+       queries over every slot block any of them reads, so rows of different sequences (a batch: disjoint
+       ranges, in any order) get tasks of their own: grouped by six, 64 one-row sequences at 220 keys spent 28 ms
+       in attention, on their own 10 (Zen 5) */
+    long* rs = malloc(sizeof(long) * (T + 1));  /* task row blocks: rows rs[i] .. rs[i + 1] */
+    long nrb = 0;
+    for (long rb = kt ? 6 / hb : 1;; rb--) {
+        nrb = 0;
+        for (long t = 0; t < T;) {
+            long lo = nk[t] ? keys[t * W] >> 4 : 0, hi = nk[t] ? keys[t * W + nk[t] - 1] >> 4 : -1;
+            rs[nrb++] = t++;
+            for (; t < T && t - rs[nrb - 1] < rb && nk[t] && keys[t * W] >> 4 <= hi
+                   && keys[t * W + nk[t] - 1] >> 4 >= lo; t++) {  /* (its slot blocks overlap the block's) */
+                const long f = keys[t * W] >> 4, e = keys[t * W + nk[t] - 1] >> 4;
+                lo = f < lo ? f : lo;
+                hi = e > hi ? e : hi;
+            }
+        }
+        rs[nrb] = T;
+        if (rb <= 1 || nrb * Hkv * nb >= 2 * threads) break;
     }
     for (long i = 0; i < T * D; i++) xr[i] = fbf(x[i]);
     if (ef) for (long i = 0; i < T * D; i++) ef[i] = fbf(emb[i]);
@@ -468,7 +497,7 @@ void stack_bf16(const StackArgs* a) {
             }
         }
         PH(PH_ROPE);
-        /* tasks: (block of up to rb rows, KV head, block of up to hb of the heads sharing it); a head's
+        /* tasks: (block of rows rs[i] .. rs[i + 1], KV head, block of up to hb of the heads sharing it); a head's
            arithmetic is the same in any block, so the blocks only balance the threads (one head per task when
            rows are few) and share loads (attend_rows) */
         /* KV head major, each thread one contiguous run: a KV head's tasks share its keys and values, which come
@@ -480,9 +509,10 @@ void stack_bf16(const StackArgs* a) {
         #pragma omp for schedule(static)
         for (long tk = 0; tk < nrb * Hkv * nb; tk++) {
             const long r = tk % (nrb * nb), rp = r / nb;
-            long t0 = (rp % 2 ? nrb - 1 - rp / 2 : rp / 2) * rb, j = tk / (nrb * nb), h0 = j * g + r % nb * hb;
+            const long ib = rp % 2 ? nrb - 1 - rp / 2 : rp / 2, t0 = rs[ib], j = tk / (nrb * nb);
+            const long h0 = j * g + r % nb * hb;
             int G = (int)(g - tk % nb * hb < hb ? g - tk % nb * hb : hb);
-            int R = (int)(T - t0 < rb ? T - t0 : rb), NQ = R * G;
+            const int R = (int)(rs[ib + 1] - t0), NQ = R * G;
             const float* qs[6];
             const int* kq[6];
             long nq[6], pq[6];
@@ -490,10 +520,10 @@ void stack_bf16(const StackArgs* a) {
             for (int i = 0; i < NQ; i++) {
                 const long t = t0 + i / G, hh = h0 + i % G;
                 qs[i] = y + t * NQKV + hh * hd;
-                kq[i] = keys + t * S;
+                kq[i] = keys + t * W;
                 nq[i] = nk[t];
                 pq[i] = npre[t];
-                ss[i] = sc + ((long)omp_get_thread_num() * 6 + i) * (S + 8);
+                ss[i] = sc + ((long)omp_get_thread_num() * 6 + i) * (W + 8);
                 os[i] = h + t * Q + hh * hd;
                 ls[i] = sl ? sl + ((long)omp_get_thread_num() * 6 + i) * nbs * 16 : 0;
             }
@@ -529,7 +559,7 @@ void stack_bf16(const StackArgs* a) {
     }
     const float* fin = fnorm ? h : xr;
     for (long i = 0; i < T * D; i++) x[i] = to_bf16(fin[i]);
-    free(xr); free(h); free(y); free(o); free(keys); free(nk); free(sc); free(ef); free(xs); free(sl);
+    free(xr); free(h); free(y); free(o); free(keys); free(rs); free(nk); free(sc); free(ef); free(xs); free(sl);
     PH(PH_SETUP);
 }
 

@@ -17,7 +17,7 @@ void linear_bf16(const uint16_t* x, float* xf, long M, long K, const uint16_t* P
 /* The fused pass's arguments (cpu_forward.run; stack_bf16 in forward.c documents them) */
 typedef struct {
     const int64_t* tab; long L, D, H, Hkv, hd, I; float eps; long T, S;
-    uint16_t* x; const uint16_t *emb, *cs, *sn; const uint8_t* mask; const int64_t* cpos;
+    uint16_t* x; const uint16_t *emb, *cs, *sn; const uint8_t* mask; const int64_t *mbase; long W; const int64_t* cpos;
     uint16_t* kv; uint32_t* kt; const int64_t* aux_of; long n_aux; uint16_t* aux; const uint16_t* fnorm; int threads;
 } StackArgs;
 
