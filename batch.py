@@ -1,16 +1,18 @@
 """Batched decoding: many sequences in one target pass, with continuous batching (nano-vllm's scheduler in a few
 functions). The sequences share one KV cache, each in its own range of max_seq slots; a pass carries every running
-sequence's rows, and each row attends to its own range only (the mask), so the weights are read once a step for the
-whole batch. With the fused CPU pass (row-invariant GEMMs, attention over a row's allowed keys in slot order, one
-chain per key) a sequence's output is its batch-1 output bit for bit.
+sequence's rows, and each row attends to its own range only (a window mask), so the weights are read once a step
+for the whole batch. With the fused CPU pass (row-invariant GEMMs, attention over a row's allowed keys in slot
+order, one chain per key) a sequence's output is its batch-1 output bit for bit.
+
+With drafters (one per sequence: its own EAGLE head cache, NanoSpec window and lookup index), each sequence
+drafts its own tree, one pass verifies every tree, and each keeps its accepted path (budget_batch.py picks each
+tree's size for the batch's tokens per second, or none).
 
     engine = BatchEngine(model, batch=8, max_seq=1024)
     outs = engine.generate_batch(prompts, 128)                      # token lists, in input order
     engine.submit(prompt, 128); done = engine.step()                # streaming: finished sequences per step
-
-Sequences decode autoregressively: per-sequence drafting (its own NanoSpec window) and the load-aware budget are
-not part of this engine yet.
 """
+import dataclasses
 import json
 import sys
 import time
@@ -21,9 +23,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+import cpu_draft
+from budget_batch import BatchBudget
+from draft import Accepted, Prefill, Tree, chain_tree, chained, stop_at
+from draft_config import make_drafters
 from errors import UsageError
-from model import Transformer
-from sampling import Sampling, argmax, logits_to_probs
+from model import Transformer, tree_mask
+from sampling import Sampling, accept_sample, argmax, greedy_path, logits_to_probs
 
 
 @dataclass
@@ -37,44 +43,67 @@ class Seq:
     slot: int = -1  # its range's first KV slot
     t_submit: float = 0.0
     t_done: float = 0.0
+    # speculative batches: its drafter, tokens in its range, the steps its drafter has not seen, budget state
+    drafter: object = None
+    n: int = 0
+    pending: list = field(default_factory=list)
+    budgets: dict = field(default_factory=dict)  # source -> budget.Budget (budget_batch.py)
+    key: str = ""
+    b: int = 1  # its last step's size
+    accepted: list = field(default_factory=list)  # tokens each step emitted
 
 
 class BatchEngine:
     """Up to `batch` sequences at a time; waiting prompts join as running ones finish (prefill steps first)."""
 
     def __init__(self, model: Transformer, batch: int, max_seq: int, sampling: Sampling = Sampling(),
-                 prefill_rows: int = 2048):
+                 prefill_rows: int = 2048, drafters: list | None = None, budget: bool = True):
+        """drafters: one per sequence of the batch (draft_config.make_drafters), or None: autoregressive; max_seq
+        bounds prompt + new tokens + a draft's nodes; budget=False: every step verifies every whole tree."""
         if batch < 1:
             raise UsageError(f"--batch must be >= 1, got {batch}")
+        if drafters and len(drafters) != batch:
+            raise ValueError(f"{len(drafters)} drafters for a batch of {batch}")
         self.model, self.B, self.S, self.sampling, self.prefill_rows = model, batch, max_seq, sampling, prefill_rows
         self.device = model.lm_head.weight.device
         self.eos = set(model.args.eos_ids)
         model.setup_caches(1, max_seq, slots=batch * max_seq)
+        self.drafters = drafters or None
+        self.spare = 0 if not drafters else drafters[0].nodes  # slots past a sequence's tokens for its tree
+        self.fixed = not budget
+        if drafters:
+            for d in drafters:
+                d.setup(max_seq)
+            d = drafters[0]
+            self.budget = BatchBudget(d.nodes, d.budget_sizes, d.budget_start)
+            self._top = max(d.reads_top, 1)  # the target's top-k kept per accepted position (drafter.reads_top)
         self.free, self.waiting, self.running = list(range(batch)), deque(), []
         self.submitted = 0
         self.decode_fn = self.decode_step  # graphs.py may compile it (one graph per batch size)
         self.steps = {"prefill": 0, "decode": 0}
         self.rows = 0  # sequences over every decode step (occupancy = rows / (decode steps * batch))
-        self.decode_s = 0.0
+        self.decode_s, self.decode_tokens = 0.0, 0
 
     def submit(self, prompt: list[int], max_new_tokens: int, sampling: Sampling | None = None,
-               seed: int | None = None) -> int:
-        """Queue a prompt -> its index (the order of submission)."""
+               seed: int | None = None, index: int | None = None) -> int:
+        """Queue a prompt -> its index (the order of submission, or the caller's)."""
         s = sampling or self.sampling
         s.validate(self.model.args.vocab_size)
         if not prompt:
             raise UsageError(f"prompt {self.submitted} is empty")
         if max_new_tokens < 1:
             raise UsageError(f"prompt {self.submitted}: max_new_tokens must be >= 1, got {max_new_tokens}")
-        if len(prompt) + max_new_tokens > self.S:
-            raise UsageError(f"prompt {self.submitted}: {len(prompt)} tokens + {max_new_tokens} new exceed the "
-                             f"{self.S} positions a sequence has (--max-seq)")
+        if len(prompt) + max_new_tokens + self.spare > self.S:
+            raise UsageError(f"prompt {self.submitted}: {len(prompt)} tokens + {max_new_tokens} new"
+                             + (f" + {self.spare} draft nodes" if self.spare else "")
+                             + f" exceed the {self.S} positions a sequence has (--max-seq)")
         gen = None
         if not s.greedy:
             gen = torch.Generator(self.device).manual_seed(seed if seed is not None else self.submitted)
-        self.waiting.append(Seq(self.submitted, list(prompt), max_new_tokens, s, gen, t_submit=time.perf_counter()))
+        i = self.submitted if index is None else index
+        self.waiting.append(Seq(i, list(prompt), max_new_tokens, s, gen, t_submit=time.perf_counter()))
         self.submitted += 1
-        return self.submitted - 1
+        return i
 
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
@@ -87,22 +116,35 @@ class BatchEngine:
         while self.waiting and self.free and (not admit or rows + len(self.waiting[0].prompt) <= self.prefill_rows):
             s = self.waiting.popleft()
             s.slot, rows = self.free.pop(0) * self.S, rows + len(s.prompt)
+            s.drafter = self.drafters[s.slot // self.S] if self.drafters else None
             admit.append(s)
         seqs = admit or self.running
         if not seqs:
             return []
         t0 = time.perf_counter()
-        logits = self._prefill(admit) if admit else self._decode(self.running)
-        toks = self._sample(logits, seqs).tolist()  # the step's one host sync
+        if self.drafters and not admit:
+            emitted = self._spec_step(seqs)
+        else:
+            logits = self._prefill(admit) if admit else self._decode(self.running)
+            first = self._sample(logits, seqs)
+            emitted = [[t] for t in first.tolist()]  # the step's one host sync
+            for s in seqs:
+                s.n += 1 if not admit else len(s.prompt)
+            if admit and self.drafters:
+                self._start(admit, first)
         self.steps["prefill" if admit else "decode"] += 1
         if not admit:
             self.rows += len(seqs)
             self.decode_s += time.perf_counter() - t0
         self.running += admit
         done = []
-        for s, t in zip(seqs, toks):
-            s.out.append(t)
-            if t in self.eos or len(s.out) >= s.max_new:
+        for s, e in zip(seqs, emitted):
+            e = stop_at(e, s.out, s.max_new, self.eos)
+            s.out += e
+            if not admit:
+                s.accepted.append(len(e))
+                self.decode_tokens += len(e)
+            if (s.out and s.out[-1] in self.eos) or len(s.out) >= s.max_new:
                 s.t_done = time.perf_counter()
                 done.append(s)
         for s in done:
@@ -121,10 +163,23 @@ class BatchEngine:
         toks = torch.tensor([t for s in seqs for t in s.prompt], device=dev)
         pos = torch.cat([torch.arange(len(s.prompt), device=dev) for s in seqs])
         slot = torch.cat([torch.full((len(s.prompt),), s.slot, device=dev) for s in seqs])
-        _, hid, _ = self.model(toks[None], pos, mask=self._mask(pos), mask_base=slot, cache_pos=slot + pos,
-                               return_hidden=True, compute_logits=False)
+        _, hid, aux = self.model(toks[None], pos, mask=self._mask(pos), mask_base=slot, cache_pos=slot + pos,
+                                 return_hidden=True, compute_logits=False)
         last = torch.tensor([len(s.prompt) for s in seqs], device=dev).cumsum(0) - 1
-        return self.model.lm_head(hid[0, last])
+        logits = self.model.lm_head(hid[0, last])
+        self._prompt_states = (toks, hid, aux, logits) if self.drafters else None
+        return logits
+
+    def _start(self, seqs: list[Seq], first: Tensor):
+        """Each admitted sequence's drafter reads its prompt's states (and the logits of its last rows)."""
+        toks, hid, aux, logits = self._prompt_states
+        self._prompt_states, e = None, 0
+        for i, s in enumerate(seqs):
+            T, d = len(s.prompt), s.drafter
+            e += T
+            R = max(1, min(T, d.prompt_logits))
+            lg = logits[i:i + 1] if R == 1 else torch.cat([self.model.lm_head(hid[0, e - R:e - 1]), logits[i:i + 1]])
+            d.prefill(Prefill(toks[e - T:e], first[i:i + 1], lg, hid[:, e - T:e], None if aux is None else aux[:, e - T:e]))
 
     def _decode(self, seqs: list[Seq]) -> Tensor:
         # each sequence's last token at its next position (the token is not in the cache yet)
@@ -134,6 +189,106 @@ class BatchEngine:
     def decode_step(self, toks: Tensor, pos: Tensor, slot: Tensor) -> Tensor:
         """[R] tokens, positions and range starts -> [R, V] logits: static shapes per batch size, no host sync."""
         return self.model(toks[None], pos, mask=self._mask(pos), mask_base=slot, cache_pos=slot + pos)[0]
+
+    def _spec_step(self, seqs: list[Seq]) -> list[list[int]]:
+        """One verification of every sequence's tree (its size from the budget) -> each one's emitted tokens.
+        Sequences without a draft this step cost a row and a few list appends (the budget turns drafting off
+        under load: the step is then a decode step)."""
+        t0, dev = time.perf_counter(), self.device
+        sizes = [s.drafter.nodes for s in seqs] if self.fixed else \
+            self.budget.choose(seqs, lambda s: s.drafter.budget_key(s.prompt + s.out))
+        trees = {i: t for i, (s, b) in enumerate(zip(seqs, sizes)) if (t := self._draft(s, b)) is not None}
+        t1 = time.perf_counter()
+        ar = [i for i in range(len(seqs)) if i not in trees]  # one row each, first in the pass
+        host = torch.tensor([[seqs[i].out[-1], seqs[i].n, seqs[i].slot] for i in ar], dtype=torch.long).view(-1, 3)
+        toks, pos, base = host.to(dev).unbind(1)
+        mask = [self._mask(pos)]
+        for i, t in trees.items():
+            s, N = seqs[i], t.tokens.shape[0]
+            toks, pos = torch.cat([toks, t.tokens]), torch.cat([pos, s.n + t.depth])
+            base = torch.cat([base, torch.full((N,), s.slot, device=dev)])
+            mask.append(tree_mask(self.model.seq_range[:self.S], t.anc, torch.tensor(s.n, device=dev)))
+        cache = base + torch.cat([pos[:len(ar)], torch.cat([seqs[i].n + torch.arange(t.tokens.shape[0], device=dev)
+                                                            for i, t in trees.items()] or [pos[:0]])])
+        logits, hid, aux = self.model(toks[None], pos, mask=torch.cat(mask), mask_base=base, cache_pos=cache,
+                                      return_hidden=True)
+        logits = logits[0]
+        nxt = self._sample(logits[:len(ar)], [seqs[i] for i in ar])
+        pred = argmax(logits[len(ar):]).tolist() if trees else []
+        held = (hid, aux, cpu_draft.topk_rows(logits, torch.arange(len(ar)), self._top) if ar else None)
+        nxt = nxt.tolist()  # the step's one host sync (of greedy sequences)
+        t2 = time.perf_counter()
+        out = [None] * len(seqs)
+        for r, i in enumerate(ar):  # what its drafter will read when it catches up: views into the step's tensors
+            s = seqs[i]
+            s.pending.append((held, r, s.out[-1], nxt[r], s.n))
+            out[i], s.n, s.b = [nxt[r]], s.n + 1, 1
+        r = len(ar)
+        for i, t in trees.items():
+            s, N, b = seqs[i], t.tokens.shape[0], sizes[i]
+            if s.sampling.greedy:
+                path, L, bonus = greedy_path(t, pred[r - len(ar):r - len(ar) + N])
+            else:
+                p, Lt, bt = accept_sample(t, logits_to_probs(logits[r:r + N], s.sampling))
+                L, bonus, path = int(Lt), int(bt), p.tolist()
+            self.model.compact_kv([s.slot + s.n + j for j in path[:L]], s.slot + s.n)  # the path's KV to n .. n + L - 1
+            tl = t.tokens.tolist()
+            if not self.fixed:
+                self.budget.observe_seq(s, b, path[:L])
+            a = Accepted(t, torch.tensor(path, device=dev), torch.tensor(L), torch.tensor(bonus), logits[r:r + N],
+                         hid[:, r:r + N], None if aux is None else aux[:, r:r + N], torch.tensor(s.n))
+            s.pending.append(self._kept(a, s.drafter))
+            out[i], s.n, s.b = [tl[j] for j in path[1:L]] + [bonus], s.n + L, N
+            r += N
+        if not self.fixed:
+            self.budget.observe(r, t2 - t1, sum(len(e) for e in out), time.perf_counter() - t0)
+        return out
+
+    def _draft(self, s: Seq, b: int) -> Tree | None:
+        """s's tree of b nodes, or None for no draft (b = 1); its drafter first catches up with the steps it has not
+        seen (only to draft, or once HELD are waiting: one update over many steps costs about what one does)."""
+        if b == 1 and len(s.pending) < self.HELD:
+            return None
+        t0, d = time.perf_counter(), s.drafter
+        if s.pending:
+            steps, run = [], []  # runs of steps without a draft become one chain each
+            for x in s.pending + [None]:
+                if isinstance(x, tuple):
+                    run.append(x)
+                    continue
+                if run:
+                    steps.append(self._held(run))
+                    run = []
+                if x is not None:
+                    steps.append(x)
+            s.pending = []
+            d.update(steps[0] if len(steps) == 1 else chained(steps, states=d.reads_states, top=self._top))
+        tree = d.draft(torch.tensor([s.out[-1]], device=self.device), torch.tensor(s.n, device=self.device), b) \
+            if b > 1 else None
+        if not self.fixed:
+            self.budget.observe_draft(s.key, b, time.perf_counter() - t0 - d.setup_paid())
+        if d.start_rate:  # what a set-up costs per waiting token, as measured: every sequence's drafter prices it
+            for x in self.drafters:
+                x.start_rate = d.start_rate
+        return tree
+
+    HELD = 512  # steps a sequence's drafter may fall behind (their states: 512 x 4.6 KB a row of the passes)
+
+    def _held(self, run: list[tuple]) -> Accepted:
+        """Consecutive steps without a draft, from what _spec_step kept of them, as one accepted chain."""
+        (hid, aux, _), _, _, _, n = run[0]
+        toks = torch.tensor([x[2] for x in run], device=hid.device)
+        cat = lambda j: torch.cat([x[0][j][:, x[1]:x[1] + 1] for x in run], 1)
+        K = len(run)
+        return Accepted(chain_tree(toks), torch.arange(K, device=hid.device), torch.tensor(K), torch.tensor(run[-1][3]),
+                        hid.new_zeros(0, 0), cat(0), None if aux is None else cat(1),
+                        torch.tensor(n), torch.cat([x[0][2][x[1]:x[1] + 1] for x in run]))
+
+    def _kept(self, a: Accepted, d) -> Accepted:
+        """a as the drafter will read it, steps later: the target's top-k on the path instead of its logits, and its
+        own copies of the states (not views that keep a whole pass's tensors alive)."""
+        return dataclasses.replace(a, logits=a.logits[:0], top=cpu_draft.topk_rows(a.logits, a.path, self._top),
+                                   hidden=a.hidden.clone(), aux=None if a.aux is None else a.aux.clone())
 
     def _sample(self, logits: Tensor, seqs: list[Seq]) -> Tensor:
         out = argmax(logits)
@@ -182,43 +337,56 @@ def read_prompts(path: str) -> list[dict]:
     return out
 
 
-def run_prompts(model: Transformer, tok, args, sampling: Sampling) -> int:
+def run_prompts(model: Transformer, tok, args, sampling: Sampling, draft=None) -> int:
     """generate.py --prompts FILE --batch N: one JSON line per prompt as it finishes (--ordered: in input order),
-    then a summary on stderr (--json: also as the last stdout line)."""
+    then a summary on stderr (--json: also as the last stdout line). draft: the drafting flags' DraftConfig; a
+    prompt too long for the model gets a line with "error" and the others run."""
     items = read_prompts(args.prompts)
     chat = not args.raw and tok.chat_template is not None
     ids = [tok.encode_chat([{"role": "user", "content": it["prompt"]}]) if chat else tok.encode(it["prompt"])
            for it in items]
     news = [it.get("max_new_tokens", args.max_new_tokens) for it in items]
-    limit = model.args.max_position_embeddings
-    for i, (p, n) in enumerate(zip(ids, news)):
-        if n < 1 or len(p) + n > limit:
-            raise UsageError(f"prompt {i}: {len(p)} tokens + {n} new tokens must be 1 to {limit} positions")
-    S = -(-max(len(p) + n for p, n in zip(ids, news)) // 16) * 16  # every sequence's range fits the longest
-    eng = BatchEngine(model, args.batch, min(S, limit), sampling)
-    for i, (it, p, n) in enumerate(zip(items, ids, news)):
+    if bad := [i for i, n in enumerate(news) if n < 1]:
+        raise UsageError(f"prompt {bad[0]}: max_new_tokens must be >= 1, got {news[bad[0]]}")
+    drafters = make_drafters(draft, model, args.batch, sampling, tok) if draft is not None else []
+    spare, limit = (drafters[0].nodes if drafters else 0), model.args.max_position_embeddings
+    errors = {i: f"{len(p)} prompt tokens + {n} new" + (f" + {spare} draft nodes" if spare else "")
+              + f" exceed the model's {limit} positions" for i, (p, n) in enumerate(zip(ids, news))
+              if len(p) + n + spare > limit}
+    ok = [i for i in range(len(items)) if i not in errors]
+    S = -(-max([len(ids[i]) + news[i] + spare for i in ok] or [1]) // 16) * 16  # every range fits the longest
+    eng = BatchEngine(model, args.batch, min(S, limit), sampling, drafters=drafters, budget=args.budget == "auto")
+    for i in ok:
+        it = items[i]
         s = Sampling(float(it["temperature"]), sampling.top_k, sampling.top_p) if "temperature" in it else sampling
-        eng.submit(p, n, s, it.get("seed", args.seed + i))
-    t0, pending, next_out, total = time.perf_counter(), {}, 0, 0
-    while eng.busy():
+        eng.submit(ids[i], news[i], s, it.get("seed", args.seed + i), index=i)
+    t0, total, next_out = time.perf_counter(), 0, 0
+    pending = {i: dict(index=i, error=e) for i, e in errors.items()}
+    while True:
+        for i in sorted(pending) if not args.ordered else []:
+            print(json.dumps(pending.pop(i)), flush=True)
+        while args.ordered and next_out in pending:
+            print(json.dumps(pending.pop(next_out)), flush=True)
+            next_out += 1
+        if not eng.busy():
+            break
         for s in eng.step():
             total += len(s.out)
             pending[s.index] = dict(index=s.index, text=tok.decode([t for t in s.out if t not in eng.eos]),
-                                    new_tokens=len(s.out), mean_accepted_length=1.0,
+                                    new_tokens=len(s.out), mean_accepted_length=round(
+                                        sum(s.accepted) / max(len(s.accepted), 1), 3),
                                     seconds=round(s.t_done - s.t_submit, 4))
-            for i in sorted(pending) if not args.ordered else []:
-                print(json.dumps(pending.pop(i)), flush=True)
-            while args.ordered and next_out in pending:
-                print(json.dumps(pending.pop(next_out)), flush=True)
-                next_out += 1
     dt = time.perf_counter() - t0
     dec = eng.steps["decode"]
+    share = (eng.budget.stats() if drafters and not eng.fixed else
+             dict(speculated_share=1.0 if drafters else 0.0, speculated_share_by_batch={}))
     summary = dict(prompts=len(items), batch=args.batch, new_tokens=total, tokens_per_s=round(total / dt, 2),
-                   decode_tokens_per_s=round(eng.rows / max(eng.decode_s, 1e-9), 2), decode_steps=dec,
-                   prefill_steps=eng.steps["prefill"],
-                   occupancy=round(eng.rows / max(dec * args.batch, 1), 3), speculated_share=0.0)
+                   decode_tokens_per_s=round(eng.decode_tokens / max(eng.decode_s, 1e-9), 2), decode_steps=dec,
+                   prefill_steps=eng.steps["prefill"], occupancy=round(eng.rows / max(dec * args.batch, 1), 3),
+                   errors=len(errors), **share)
     print(f"[{len(items)} prompts, batch {args.batch}: {total} new tokens, {summary['tokens_per_s']:.2f} tok/s, "
-          f"occupancy {summary['occupancy']:.0%}, speculated on 0% of steps]", file=sys.stderr)
+          f"occupancy {summary['occupancy']:.0%}, speculated on {summary['speculated_share']:.0%} of sequence-steps"
+          + (f", {len(errors)} prompts too long" if errors else "") + "]", file=sys.stderr)
     if args.json:
         print(json.dumps(summary))
     return 0

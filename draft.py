@@ -70,14 +70,20 @@ def chained(steps: list[Accepted], states: bool = True, top: int = 0) -> Accepte
     idx = [slice(0, len(p)) if p.tolist() == list(range(len(p))) else p for p in rows]
     toks = torch.cat([a.tree.tokens[i] for a, i in zip(steps, idx)])  # [K] each step's root and accepted nodes
     a0, K = steps[0], toks.shape[0]
-    tops = None if not top else torch.cat([a.top[i] if a.top is not None else cpu_draft.topk_rows(a.logits, r, top)
-                                           for a, i, r in zip(steps, idx, rows)])
+    tops = None if not top else torch.cat([a.top[:len(r)] if a.top is not None  # (rows per path position)
+                                           else cpu_draft.topk_rows(a.logits, r, top) for a, r in zip(steps, rows)])
     logits = torch.cat([a.logits[i] for a, i in zip(steps, idx)]) if states and not top else a0.logits[:0]
     hidden = torch.cat([a.hidden[:, i] for a, i in zip(steps, idx)], 1) if states else a0.hidden[:, :0]
     aux = None if a0.aux is None else (torch.cat([a.aux[:, i] for a, i in zip(steps, idx)], 1) if states
                                        else a0.aux[:, :0])
     return Accepted(chain_tree(toks), torch.arange(K, device=toks.device), torch.full_like(a0.L, K), steps[-1].bonus,
                     logits, hidden, aux, a0.n, tops)
+
+
+def stop_at(emitted: list[int], out: list[int], max_new: int, eos: set) -> list[int]:
+    """The emitted tokens up to the token budget and through the first eos, as autoregressive decoding."""
+    emitted = emitted[:max(max_new - len(out), 0)]
+    return emitted[:next((i + 1 for i, t in enumerate(emitted) if t in eos), len(emitted))]
 
 
 # pytrees: they pass whole through torch.compile'd and CUDA-graphed steps

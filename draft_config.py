@@ -201,6 +201,22 @@ def make_drafter(c: DraftConfig, target: Transformer, sampling: Sampling | None 
     return ModelDrafter(dm, vocab, k, sampling)
 
 
+def make_drafters(c: DraftConfig, target: Transformer, n: int, sampling: Sampling | None = None,
+                  tokenizer: Tokenizer | None = None) -> list:
+    """n drafters as make_drafter builds them, each with its own state (a batch's sequences: batch.py), an EAGLE
+    head loaded once and shared by its twins; [] for "none". A draft model drafts at batch 1 only."""
+    if c.draft in ("none", "ngram"):
+        d = make_drafter(c, target, sampling, tokenizer)
+        return [] if d is None else [d] + [make_drafter(c, target, sampling, tokenizer) for _ in range(n - 1)]
+    path = resolve_checkpoint(c.draft, patterns=DRAFT_PATTERNS)
+    if detect_draft_kind(path) != "eagle":
+        raise ValueError("batched decoding drafts with EAGLE heads and prompt lookup; a draft model (--draft "
+                         f"{c.draft}) drafts one prompt at a time")
+    w = target.lm_head.weight
+    head = load_eagle(path, target, w.dtype, w.device)
+    return [make_drafter(c, target, sampling, tokenizer, head=head if i == 0 else head.twin()) for i in range(n)]
+
+
 def lookup(c: DraftConfig) -> NgramDrafter:
     """Prompt lookup as c configures it, alone or as the hybrid's chain (k: spec_k, else 10)."""
     return NgramDrafter(10 if c.spec_k is None else c.spec_k, c.ngram_min, c.ngram_max, static=c.static,

@@ -83,7 +83,8 @@ class VocabDrafter(Drafter):
             m.add_(torch.stack([hits, a.L.long(), act, torch.zeros_like(act), torch.ones_like(act)]))
             m[3:4].copy_(torch.maximum(m[3:4], act.view(1)))
         ver = (a.top if a.top is not None and a.top.shape[1] == vocab.k_ver   # [D+1, k_ver]
-               else cpu_draft.topk_rows(a.logits, a.path, vocab.k_ver))
+               else cpu_draft.topk_rows(a.logits, a.path, vocab.k_ver) if vocab.k_ver
+               else a.path.new_zeros(a.path.shape[0], 0))  # (a static vocabulary appends nothing)
         drows, dvalid = self.rows_of(a.tree.tokens)
         vrows, vvalid = self.rows_of(ver)
         dvalid, vvalid = dvalid & a.tree.valid, vvalid & on_path[:, None]

@@ -127,6 +127,19 @@ class EagleHead(nn.Module):
     def lm_weight(self) -> Tensor:
         return self.lm_head.weight if self.c.version == 3 else self.target_lm_head.weight
 
+    def twin(self) -> "EagleHead":
+        """A head with these weights (the same tensors, packed copies and C pass) and caches of its own: each
+        sequence of a batch drafts with one (batch.py)."""
+        with torch.device("meta"):
+            t = EagleHead(self.c)
+        t.load_state_dict(self.state_dict(keep_vars=True), assign=True, strict=True)
+        for m, mt in zip(self.modules(), t.modules()):
+            if "packed" in m._buffers:
+                mt.packed = m.packed
+        for k in ("embed_tokens", "target_lm_head", "cpu_pass", "fill_path"):
+            object.__setattr__(t, k, getattr(self, k, None))
+        return t.eval()
+
 
 def read_keys(path: Path) -> tuple[dict, Path]:
     """{name: shape} of a head's weights (model.safetensors or pytorch_model.bin), names without 'model.'."""

@@ -19,7 +19,7 @@ import graphs
 from budget import StepBudget
 from budget_memory import BudgetMemory, pass_costs
 from download import CheckpointError, resolve_checkpoint
-from draft import Accepted, Prefill, Tree, chain_tree
+from draft import Accepted, Prefill, Tree, chain_tree, stop_at
 from errors import UsageError
 from exact import PassRows, Planner
 from model import ModelError, Transformer, causal_recent, load_model, tree_mask, tree_recent
@@ -236,12 +236,6 @@ class Engine:
         return self._draft(a.bonus.view(1), a.n + a.L, b, fit, clock)
 
 
-def stop_at(emitted: list[int], out: list[int], max_new: int, eos: set) -> list[int]:
-    """The emitted tokens up to the token budget and through the first eos, as autoregressive decoding."""
-    emitted = emitted[:max(max_new - len(out), 0)]
-    return emitted[:next((i + 1 for i, t in enumerate(emitted) if t in eos), len(emitted))]
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="NanoSpec engine: generate text with speculative decoding")
     p.add_argument("--checkpoint", default=None, help="HF folder or hub id (default: embedded SmolLM2-135M-Instruct)")
@@ -338,16 +332,17 @@ def run(args) -> int:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.prompts is None and (args.batch is not None or args.ordered):
         raise UsageError("--batch and --ordered go with --prompts FILE")
-    drafting = args.given or args.draft not in (None, "none") or args.vocab or args.ngram or args.vocab_ablation
-    if args.prompts is not None and (args.chat or args.prompt is not None or drafting or args.compile):
-        raise UsageError("--prompts decodes its batch autoregressively: drop --chat, --prompt, --compile and the "
-                         "drafting flags")
+    if args.prompts is not None and (args.chat or args.prompt is not None or args.compile):
+        raise UsageError("--prompts decodes its own prompts, eagerly: drop --chat, --prompt and --compile")
     model, tok, _ = load_target(args.checkpoint, args.device, args.dtype)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     if args.prompts is not None:
+        if args.exact and model.cpu_pass is None:
+            raise UsageError("--exact batches need the fused CPU pass (bf16 on a CPU with AVX2): without it a "
+                             "sequence's output can differ from its batch-1 output at near ties")
         sampling.validate(model.args.vocab_size)
         args.batch = 8 if args.batch is None else args.batch
-        return batch.run_prompts(model, tok, args, sampling)
+        return batch.run_prompts(model, tok, args, sampling, dc.from_flags(args, DEFAULT_HEAD))
     exact = args.exact if args.exact is not None else (None if model.cpu_pass is not None else False)
     engine = build_engine(model, tok, dc.from_flags(args, DEFAULT_HEAD), sampling, compile=args.compile,
                           max_seq=args.max_seq, exact=exact, budget=args.budget == "auto", budget_cache=True)

@@ -112,7 +112,11 @@ def accept_greedy(tree, logits: Tensor):
 
 def accept_greedy_host(tree, logits: Tensor) -> tuple[list[int], int, int]:
     """accept_greedy's values, padding and ties from host lists, for eager CPU steps (its ops cost 0.1 ms a step)."""
-    pred = argmax(logits).tolist()
+    return greedy_path(tree, argmax(logits).tolist())
+
+
+def greedy_path(tree, pred: list[int]) -> tuple[list[int], int, int]:
+    """accept_greedy_host's (path padded, L, bonus) from the target's choice after each node, pred [N]."""
     toks, par, dep, val = tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist(), tree.valid.tolist()
     ok, best = [True] + [False] * (len(toks) - 1), 0
     for i in range(1, len(toks)):

@@ -1,6 +1,8 @@
 """Batched decoding: every sequence of a batch is its batch-1 output (bit for bit through the fused CPU pass, and
-on the PyTorch layers), continuous batching (prompts join as others finish), per-sequence sampling streams, the
-decode step traced whole, bad input as one-line errors."""
+on the PyTorch layers), with or without per-sequence drafting (prompt lookup, EAGLE-3 + NanoSpec, both merged;
+every tree verified, or the load-aware budget), continuous batching (prompts join as others finish), per-sequence
+sampling streams, speculative sampling exact in distribution, the decode step traced whole, bad input as one-line
+errors."""
 import json
 
 import pytest
@@ -10,10 +12,11 @@ import cpu_forward
 import cpu_gemm
 import model as M
 from batch import BatchEngine
-from conftest import one_line_error, write_tiny_hf
+import draft_config as dc
+from conftest import one_line_error, write_eagle_head, write_tiny_hf
 from errors import UsageError
 from generate import Engine, main
-from sampling import Sampling
+from sampling import Sampling, logits_to_probs
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [40], [7, 7, 7, 7, 8], list(range(20, 60)),
            [3, 4], [100, 90, 80, 70]]
@@ -57,6 +60,98 @@ def test_every_sequence_is_its_batch1_output(target, monkeypatch, fused, max_seq
     assert any(len(r) < 24 for r in ref) and any(len(r) == 24 for r in ref)  # eos and budget endings both seen
     assert eng.steps["prefill"] >= 3  # waiting prompts joined between decode steps
     assert eng.rows > eng.steps["decode"]  # decode steps carried several sequences
+
+
+def drafting(kind: str, target, tmp_path) -> dc.DraftConfig:
+    """prompt lookup, an EAGLE-3 head with NanoSpec, or both merged (the default model's configuration)."""
+    if kind == "ngram":
+        return dc.DraftConfig("ngram", spec_k=4)
+    head = tmp_path / "head"
+    if not head.is_dir():
+        write_eagle_head(head, json.loads((target / "config.json").read_text()), version=3, seed=1)
+    return dc.DraftConfig(str(head), "nanospec", 4, 3, 10, spec_k=4, w_max=64, ngram=kind == "hybrid")
+
+
+@pytest.mark.parametrize("kind,budget", [("ngram", False), ("eagle", False), ("hybrid", False), ("hybrid", True)])
+def test_speculative_sequences_are_their_batch1_output(target, tmp_path, monkeypatch, kind, budget):
+    """Each sequence drafts with its own drafter (its own head cache, NanoSpec window, lookup index), one pass
+    verifies every tree: batch 3 over 7 prompts (ending at eos or their budget, joining as others finish), every
+    output equal to the autoregressive batch-1 output. With the budget, trees of any size or none, per sequence."""
+    if cpu_forward.kernel() is None:
+        pytest.skip("needs x86-64 with AVX2+FMA and a C compiler")
+    m = load(target, True, monkeypatch)
+    ref = batch1(m, PROMPTS, 24)
+    ds = dc.make_drafters(drafting(kind, target, tmp_path), m, 3)
+    assert len({id(d) for d in ds}) == 3
+    eng = BatchEngine(m, batch=3, max_seq=128, drafters=ds, budget=budget)
+    got = eng.generate_batch(PROMPTS, 24)
+    assert got == ref
+    assert any(len(r) < 24 for r in ref) and eng.steps["prefill"] >= 3
+    if not budget:  # every step verified every tree: drafts were accepted
+        assert eng.decode_tokens > eng.rows
+    else:
+        assert 0 < eng.budget.stats()["speculated_share"] < 1, eng.budget.stats()
+
+
+def test_a_prompt_that_fills_its_range_and_a_batch_of_one(target, tmp_path, monkeypatch):
+    """A sequence whose prompt, new tokens and tree fill its range exactly, in a batch of one, and a prompt one
+    token longer refused before it runs."""
+    if cpu_forward.kernel() is None:
+        pytest.skip("needs x86-64 with AVX2+FMA and a C compiler")
+    m = load(target, True, monkeypatch)
+    ds = dc.make_drafters(drafting("hybrid", target, tmp_path), m, 1)
+    spare = ds[0].nodes
+    p = PROMPTS[4] + PROMPTS[1]
+    eng = BatchEngine(m, batch=1, max_seq=len(p) + 20 + spare, drafters=ds, budget=False)
+    assert eng.generate_batch([p], 20) == batch1(m, [p], 20)
+    with pytest.raises(UsageError, match="draft nodes exceed"):
+        eng.submit(p + [1], 20)
+
+
+def test_speculative_batch_sampling_is_exact(tmp_path, monkeypatch):
+    """Sampled sequences in a speculative batch (each its own drafter; tokens 2 and 3 from its first tree): the
+    joint law of tokens 2 and 3 over 1,500 sequences equals the target's (chi-square, cells under 5 pooled,
+    p > 1e-4), as test_generate's test does for one sequence at a time."""
+    from test_generate import _chi2_sf
+    V = 12
+    path, _ = write_tiny_hf(tmp_path / "t", vocab_size=V, seed=3)
+    m = M.load_model(path, dtype=torch.float32)
+    m.args.eos_ids = []
+    write_eagle_head(tmp_path / "h", json.loads((path / "config.json").read_text()), version=3, seed=1)
+    samp, prompt = Sampling(1.0), [1, 4, 7]
+    ds = dc.make_drafters(dc.DraftConfig(str(tmp_path / "h"), "full", 3, 2, 6, ngram=False), m, 8, samp)
+    eng = BatchEngine(m, batch=8, max_seq=16, sampling=samp, drafters=ds, budget=False)
+    n = 1500
+    torch.manual_seed(0)
+    for i in range(n):
+        eng.submit(prompt, 3, seed=i)
+    counts = torch.zeros(V * V, dtype=torch.float64)
+    while eng.busy():
+        for s in eng.step():
+            counts[s.out[1] * V + s.out[2]] += 1
+    T = len(prompt)
+    m.setup_caches(V * V, T + 2)
+    seqs = torch.tensor([[*prompt, a, b] for a in range(V) for b in range(V)])
+    with torch.no_grad():
+        probs = logits_to_probs(m(seqs, torch.arange(T + 2)), samp).double()
+    joint = (probs[0, T - 1][:, None, None] * probs[::V, T][:, :, None] * probs[:, T + 1].view(V, V, V)).sum(0)
+    exp = joint.flatten() * n
+    big = exp >= 5
+    obs_c = torch.cat([counts[big], counts[~big].sum().view(1)])
+    exp_c = torch.cat([exp[big], exp[~big].sum().view(1)])
+    keep = exp_c > 0
+    stat = float(((obs_c[keep] - exp_c[keep]) ** 2 / exp_c[keep]).sum())
+    assert _chi2_sf(stat, int(keep.sum()) - 1) > 1e-4, stat
+    assert eng.decode_tokens > eng.rows  # the trees were verified and drafts accepted
+
+
+def test_batch_sampler_catches_a_biased_acceptance(tmp_path, monkeypatch):
+    """Guard for the test above: a wrong acceptance rule (the first child always accepted) fails it."""
+    import batch
+    from test_generate import accept_sample_biased
+    monkeypatch.setattr(batch, "accept_sample", accept_sample_biased)
+    with pytest.raises(AssertionError):
+        test_speculative_batch_sampling_is_exact(tmp_path, monkeypatch)
 
 
 def test_streaming_submit_and_step(target, monkeypatch):
@@ -151,8 +246,8 @@ def test_cli_prompts_file(target, tmp_path, monkeypatch, capsys):
     ('{"prompt": "x", "max_new_tokens": "9"}\n', [], ["line 1", "max_new_tokens"]),
     ("\n\n", [], ["no prompt"]),
     ("x\n", ["--batch", "0"], ["--batch"]),
-    ("x\n", ["--draft", "ngram"], ["--prompts", "drafting"]),
-    ("x\n", ["--max-new-tokens", "600"], ["prompt 0", "positions"]),
+    ("x\n", ["--compile"], ["--prompts", "--compile"]),
+    ("x\n", ["--draft", "DRAFT_MODEL"], ["draft model", "one prompt at a time"]),
     (None, [], ["cannot read"]),
 ])
 def test_cli_bad_prompts(target, tmp_path, monkeypatch, capsys, content, flags, words):
@@ -160,8 +255,22 @@ def test_cli_bad_prompts(target, tmp_path, monkeypatch, capsys, content, flags, 
     f = tmp_path / "p.txt"
     if content is not None:
         f.write_text(content)
+    flags = [str(target) if x == "DRAFT_MODEL" else x for x in flags]  # the target is a causal LM folder too
     rc = main(["--checkpoint", str(target), "--prompts", str(f), "--raw", "--dtype", "float32"] + flags)
     one_line_error(capsys, rc, *words)
+
+
+def test_cli_too_long_prompt_errors_alone(target, tmp_path, monkeypatch, capsys):
+    """A prompt too long for the model gets its own line with "error"; the others decode; exit code 0."""
+    monkeypatch.setenv(cpu_gemm.ENV, "torch")
+    f = tmp_path / "p.txt"
+    f.write_text("short one\n" + " ".join(["word"] * 600) + "\nanother\n")
+    rc = main(["--checkpoint", str(target), "--prompts", str(f), "--raw", "--dtype", "float32", "--ordered", "--json",
+               "--max-new-tokens", "6"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert rc == 0 and [x.get("index") for x in lines[:3]] == [0, 1, 2]
+    assert "positions" in lines[1]["error"] and "text" in lines[0] and "text" in lines[2]
+    assert lines[-1]["errors"] == 1 and lines[-1]["prompts"] == 3
 
 
 def test_cli_batch_needs_prompts(capsys):

@@ -97,3 +97,27 @@ def test_flags_a_drafter_honours_still_run(tiny, capsys):
     assert dc.make_drafter(dc.DraftConfig("ngram", tree_topk=4, tree_depth=3, tree_nodes=10, spec_k=3), m).k == 3
     with pytest.raises(ValueError, match="--spec-k must be >= 1"):
         dc.DraftConfig("ngram", spec_k=0)
+
+
+def test_make_drafters_share_weights_not_state(draft_env, tmp_path):
+    """A batch's drafters: one EAGLE head loaded once, each drafter with a twin that shares its weight tensors (and
+    packed copies) but holds its own KV cache and its own NanoSpec window; prompt lookup and "none" likewise."""
+    root, path, cfg = draft_env
+    head = write_eagle_head(tmp_path / "h", cfg, version=3)
+    m = load_model(path, dtype=torch.float32)
+    ds = dc.make_drafters(dc.DraftConfig(str(head), "nanospec", 4, 3, 10, w_max=64, ngram=True), m, 3)
+    heads = [d.eagle.head for d in ds]
+    assert len({id(h) for h in heads}) == 3 and len({id(d.vocab) for d in ds}) == 3
+    for h in heads[1:]:
+        for (k, a), (_, b) in zip(heads[0].named_parameters(), h.named_parameters()):
+            assert a.data_ptr() == b.data_ptr(), k
+        assert h.embed_tokens is heads[0].embed_tokens and h.cpu_pass is heads[0].cpu_pass
+    for d in ds:
+        d.setup(32)
+    assert len({h.layer.self_attn.kv_cache.k.data_ptr() for h in heads}) == 3
+    assert len({d.vocab.ring.data_ptr() for d in ds}) == 3
+    assert len({id(d) for d in dc.make_drafters(dc.DraftConfig("ngram"), m, 2)}) == 2
+    assert dc.make_drafters(dc.DraftConfig("none"), m, 2) == []
+    dm, _ = write_tiny_hf(tmp_path / "dm", num_hidden_layers=1)
+    with pytest.raises(ValueError, match="draft model"):
+        dc.make_drafters(dc.DraftConfig(str(dm)), m, 2)
