@@ -197,21 +197,25 @@ class BatchEngine:
         t0, dev = time.perf_counter(), self.device
         sizes = [s.drafter.nodes for s in seqs] if self.fixed else \
             self.budget.choose(seqs, lambda s: s.drafter.budget_key(s.prompt + s.out))
-        trees = {i: t for i, (s, b) in enumerate(zip(seqs, sizes)) if (t := self._draft(s, b)) is not None}
-        t1 = time.perf_counter()
+        trees, cost = {}, {}  # cost: seconds a tree adds to the step besides its rows (drafting, host work)
+        for i, (s, b) in enumerate(zip(seqs, sizes)):
+            trees[i], cost[i] = self._draft(s, b)
+            if trees[i] is None:
+                del trees[i]
         ar = [i for i in range(len(seqs)) if i not in trees]  # one row each, first in the pass
         host = torch.tensor([[seqs[i].out[-1], seqs[i].n, seqs[i].slot] for i in ar], dtype=torch.long).view(-1, 3)
         toks, pos, base = host.to(dev).unbind(1)
-        mask = [self._mask(pos)]
+        mask, cache = [self._mask(pos)], [base + pos]
         for i, t in trees.items():
-            s, N = seqs[i], t.tokens.shape[0]
+            tl, s, N = time.perf_counter(), seqs[i], t.tokens.shape[0]
             toks, pos = torch.cat([toks, t.tokens]), torch.cat([pos, s.n + t.depth])
             base = torch.cat([base, torch.full((N,), s.slot, device=dev)])
             mask.append(tree_mask(self.model.seq_range[:self.S], t.anc, torch.tensor(s.n, device=dev)))
-        cache = base + torch.cat([pos[:len(ar)], torch.cat([seqs[i].n + torch.arange(t.tokens.shape[0], device=dev)
-                                                            for i, t in trees.items()] or [pos[:0]])])
-        logits, hid, aux = self.model(toks[None], pos, mask=torch.cat(mask), mask_base=base, cache_pos=cache,
-                                      return_hidden=True)
+            cache.append(s.slot + s.n + torch.arange(N, device=dev))
+            cost[i] += time.perf_counter() - tl
+        t1 = time.perf_counter()
+        logits, hid, aux = self.model(toks[None], pos, mask=torch.cat(mask), mask_base=base,
+                                      cache_pos=torch.cat(cache), return_hidden=True)
         logits = logits[0]
         nxt = self._sample(logits[:len(ar)], [seqs[i] for i in ar])
         pred = argmax(logits[len(ar):]).tolist() if trees else []
@@ -225,30 +229,33 @@ class BatchEngine:
             out[i], s.n, s.b = [nxt[r]], s.n + 1, 1
         r = len(ar)
         for i, t in trees.items():
-            s, N, b = seqs[i], t.tokens.shape[0], sizes[i]
+            tl, s, N, b = time.perf_counter(), seqs[i], t.tokens.shape[0], sizes[i]
             if s.sampling.greedy:
                 path, L, bonus = greedy_path(t, pred[r - len(ar):r - len(ar) + N])
             else:
                 p, Lt, bt = accept_sample(t, logits_to_probs(logits[r:r + N], s.sampling))
                 L, bonus, path = int(Lt), int(bt), p.tolist()
             self.model.compact_kv([s.slot + s.n + j for j in path[:L]], s.slot + s.n)  # the path's KV to n .. n + L - 1
-            tl = t.tokens.tolist()
+            toks_i = t.tokens.tolist()
             if not self.fixed:
                 self.budget.observe_seq(s, b, path[:L])
             a = Accepted(t, torch.tensor(path, device=dev), torch.tensor(L), torch.tensor(bonus), logits[r:r + N],
                          hid[:, r:r + N], None if aux is None else aux[:, r:r + N], torch.tensor(s.n))
             s.pending.append(self._kept(a, s.drafter))
-            out[i], s.n, s.b = [tl[j] for j in path[1:L]] + [bonus], s.n + L, N
+            out[i], s.n, s.b = [toks_i[j] for j in path[1:L]] + [bonus], s.n + L, N
             r += N
+            if not self.fixed:
+                self.budget.observe_draft(s.key, b, cost[i] + time.perf_counter() - tl)
         if not self.fixed:
             self.budget.observe(r, t2 - t1, sum(len(e) for e in out), time.perf_counter() - t0)
         return out
 
-    def _draft(self, s: Seq, b: int) -> Tree | None:
-        """s's tree of b nodes, or None for no draft (b = 1); its drafter first catches up with the steps it has not
-        seen (only to draft, or once HELD are waiting: one update over many steps costs about what one does)."""
+    def _draft(self, s: Seq, b: int) -> tuple[Tree | None, float]:
+        """(s's tree of b nodes, or None for no draft (b = 1); its drafter's seconds less one-time set-ups). The
+        drafter first catches up with the steps it has not seen (only to draft, or once HELD are waiting: one
+        update over many steps costs about what one does)."""
         if b == 1 and len(s.pending) < self.HELD:
-            return None
+            return None, 0.0
         t0, d = time.perf_counter(), s.drafter
         if s.pending:
             steps, run = [], []  # runs of steps without a draft become one chain each
@@ -265,12 +272,13 @@ class BatchEngine:
             d.update(steps[0] if len(steps) == 1 else chained(steps, states=d.reads_states, top=self._top))
         tree = d.draft(torch.tensor([s.out[-1]], device=self.device), torch.tensor(s.n, device=self.device), b) \
             if b > 1 else None
-        if not self.fixed:
-            self.budget.observe_draft(s.key, b, time.perf_counter() - t0 - d.setup_paid())
+        seconds = time.perf_counter() - t0 - d.setup_paid()
+        if tree is None and not self.fixed:
+            self.budget.observe_draft(s.key, 1, seconds)
         if d.start_rate:  # what a set-up costs per waiting token, as measured: every sequence's drafter prices it
             for x in self.drafters:
                 x.start_rate = d.start_rate
-        return tree
+        return tree, seconds
 
     HELD = 512  # steps a sequence's drafter may fall behind (their states: 512 x 4.6 KB a row of the passes)
 

@@ -7,13 +7,13 @@ drafting. With λ the batch's tokens per second, a sequence takes the size b tha
 (Dinkelbach's rule for a ratio: at λ the current rate, a size pays iff it raises the batch's rate). At batch 1 this
 is budget.py's choice. When the pass turns compute-bound, extra rows cost what they verify and trees lose, so
 speculation turns itself off; as the batch thins it comes back. E_i is the sequence's own acceptance per node rank
-and per source (budget.Budget) once it has its own evidence, until then every sequence's (a new sequence's
-untried ranks would count as likely as not: with a few sources each, exploring had cost more than it found); P,
+and per source (budget.Budget), started from every sequence's (a new sequence's untried ranks would count as
+likely as not: with a few sources each, exploring had cost more than it found); P,
 draft and λ are running means of what every step measured.
 
-The model can be wrong (noisy costs, acceptance that drifts), so the batch also measures what it gets: per batch
-size group it runs steps with drafting off and steps with the rule above, keeps the faster, and retries the other
-in short runs, less often each time it loses (as budget.py's probes). λ is the faster one's rate.
+λ is the larger of the measured rate and drafting off's, n / P(n): a rate held down by drafting that does not pay
+must not make drafting look cheap. A sequence's drafting cost holds everything its tree adds to a step: its
+drafter's catch-up and draft, and the host work of its acceptance.
 """
 from budget import Budget
 
@@ -78,48 +78,26 @@ class BatchBudget:
         self.pass_s, self.draft_s = PassCosts(decay), {}  # draft_s: (source, size) -> a sequence's seconds
         self.by_batch = {}  # sequences in the step -> [sequence-steps, of them speculative]
         self.common = {}  # source -> Budget: every sequence's acceptance
-        self.groups = {}  # batch size group -> its modes' rates and schedule (_mode)
-        self.mode = self.group = None  # the current step's
-
-    RUN, GAP, MAX_GAP = 4, 32, 512  # a retry's steps; steps between retries, doubling while they lose
-
-    def _mode(self, n: int) -> str:
-        """'ar' (no drafts) or 'spec' for a step of n sequences."""
-        g = self.groups.setdefault(n.bit_length(), dict(rate={}, run=0, run_mode=None, gap=self.GAP, due=0, steps=0))
-        g["steps"] += 1
-        if g["run"] == 0:
-            if g["run_mode"] is not None:  # a retry ended: it keeps the lead, or waits twice as long
-                won = g["rate"][g["run_mode"]] >= max(g["rate"].values())
-                g["gap"], g["run_mode"] = self.GAP if won else min(2 * g["gap"], self.MAX_GAP), None
-            new = [m for m in ("ar", "spec") if m not in g["rate"]]
-            if new or g["steps"] >= g["due"]:
-                best = max(g["rate"], key=g["rate"].get) if g["rate"] else None
-                g["run_mode"] = new[0] if new else ("spec" if best == "ar" else "ar")
-                g["run"], g["due"] = self.RUN, g["steps"] + self.RUN + g["gap"]
-        if g["run"]:
-            g["run"] -= 1
-            return g["run_mode"]
-        return max(g["rate"], key=g["rate"].get)
+        self.tokens = self.seconds = 0.0  # running sums of steps: the measured rate is their ratio
 
     @property
     def rate(self) -> float | None:
-        """λ: the batch's tokens per second in its current group, the faster mode's."""
-        r = self.groups.get(self.group, {}).get("rate")
-        return max(r.values()) if r else None
+        return self.tokens / self.seconds if self.seconds else None
 
     def _new(self, key: str) -> Budget:
         sizes = self.sizes_of(key) if self.sizes_of else None
         return Budget(self.nodes, sizes=sizes, start=self.start_of(key) if self.start_of else None, decay=self.decay)
 
-    OWN = 3.0  # decayed trials of a sequence's first rank past which its own acceptance counts
+    OWN = 3.0  # decayed trials of a source's first rank past which every sequence's acceptance counts
 
     def budget(self, seq) -> Budget:
-        """The acceptance the sequence's choice reads: its own, or every sequence's while it has little."""
+        """The acceptance the sequence's choice reads: its own, started from every sequence's worth one step
+        (sources differ by text: a summary copies what a story never does)."""
         own = seq.budgets.get(seq.key)
-        if (own is None or own.trials[1] < self.OWN) and seq.key in self.common:
-            return self.common[seq.key]
         if own is None:
             own = seq.budgets[seq.key] = self._new(seq.key)
+            if seq.key in self.common:
+                own.carry(self.common[seq.key], weight=1.0)
         return own
 
     def observe_seq(self, seq, b: int, accepted: list[int]):
@@ -140,19 +118,19 @@ class BatchBudget:
         """Each sequence's size for the next step (its .b holds the last one; key_of(seq): its source now, set as
         seq.key where drafting is on). A source no sequence has evidence on yet is tried by one sequence a step at
         its start size (the whole tree), after a first step without drafts has measured the batch's rate."""
-        self.group, self.mode = len(seqs).bit_length(), self._mode(len(seqs))
-        rows, tried = sum(s.b for s in seqs), set()
-        out = [1] * len(seqs) if self.mode == "ar" else []
-        for s in seqs if self.mode == "spec" else ():
+        n = len(seqs)
+        rows, tried, out = sum(s.b for s in seqs), set(), []
+        lam = max(self.rate or 0.0, n / self.pass_s(n) if self.pass_s(n) else 0.0)
+        for s in seqs:
             s.key = key_of(s)
             c = self.common.get(s.key)
             if c is None or c.trials[1] < self.OWN:
-                b = 1 if self.rate is None or s.key in tried else self._new(s.key).start
+                b = 1 if not lam or s.key in tried else self._new(s.key).start
                 tried.add(s.key)
             else:
                 bud, others, setup = self.budget(s), rows - s.b, s.drafter.budget_setup
                 base = self.pass_s(others + 1) + self.draft(s.key, 1)
-                b = max(bud.sizes, key=lambda x: bud.tokens(x) - self.rate * (  # a set-up (a lazy head's start) too
+                b = max(bud.sizes, key=lambda x: bud.tokens(x) - lam * (  # a set-up (a lazy head's start) too
                     self.pass_s(others + x) + self.draft(s.key, x) - base + (setup(s.key, x) if x > 1 else 0.0)))
             out.append(b)
         n, spec = len(seqs), sum(b > 1 for b in out)
@@ -163,8 +141,8 @@ class BatchBudget:
     def observe(self, rows: int, pass_s: float, tokens: int, step_s: float):
         """A step: rows verified in pass_s seconds, tokens emitted in step_s seconds all told."""
         self.pass_s.observe(rows, pass_s)
-        r, rates = tokens / max(step_s, 1e-9), self.groups[self.group]["rate"]
-        rates[self.mode] = r if self.mode not in rates else self.decay * rates[self.mode] + (1 - self.decay) * r
+        self.tokens = self.decay * self.tokens + tokens
+        self.seconds = self.decay * self.seconds + step_s
 
     def observe_draft(self, key: str, b: int, seconds: float):
         """A sequence's drafting (its updates and its draft) for a step of size b."""

@@ -1,4 +1,7 @@
-"""bench_batch.py: the table's rows (the one-at-a-time baseline first, then each batch size) on a tiny model."""
+"""bench_batch.py: the table (the one-at-a-time baseline, then each batch size: AR, auto, forced), the figure and
+the JSON on a tiny model (prompt lookup as its drafter), every configuration's tokens equal to AR's."""
+import json
+
 import bench_batch
 from conftest import write_tiny_hf
 
@@ -6,9 +9,16 @@ from conftest import write_tiny_hf
 def test_table(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("NANOSPEC_CPU_GEMM", "torch")
     path, _ = write_tiny_hf(tmp_path / "t", vocab_size=300)
-    assert bench_batch.main(["--checkpoint", str(path), "--prompts", "3", "--max-new-tokens", "4", "--batches", "1,2",
-                             "--rounds", "1"]) == 0
-    rows = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| ") and "---" not in x][1:]
-    assert [r.split(" | ")[0] for r in rows] == ["| engine, one at a time", "| BatchEngine, batch 1",
-                                                 "| BatchEngine, batch 2"]
-    assert rows[0].endswith("| 1.00x |") and all(float(r.split(" | ")[1]) > 0 for r in rows)
+    png, js, q = tmp_path / "b.png", tmp_path / "b.json", tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps({"turns": [t], "category": c}) + "\n"
+                         for t, c in [("a b a b", "qa"), ("c d", "writing"), ("e f e", "qa")]))
+    assert bench_batch.main(["--checkpoint", str(path), "--questions", str(q), "--max-new-tokens", "6", "--batches", "1,2", "--rounds", "1",
+                             "--forced-max", "1", "--hf", "2", "--png", str(png), "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    rows = [x for x in out.splitlines() if x.startswith("| ") and "---" not in x][1:]
+    assert [r.split(" | ")[0] for r in rows] == ["| one at a time (engine, batch 1)", "| 1", "| 2"]
+    cells = rows[2].split(" | ")
+    assert float(cells[1]) > 0 and float(cells[2]) > 0 and cells[3] == "-"  # forced only up to --forced-max
+    assert float(cells[-1].rstrip(" |")) > 0  # transformers at batch 2
+    assert "tokens equal AR's at the same batch size: True" in out and "KV cache" in out
+    assert png.stat().st_size > 1000 and json.loads(js.read_text())["same"] is True

@@ -42,13 +42,13 @@ class Drafter:
         return 0.0
 
 
-def simulate(n: int, pass_s, draft_s: float, p: float, steps: int = 400) -> tuple[BatchBudget, list[float]]:
+def simulate(n: int, pass_s, draft_s: float, p: float, steps: int = 400) -> tuple[BatchBudget, list, list]:
     """n sequences whose chains of b nodes accept each next node with probability p (in expectation: the first
     round(E) - 1 ranks each step); a step costs pass_s(rows) + draft_s per drafting sequence. -> (budget, the
-    batch's tokens per second of each step)."""
+    batch's tokens per second of each step, the share of its sequences that drafted)."""
     bb = BatchBudget(16, sizes_of=lambda k: [1, 2, 4, 8, 16], start_of=lambda k: 16)
     seqs = [Seq(p, drafter=Drafter()) for _ in range(n)]
-    rates = []
+    rates, spec = [], []
     for _ in range(steps):
         sizes = bb.choose(seqs, lambda s: s.key)
         toks = [sum(s.p ** i for i in range(b)) for s, b in zip(seqs, sizes)]
@@ -61,22 +61,23 @@ def simulate(n: int, pass_s, draft_s: float, p: float, steps: int = 400) -> tupl
             s.b = b
         bb.observe(rows, pass_s(rows), round(sum(toks)), step)
         rates.append(sum(toks) / step)
-    return bb, rates
+        spec.append(sum(b > 1 for b in sizes) / n)
+    return bb, rates, spec
 
 
 def test_speculates_where_rows_are_nearly_free():
     """Bandwidth-bound (10 ms a pass, 0.05 ms a row) and a good drafter: every sequence drafts, and the batch
     runs well above drafting off (16 tokens per 10.8 ms)."""
-    bb, rates = simulate(16, lambda r: 0.010 + 0.00005 * r, 0.0002, 0.8)
-    assert bb.mode == "spec"
+    bb, rates, spec = simulate(16, lambda r: 0.010 + 0.00005 * r, 0.0002, 0.8)
+    assert min(spec[-50:]) == 1.0
     assert sum(rates[-50:]) / 50 > 1.5 * 16 / (0.010 + 0.00005 * 16)
 
 
 def test_drafting_turns_off_when_rows_cost_their_share():
     """Compute-bound (1 ms a row) with a mediocre drafter: drafting stays off past the first tries, and the batch
     loses at most 5% against drafting off over its whole run."""
-    bb, rates = simulate(16, lambda r: 0.001 * r, 0.0005, 0.5)
-    assert bb.mode == "ar"
+    bb, rates, spec = simulate(16, lambda r: 0.001 * r, 0.0005, 0.5)
+    assert max(spec[-100:]) == 0.0
     ar = 16 / 0.016
     assert sum(rates[-100:]) / 100 == pytest.approx(ar)
     assert sum(rates) / len(rates) > 0.95 * ar
@@ -86,5 +87,5 @@ def test_drafting_turns_off_when_rows_cost_their_share():
 
 def test_one_sequence_keeps_its_gain():
     """Batch 1 on a bandwidth-bound pass: speculation on, as the one-sequence budget would have it."""
-    bb, rates = simulate(1, lambda r: 0.006 + 0.0001 * r, 0.001, 0.7)
-    assert bb.mode == "spec" and sum(rates[-50:]) / 50 > 1.3 / 0.0061
+    bb, rates, spec = simulate(1, lambda r: 0.006 + 0.0001 * r, 0.001, 0.7)
+    assert min(spec[-50:]) == 1.0 and sum(rates[-50:]) / 50 > 1.3 / 0.0061
