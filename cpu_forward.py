@@ -53,13 +53,16 @@ def compact(kv: Tensor, kt: Tensor, src: list[int], dst: list[int]) -> bool:
     return True
 
 
-def transposed_keys(kv: Tensor) -> Tensor:
+def transposed_keys(kv: Tensor, zeros: bool = False) -> Tensor:
     """kv's keys as stack_bf16's kt [L, Hkv, ceil(S / 16), hd / 2, 16] (int32 pairs of bf16; empty for AVX2 or hd % 32).
-    Why: keys in the vector lanes need no horizontal sum per score; kept beside the cache, not transposed per pass."""
+    Why: keys in the vector lanes need no horizontal sum per score; kept beside the cache, not transposed per pass.
+    zeros: kv holds zeros (a new cache): no copies (a batch's cache is gigabytes)."""
     L, _, Hkv, S, hd = kv.shape
     if cpu_gemm.ISA not in ("avx512bf16", "avx512") or hd % 32 or kv.dtype != torch.bfloat16:
         return kv.new_empty(0, dtype=torch.int32)
     nb = -(-S // 16)
+    if zeros:
+        return torch.zeros(L, Hkv, nb, hd // 2, 16, dtype=torch.int32, device=kv.device)
     k = torch.zeros(L, Hkv, nb * 16, hd, dtype=kv.dtype, device=kv.device)
     k[:, :, :S] = kv[:, 0]
     return k.view(torch.int32).view(L, Hkv, nb, 16, hd // 2).transpose(3, 4).contiguous()

@@ -296,7 +296,7 @@ class Transformer(nn.Module):
         # the fused CPU pass's bf16 cache in one tensor, and its keys again, transposed for the AVX-512 BF16 scores
         self.kv = torch.zeros(a.n_layers, 2, a.n_kv_heads, slots, a.head_dim, dtype=p.dtype, device=p.device) \
             if self.cpu_pass is not None and max_batch == 1 else None
-        self.kt = None if self.kv is None else cpu_forward.transposed_keys(self.kv)
+        self.kt = None if self.kv is None else cpu_forward.transposed_keys(self.kv, zeros=True)
         for i, layer in enumerate(self.layers):
             layer.self_attn.kv_cache = KVCache(max_batch, slots, a.n_kv_heads, a.head_dim, p.dtype, p.device,
                                                None if self.kv is None else self.kv[i])

@@ -167,6 +167,7 @@ def test_transposed_keys_follow_the_cache(target, monkeypatch):
     m = load(target, True, monkeypatch)
     if cpu_gemm.ISA not in ("avx512bf16", "avx512"):
         pytest.skip("the transposed keys are read by the AVX-512 builds only")
+    assert torch.equal(m.kt, cpu_forward.transposed_keys(m.kv))  # a new cache's, made without copies
     m(toks(40), torch.arange(40))
     assert torch.equal(m.kt, cpu_forward.transposed_keys(m.kv))
     mask = (m.seq_range[None, :] <= torch.arange(40, 45)[:, None])[None, None]
