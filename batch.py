@@ -25,6 +25,7 @@ from torch import Tensor
 
 import cpu_draft
 from budget_batch import BatchBudget
+from budget_memory import pass_costs
 from draft import Accepted, Prefill, Tree, chain_tree, chained, stop_at
 from draft_config import make_drafters
 from errors import UsageError
@@ -67,6 +68,10 @@ class BatchEngine:
         self.model, self.B, self.S, self.sampling, self.prefill_rows = model, batch, max_seq, sampling, prefill_rows
         self.device = model.lm_head.weight.device
         self.eos = set(model.args.eos_ids)
+        if drafters and budget:  # the pass's cost by rows, measured once per machine (before the caches: it
+            cap = batch * drafters[0].nodes  # sets up its own): a budget that had to learn it drafted too little
+            rows = sorted({min(1 << i, cap) for i in range(cap.bit_length() + 1)} | {batch})
+            measured = pass_costs(model, 1, rows) or {}
         model.setup_caches(1, max_seq, slots=batch * max_seq)
         self.drafters = drafters or None
         self.spare = 0 if not drafters else drafters[0].nodes  # slots past a sequence's tokens for its tree
@@ -76,6 +81,8 @@ class BatchEngine:
                 d.setup(max_seq)
             d = drafters[0]
             self.budget = BatchBudget(d.nodes, d.budget_sizes, d.budget_start)
+            for r, t in (measured.items() if budget else ()):
+                self.budget.pass_s.observe(r, t)
             self._top = max(d.reads_top, 1)  # the target's top-k kept per accepted position (drafter.reads_top)
         self.free, self.waiting, self.running = list(range(batch)), deque(), []
         self.submitted = 0
@@ -110,40 +117,43 @@ class BatchEngine:
 
     @torch.no_grad()
     def step(self) -> list[Seq]:
-        """One target pass: the prefill of waiting sequences that fit, else one token for every running one.
-        -> the sequences that finished in it (eos or their token budget)."""
+        """One target pass: the prefill of waiting sequences that fit, with one token for every running sequence
+        riding along; else a verification (or a decode step) of every running one. -> the sequences that finished
+        in it (eos or their token budget). Why ride along: a prefill step had stalled every running sequence, and
+        with sequences finishing one by one (drafting), a batch of 64 ran twice as many prefill steps."""
         admit, rows = [], 0
         while self.waiting and self.free and (not admit or rows + len(self.waiting[0].prompt) <= self.prefill_rows):
             s = self.waiting.popleft()
             s.slot, rows = self.free.pop(0) * self.S, rows + len(s.prompt)
             s.drafter = self.drafters[s.slot // self.S] if self.drafters else None
             admit.append(s)
-        seqs = admit or self.running
+        riders = self.running if admit else []
+        seqs = admit + riders or self.running
         if not seqs:
             return []
         t0 = time.perf_counter()
         if self.drafters and not admit:
             emitted = self._spec_step(seqs)
         else:
-            logits = self._prefill(admit) if admit else self._decode(self.running)
+            logits = self._prefill(admit, riders) if admit else self._decode(self.running)
             first = self._sample(logits, seqs)
             emitted = [[t] for t in first.tolist()]  # the step's one host sync
             for s in seqs:
-                s.n += 1 if not admit else len(s.prompt)
+                s.n += len(s.prompt) if s in admit else 1
             if admit and self.drafters:
-                self._start(admit, first)
+                self._start(admit, riders, first)
         self.steps["prefill" if admit else "decode"] += 1
-        if not admit:
-            self.rows += len(seqs)
+        if not admit:  # (decode statistics: riders' tokens come with the prefill's time)
             self.decode_s += time.perf_counter() - t0
+            self.rows += len(seqs)
         self.running += admit
         done = []
-        for s, e in zip(seqs, emitted):
+        for i, (s, e) in enumerate(zip(seqs, emitted)):
             e = stop_at(e, s.out, s.max_new, self.eos)
             s.out += e
-            if not admit:
+            if i >= len(admit):
                 s.accepted.append(len(e))
-                self.decode_tokens += len(e)
+                self.decode_tokens += 0 if admit else len(e)
             if (s.out and s.out[-1] in self.eos) or len(s.out) >= s.max_new:
                 s.t_done = time.perf_counter()
                 done.append(s)
@@ -157,21 +167,27 @@ class BatchEngine:
         its position. Why a window: a dense [R, batch * max_seq] mask grows with the batch squared."""
         return self.model.seq_range[None, :self.S] <= pos[:, None]
 
-    def _prefill(self, seqs: list[Seq]) -> Tensor:
-        # every admitted prompt in one pass, each at its own slots; the logits of each prompt's last row
+    def _prefill(self, seqs: list[Seq], riders: list[Seq]) -> Tensor:
+        """Every admitted prompt in one pass, each at its own slots, and each rider's last token at its next
+        position -> the logits of each prompt's last row, then of each rider's row."""
         dev = self.device
-        toks = torch.tensor([t for s in seqs for t in s.prompt], device=dev)
-        pos = torch.cat([torch.arange(len(s.prompt), device=dev) for s in seqs])
-        slot = torch.cat([torch.full((len(s.prompt),), s.slot, device=dev) for s in seqs])
+        toks = torch.tensor([t for s in seqs for t in s.prompt] + [s.out[-1] for s in riders], device=dev)
+        pos = torch.cat([torch.arange(len(s.prompt), device=dev) for s in seqs]
+                        + [torch.tensor([s.n for s in riders], dtype=torch.long, device=dev)])
+        slot = torch.cat([torch.full((len(s.prompt),), s.slot, device=dev) for s in seqs]
+                         + [torch.tensor([s.slot for s in riders], dtype=torch.long, device=dev)])
         _, hid, aux = self.model(toks[None], pos, mask=self._mask(pos), mask_base=slot, cache_pos=slot + pos,
                                  return_hidden=True, compute_logits=False)
-        last = torch.tensor([len(s.prompt) for s in seqs], device=dev).cumsum(0) - 1
+        P = sum(len(s.prompt) for s in seqs)
+        last = torch.cat([torch.tensor([len(s.prompt) for s in seqs], device=dev).cumsum(0) - 1,
+                          P + torch.arange(len(riders), device=dev)])
         logits = self.model.lm_head(hid[0, last])
         self._prompt_states = (toks, hid, aux, logits) if self.drafters else None
         return logits
 
-    def _start(self, seqs: list[Seq], first: Tensor):
-        """Each admitted sequence's drafter reads its prompt's states (and the logits of its last rows)."""
+    def _start(self, seqs: list[Seq], riders: list[Seq], nxt: Tensor):
+        """Each admitted sequence's drafter reads its prompt's states (and the logits of its last rows); each
+        rider keeps its step for its drafter, as _spec_step keeps a step without a draft."""
         toks, hid, aux, logits = self._prompt_states
         self._prompt_states, e = None, 0
         for i, s in enumerate(seqs):
@@ -179,7 +195,13 @@ class BatchEngine:
             e += T
             R = max(1, min(T, d.prompt_logits))
             lg = logits[i:i + 1] if R == 1 else torch.cat([self.model.lm_head(hid[0, e - R:e - 1]), logits[i:i + 1]])
-            d.prefill(Prefill(toks[e - T:e], first[i:i + 1], lg, hid[:, e - T:e], None if aux is None else aux[:, e - T:e]))
+            d.prefill(Prefill(toks[e - T:e], nxt[i:i + 1], lg, hid[:, e - T:e], None if aux is None else aux[:, e - T:e]))
+        if riders:  # their rows' own copies: views would keep the whole prefill's states alive
+            rows, k = slice(e, e + len(riders)), len(seqs)
+            held = (hid[:, rows].clone(), None if aux is None else aux[:, rows].clone(),
+                    cpu_draft.topk_rows(logits[k:].contiguous(), None, self._top))
+            for r, s in enumerate(riders):  # (s.n and s.out: before this step's token)
+                s.pending.append((held, r, s.out[-1], int(nxt[k + r]), s.n - 1))
 
     def _decode(self, seqs: list[Seq]) -> Tensor:
         # each sequence's last token at its next position (the token is not in the cache yet)

@@ -26,21 +26,20 @@ def bucket(rows: int) -> int:
     return (rows + step // 2) // step * step
 
 
-def nondecreasing(ys: list[float]) -> list[float]:
-    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
-    blocks = []  # [sum, count]
-    for y in ys:
-        blocks.append([y, 1])
-        while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] > blocks[-1][0] * blocks[-2][1]:
-            s, c = blocks.pop()
-            blocks[-1][0] += s
-            blocks[-1][1] += c
-    return [s / c for s, c in blocks for _ in range(c)]
+def lower_hull(pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The lower convex hull of points sorted by x (Andrew's monotone chain): slopes that never fall."""
+    h = []
+    for p in pts:
+        while len(h) >= 2 and (h[-1][0] - h[-2][0]) * (p[1] - h[-2][1]) <= (h[-1][1] - h[-2][1]) * (p[0] - h[-2][0]):
+            h.pop()
+        h.append(p)
+    return h
 
 
 class PassCosts:
-    """Seconds of the target pass by rows: running means per bucket, made non-decreasing in rows (one step's
-    contexts and load make the means noisy: a noisy dip had made extra rows look free), linear between them."""
+    """Seconds of the target pass by rows: running means per bucket, read through their lower convex hull, so
+    the cost of an extra row never falls as rows grow (a pass is bound by bandwidth, then by arithmetic; noisy
+    means had made extra rows look free, and a whole batch drafted at once)."""
 
     def __init__(self, decay: float = 0.8):
         self.decay, self.t, self.fit = decay, {}, None
@@ -54,24 +53,34 @@ class PassCosts:
         if not self.t:
             return 0.0
         if self.fit is None:
-            ks = sorted(self.t)
-            self.fit = dict(zip(ks, nondecreasing([self.t[r] for r in ks])))
-        f, k = self.fit, rows  # (between bucket means: rows in one bucket still differ)
-        if k in f:
-            return f[k]
-        lo = max((r for r in f if r < k), default=None)
-        hi = min((r for r in f if r > k), default=None)
-        if lo is None:  # below every measure: in proportion (no fixed part assumed)
-            return f[hi] * k / hi
-        if hi is None:  # above: the slope of the two largest measures, else in proportion
-            below = [r for r in f if r < lo]
-            slope = (f[lo] - f[max(below)]) / (lo - max(below)) if below else f[lo] / lo
-            return f[lo] + slope * (k - lo)
-        return f[lo] + (f[hi] - f[lo]) * (k - lo) / (hi - lo)
+            h = lower_hull(sorted(self.t.items()))
+            m = min(range(len(h)), key=lambda i: h[i][1])  # the hull falls until here (noise: flat), then rises
+            self.fit = ([(h[0][0], h[m][1])] if m else []) + h[m:]
+        f = self.fit
+        if rows <= f[0][0]:  # at or below every measure: in proportion (no fixed part assumed)
+            return f[0][1] * rows / f[0][0]
+        for (x0, y0), (x1, y1) in zip(f, f[1:]):
+            if rows <= x1:
+                return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+        (x0, y0), (x1, y1) = f[-2] if len(f) > 1 else (0, 0.0), f[-1]
+        return y1 + max(y1 - y0, 0.0) / (x1 - x0) * (rows - x1)  # above: the last slope
+
+
+def tokens(bud: Budget) -> dict[int, float]:
+    """{size: bud.tokens(size)} for every size of bud, in one sweep over the node ranks."""
+    out, total, last, sizes = {}, 1.0, None, set(bud.sizes)
+    for i in range(1, bud.sizes[-1] + 1):
+        if i in sizes:
+            out[i] = total
+        if i < bud.nodes and (bud.trials[i] > 0 or last is None):
+            last = bud.p(i)
+        total += last if i < bud.nodes else 0.0
+    out[1] = 1.0
+    return out
 
 
 class BatchBudget:
-    """Sizes for the sequences of a batch (sequence objects with .budgets {source: Budget}, .key, .b, .index)."""
+    """Sizes for the sequences of a batch (sequence objects with .budgets {source: Budget}, .key, .drafter)."""
 
     def __init__(self, nodes: int, sizes_of=None, start_of=None, decay: float = 0.8):
         self.nodes, self.sizes_of, self.start_of, self.decay = nodes, sizes_of, start_of, decay
@@ -115,23 +124,28 @@ class BatchBudget:
         return self.draft_s[key, min(near, key=lambda x: abs(x - b))] if near else 0.0
 
     def choose(self, seqs: list, key_of) -> list[int]:
-        """Each sequence's size for the next step (its .b holds the last one; key_of(seq): its source now, set as
-        seq.key where drafting is on). A source no sequence has evidence on yet is tried by one sequence a step at
-        its start size (the whole tree), after a first step without drafts has measured the batch's rate."""
+        """Each sequence's size for the next step (key_of(seq): its source now, set as seq.key), one after the
+        other, each pricing its rows on the pass as the sequences before it left it. A source no sequence has
+        evidence on yet is priced by one sequence a step at the prior (each node as likely as not): tried where
+        rows are cheap, not where they are not. The first step drafts nothing: it measures the batch's rate."""
         n = len(seqs)
-        rows, tried, out = sum(s.b for s in seqs), set(), []
-        lam = max(self.rate or 0.0, n / self.pass_s(n) if self.pass_s(n) else 0.0)
+        rows, tried, out, P, D = n, set(), [], {}, {}  # rows: the pass so far (each sequence one, then its tree)
+        cost = lambda r: P[r] if r in P else P.setdefault(r, self.pass_s(r))
+        draft = lambda k, x: D[k, x] if (k, x) in D else D.setdefault((k, x), self.draft(k, x))
+        lam = max(self.rate or 0.0, n / cost(n) if cost(n) else 0.0)
         for s in seqs:
             s.key = key_of(s)
             c = self.common.get(s.key)
-            if c is None or c.trials[1] < self.OWN:
-                b = 1 if not lam or s.key in tried else self._new(s.key).start
-                tried.add(s.key)
+            new = c is None or c.trials[1] < self.OWN  # a source without evidence: one sequence a step tries it
+            if not lam or (new and s.key in tried):
+                b = 1
             else:
-                bud, others, setup = self.budget(s), rows - s.b, s.drafter.budget_setup
-                base = self.pass_s(others + 1) + self.draft(s.key, 1)
-                b = max(bud.sizes, key=lambda x: bud.tokens(x) - lam * (  # a set-up (a lazy head's start) too
-                    self.pass_s(others + x) + self.draft(s.key, x) - base + (setup(s.key, x) if x > 1 else 0.0)))
+                tried.add(s.key)
+                bud, setup = self._new(s.key) if new else self.budget(s), s.drafter.budget_setup
+                base, E = cost(rows) + draft(s.key, 1), tokens(bud)
+                b = max(bud.sizes, key=lambda x: E[x] - lam * (  # a set-up (a lazy head's start) too
+                    cost(rows + x - 1) + draft(s.key, x) - base + (setup(s.key, x) if x > 1 else 0.0)))
+            rows += b - 1  # the next sequence's rows cost what they add to this pass
             out.append(b)
         n, spec = len(seqs), sum(b > 1 for b in out)
         c = self.by_batch.setdefault(n, [0, 0])
