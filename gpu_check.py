@@ -76,7 +76,8 @@ def engines(path, device, dtype, compile, head_path):
 
 def check_batch(path, device, dtype, n_new, batch=4):
     """The batch engine against one prompt at a time (autoregressive): (same outputs, batch tok/s, one-at-a-time
-    tok/s) over PROMPTS repeated to 2 x batch sequences."""
+    tok/s, a speculative batch's outputs the same: prompt lookup per sequence, every tree verified) over PROMPTS
+    repeated to 2 x batch sequences."""
     m, tok, _ = load_target(str(path), device, str(dtype).replace("torch.", ""))
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in (PROMPTS * (2 * batch))[:2 * batch]]
     eng, t0 = Engine(m), time.perf_counter()
@@ -85,7 +86,10 @@ def check_batch(path, device, dtype, n_new, batch=4):
     outs = BatchEngine(m, batch, max(len(p) for p in prompts) + n_new).generate_batch(prompts, n_new)
     t2 = time.perf_counter()
     n = sum(len(o) for o in outs)
-    return outs == single, n / (t2 - t1), sum(len(o) for o in single) / (t1 - t0)
+    ds = dc.make_drafters(dc.DraftConfig("ngram"), m, batch)
+    spec = BatchEngine(m, batch, max(len(p) for p in prompts) + n_new + ds[0].nodes, drafters=ds,
+                       budget=False).generate_batch(prompts, n_new)
+    return outs == single, n / (t2 - t1), sum(len(o) for o in single) / (t1 - t0), spec == single
 
 
 def run_all(path, device, dtype, compile, head_path, n_new, repeats=1):
@@ -143,10 +147,11 @@ def main():
         rows.append([f"tok/s default model: {name}", "bf16 CUDA graphs",
                      f"{graph16[name][1]:.1f}", f"eager {gpu16[name][1]:.1f}, x{graph16[name][1] / graph16['autoregressive'][1]:.2f} vs AR"])
 
-    same32, _, _ = check_batch(path, "cuda", torch.float32, n_new)
-    _, tps, tps1 = check_batch(path, "cuda", torch.bfloat16, n_new, batch=16)
-    ok &= same32
-    rows.append(["batched decoding (batch.py)", "fp32: batch 4 == one at a time", "PASS" if same32 else "FAIL",
+    same32, _, _, spec32 = check_batch(path, "cuda", torch.float32, n_new)
+    _, tps, tps1, _ = check_batch(path, "cuda", torch.bfloat16, n_new, batch=16)
+    ok &= same32 and spec32
+    rows.append(["batched decoding (batch.py)", "fp32: batch 4 == one at a time, AR and prompt lookup",
+                 "PASS" if same32 and spec32 else "FAIL",
                  f"bf16 batch 16: {tps:.1f} tok/s, x{tps / tps1:.2f} vs one at a time"])
 
     # device-to-device copy bandwidth (the roofline for a decode step)

@@ -26,5 +26,5 @@ def test_gpu_check_refuses_without_cuda(capsys, monkeypatch):
 
 def test_gpu_check_batch_runs_on_cpu(tmp_path):
     path, _ = write_tiny_hf(tmp_path / "t")
-    same, tps, tps1 = gpu_check.check_batch(path, "cpu", torch.float32, n_new=6, batch=2)
-    assert same and tps > 0 and tps1 > 0
+    same, tps, tps1, spec = gpu_check.check_batch(path, "cpu", torch.float32, n_new=6, batch=2)
+    assert same and spec and tps > 0 and tps1 > 0
