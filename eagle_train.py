@@ -206,6 +206,8 @@ def _train(args, device, rank, world) -> dict:
             bar.update(1)
             if args.save_every and step % args.save_every == 0:
                 save()
+                if rank == 0:  # with the checkpoint: an invocation stopped between checkpoints keeps its history
+                    hist_path.write_text(json.dumps(history))
             if step >= stop:
                 break
     bar.close()
