@@ -50,7 +50,6 @@ class Seq:
     pending: list = field(default_factory=list)
     budgets: dict = field(default_factory=dict)  # source -> budget.Budget (budget_batch.py)
     key: str = ""
-    b: int = 1  # its last step's size
     accepted: list = field(default_factory=list)  # tokens each step emitted
 
 
@@ -248,7 +247,7 @@ class BatchEngine:
         for r, i in enumerate(ar):  # what its drafter will read when it catches up: views into the step's tensors
             s = seqs[i]
             s.pending.append((held, r, s.out[-1], nxt[r], s.n))
-            out[i], s.n, s.b = [nxt[r]], s.n + 1, 1
+            out[i], s.n = [nxt[r]], s.n + 1
         r = len(ar)
         for i, t in trees.items():
             tl, s, N, b = time.perf_counter(), seqs[i], t.tokens.shape[0], sizes[i]
@@ -264,7 +263,7 @@ class BatchEngine:
             a = Accepted(t, torch.tensor(path, device=dev), torch.tensor(L), torch.tensor(bonus), logits[r:r + N],
                          hid[:, r:r + N], None if aux is None else aux[:, r:r + N], torch.tensor(s.n))
             s.pending.append(self._kept(a, s.drafter))
-            out[i], s.n, s.b = [toks_i[j] for j in path[1:L]] + [bonus], s.n + L, N
+            out[i], s.n = [toks_i[j] for j in path[1:L]] + [bonus], s.n + L
             r += N
             if not self.fixed:
                 self.budget.observe_draft(s.key, b, cost[i] + time.perf_counter() - tl)

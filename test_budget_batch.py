@@ -37,7 +37,6 @@ def test_pass_costs_interpolate_and_never_fall():
 class Seq:
     p: float  # acceptance of each next node of its chain
     key: str = "eagle"
-    b: int = 1
     budgets: dict = field(default_factory=dict)
     drafter: object = None
 
@@ -65,7 +64,6 @@ def simulate(n: int, pass_s, draft_s: float, p: float, steps: int = 400) -> tupl
             if b > 1:
                 bb.observe_draft(s.key, b, draft_s)
                 bb.observe_seq(s, b, list(range(max(1, round(t)))))
-            s.b = b
         bb.observe(rows, pass_s(rows), round(sum(toks)), step)
         rates.append(sum(toks) / step)
         spec.append(sum(b > 1 for b in sizes) / n)
