@@ -79,7 +79,7 @@ class BatchEngine:
             for d in drafters:
                 d.setup(max_seq)
             d = drafters[0]
-            self.budget = BatchBudget(d.nodes, d.budget_sizes, d.budget_start)
+            self.budget = BatchBudget(d.nodes, d.budget_sizes)
             for r, t in (measured.items() if budget else ()):
                 self.budget.pass_s.observe(r, t)
             self._top = max(d.reads_top, 1)  # the target's top-k kept per accepted position (drafter.reads_top)

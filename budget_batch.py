@@ -82,8 +82,8 @@ def tokens(bud: Budget) -> dict[int, float]:
 class BatchBudget:
     """Sizes for the sequences of a batch (sequence objects with .budgets {source: Budget}, .key, .drafter)."""
 
-    def __init__(self, nodes: int, sizes_of=None, start_of=None, decay: float = 0.8):
-        self.nodes, self.sizes_of, self.start_of, self.decay = nodes, sizes_of, start_of, decay
+    def __init__(self, nodes: int, sizes_of=None, decay: float = 0.8):
+        self.nodes, self.sizes_of, self.decay = nodes, sizes_of, decay
         self.pass_s, self.draft_s = PassCosts(decay), {}  # draft_s: (source, size) -> a sequence's seconds
         self.by_batch = {}  # sequences in the step -> [sequence-steps, of them speculative]
         self.common = {}  # source -> Budget: every sequence's acceptance
@@ -95,7 +95,7 @@ class BatchBudget:
 
     def _new(self, key: str) -> Budget:
         sizes = self.sizes_of(key) if self.sizes_of else None
-        return Budget(self.nodes, sizes=sizes, start=self.start_of(key) if self.start_of else None, decay=self.decay)
+        return Budget(self.nodes, sizes=sizes, decay=self.decay)
 
     OWN = 3.0  # decayed trials of a source's first rank past which every sequence's acceptance counts
 

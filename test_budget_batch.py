@@ -50,7 +50,7 @@ def simulate(n: int, pass_s, draft_s: float, p: float, steps: int = 400) -> tupl
     """n sequences whose chains of b nodes accept each next node with probability p (in expectation: the first
     round(E) - 1 ranks each step); a step costs pass_s(rows) + draft_s per drafting sequence. -> (budget, the
     batch's tokens per second of each step, the share of its sequences that drafted)."""
-    bb = BatchBudget(16, sizes_of=lambda k: [1, 2, 4, 8, 16], start_of=lambda k: 16)
+    bb = BatchBudget(16, sizes_of=lambda k: [1, 2, 4, 8, 16])
     for r in (1, 2, 4, 8, 16, 32, 64, 128, 256):  # as BatchEngine measures the pass once per machine
         bb.pass_s.observe(r, pass_s(r))
     seqs = [Seq(p, drafter=Drafter()) for _ in range(n)]
