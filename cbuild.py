@@ -24,6 +24,10 @@ class RowsDst(ctypes.Structure):
                 ("place", P)]
 
 
+class Packed(ctypes.Structure):
+    _fields_ = [("w", P), ("s", P), ("m", P), ("bits", L), ("group", L)]
+
+
 class StackArgs(ctypes.Structure):
     _fields_ = [("tab", P), ("L", L), ("D", L), ("H", L), ("Hkv", L), ("hd", L), ("I", L), ("eps", F32), ("T", L),
                 ("S", L), ("x", P), ("emb", P), ("cs", P), ("sn", P), ("mask", P), ("mbase", P), ("W", L), ("cpos", P), ("kv", P), ("kt", P),
@@ -60,7 +64,8 @@ ptr = ctypes.byref
 
 # name -> (argument types, result type): csrc/nanospec.h's entry points
 SIGNATURES = {
-    "linear_bf16": ((P, P, L, L, P, P, L, P, INT), None), "write_rows": ((ctypes.POINTER(RowsDst), P, P, L), None),
+    "linear_bf16": ((P, P, L, L, P, P, L, P, INT), None), "linear_packed": ((P, P, L, L, P, P, L, P, INT), None),
+    "write_rows": ((ctypes.POINTER(RowsDst), P, P, L), None),
     "stack_bf16": ((ctypes.POINTER(StackArgs),), None), "compact_bf16": ((ctypes.POINTER(KVCache), P, P, L), None),
     "phase_times": ((P,), None), "eagle_tree_bf16": ((ctypes.POINTER(TreeArgs),), None),
     "eagle_update_bf16": ((ctypes.POINTER(UpdateArgs),), None),

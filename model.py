@@ -13,6 +13,7 @@ from torch import Tensor
 
 import cpu_forward
 import cpu_gemm
+import quant
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -382,14 +383,16 @@ def safetensor_files(path: Path) -> list[Path]:
 
 
 def load_state_dict(files, dtype, device, strip_prefix: str = "") -> dict:
-    """Read safetensors tensors one by one, casting each straight to (dtype, device): no fp32 copy of the model."""
+    """Read safetensors tensors one by one, casting each straight to (dtype, device): no fp32 copy of the model.
+    Quantized weights' scales and offsets (quant.py) keep their fp16."""
     sd = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as fh:
                 for k in fh.keys():
                     t = fh.get_tensor(k)
-                    sd[k.removeprefix(strip_prefix)] = t.to(device, dtype if t.is_floating_point() else t.dtype)
+                    keep = not t.is_floating_point() or k.endswith((".scales", ".offsets"))
+                    sd[k.removeprefix(strip_prefix)] = t.to(device, t.dtype if keep else dtype)
         except Exception as e:  # safetensors raises several types for corrupt files
             raise ModelError(f"cannot read {f}: {str(e).splitlines()[0]}") from None
     return sd
@@ -412,9 +415,13 @@ def load_model(path, dtype=torch.bfloat16, device="cpu") -> Transformer:
     if not (f := path / "config.json").is_file():
         raise ModelError(f"no config.json in {path}")
     try:
-        args = ModelArgs.from_hf_config(json.loads(f.read_text()))
+        cfg = json.loads(f.read_text())
+        args = ModelArgs.from_hf_config(cfg)
+        qrec = quant.read_record(cfg)
     except json.JSONDecodeError as e:
         raise ModelError(f"{f} is not valid JSON ({e.msg}, line {e.lineno})") from None
+    except quant.QuantError as e:
+        raise ModelError(f"{f}: {e}") from None
     gen = path / "generation_config.json"
     eos = (json.loads(gen.read_text()) if gen.is_file() else {}).get("eos_token_id")
     if eos is not None:  # generation_config's eos list is the one chat models stop on
@@ -422,7 +429,13 @@ def load_model(path, dtype=torch.bfloat16, device="cpu") -> Transformer:
     with torch.device("meta"):
         model = Transformer(args)
     sd = load_state_dict(safetensor_files(path), dtype, device, strip_prefix="model.")
-    tied = args.tie_word_embeddings or "lm_head.weight" not in sd
+    if qrec is not None:  # quantized linears (quant.py): their codes, scales and offsets as stored
+        try:
+            quant.swap_linears(model, sd, f"checkpoint {path}")
+        except quant.QuantError as e:
+            raise ModelError(str(e)) from None
+        sd.update({k: v for k, v in model.state_dict().items() if v.device.type != "meta"})  # theirs now
+    tied = not isinstance(model.lm_head, quant.QLinear) and (args.tie_word_embeddings or "lm_head.weight" not in sd)
     if tied and "embed_tokens.weight" in sd:
         sd["lm_head.weight"] = sd["embed_tokens.weight"]  # tied: one tensor, two names
     expected = dict(model.state_dict())
@@ -431,6 +444,7 @@ def load_model(path, dtype=torch.bfloat16, device="cpu") -> Transformer:
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16:  # this machine picks its GEMM and its pass
-        cpu_gemm.choose([tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)])
+        if shapes := [tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)]:
+            cpu_gemm.choose(shapes)
         cpu_forward.attach(model)
     return model.eval()

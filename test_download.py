@@ -103,8 +103,8 @@ def _byte_chars():  # GPT-2's printable stand-ins for the 256 bytes
     return [chr(c) for _, c in sorted(zip(bs, cs))]
 
 
-def _write_tiny_gguf(path, q8_names=("blk.0.attn_q.weight", "token_embd.weight")):
-    """A 2-layer llama GGUF written the way llama.cpp would: q/k permuted, some Q8_0."""
+def _write_tiny_gguf(path, q8_names=("blk.0.attn_q.weight", "token_embd.weight"), types=None):
+    """A 2-layer llama GGUF written the way llama.cpp would: q/k permuted, some Q8_0 (types: name -> type name)."""
     import gguf
     rng = np.random.default_rng(2)
     merges = ["h e", "l l", "he ll", "Ġ w"]
@@ -145,9 +145,10 @@ def _write_tiny_gguf(path, q8_names=("blk.0.attn_q.weight", "token_embd.weight")
             x = llama_cpp_permute(x, N_HEAD)
         elif ".attn_k." in name:
             x = llama_cpp_permute(x, N_KV)
-        if name in q8_names:
-            q = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        kind = (types or {}).get(name, "Q8_0" if name in q8_names else None)
+        if kind is not None:
+            ty = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(name, gguf.quants.quantize(x, ty), raw_dtype=ty)
         else:
             w.add_tensor(name, np.ascontiguousarray(x))
     w.write_header_to_file()
@@ -192,6 +193,64 @@ def test_convert_tiny_gguf(tmp_path):
     _check_tiny_folder(out, hf)
 
 
+NATIVE = {"blk.0.attn_q.weight": "Q4_1", "blk.0.attn_k.weight": "Q4_1", "blk.0.attn_v.weight": "Q4_1",
+          "blk.0.attn_output.weight": "Q4_1", "blk.0.ffn_gate.weight": "Q4_1", "blk.0.ffn_up.weight": "Q4_1",
+          "blk.0.ffn_down.weight": "Q4_1", "blk.1.attn_q.weight": "Q4_0", "blk.1.attn_k.weight": "Q4_0",
+          "blk.1.attn_v.weight": "Q4_0", "blk.1.attn_output.weight": "Q4_0", "blk.1.ffn_gate.weight": "Q4_0",
+          "blk.1.ffn_up.weight": "Q4_0", "blk.1.ffn_down.weight": "Q4_0", "token_embd.weight": "Q8_0"}
+
+
+def test_gguf_runs_as_it_is(tmp_path, monkeypatch):
+    """`--checkpoint file.gguf` keeps Q4_1 / Q4_0 / Q8_0 matrices as their codes (q/k rows unpermuted with their
+    scales, the tied output the embedding's Q8_0 codes), once per file in the cache, and the model it loads runs
+    the bits of the model widened from the same file (the same weights)."""
+    from safetensors.torch import load_file
+
+    import cpu_forward
+    import cpu_gemm
+    import model as M
+    import quant
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(cpu_gemm.ENV, "kernel")
+    f = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(f, types=NATIVE)
+    native = download.resolve_checkpoint(str(f))
+    assert native.parent == tmp_path / "cache" / "gguf" and download.resolve_checkpoint(str(f)) == native
+    cfg = json.loads((native / "config.json").read_text())
+    assert cfg[quant.CONFIG_KEY]["gguf_types"] == {"Q4_1": 7, "Q4_0": 7, "Q8_0": 1}
+    sd = load_file(str(native / "model.safetensors"))
+    assert sd["model.layers.0.self_attn.q_proj.qweight"].shape == (N_HEAD * HEAD_DIM, D // 2)
+    assert sd["lm_head.qweight"].dtype == torch.int8 and "lm_head.offsets" not in sd
+    assert sd["model.embed_tokens.weight"].dtype == torch.bfloat16 and "model.norm.weight" in sd
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    download.convert_gguf(f, wide)
+    ws = load_file(str(wide / "model.safetensors"))
+    for k in sd:
+        if k.endswith(".qweight"):
+            b = k.removesuffix(".qweight")
+            dq = quant.dequantize(sd[k], sd[b + ".scales"], sd.get(b + ".offsets"), 8 if sd[k].dtype == torch.int8 else 4)
+            assert torch.equal(dq, ws[(b if b != "lm_head" else "model.embed_tokens") + ".weight"]), k
+    for fused in ("on", "off"):
+        monkeypatch.setenv(cpu_forward.ENV, fused)
+        a, b = M.load_model(native), M.load_model(wide)
+        assert isinstance(a.layers[1].self_attn.q_proj, quant.QLinear) and not isinstance(b.lm_head, quant.QLinear)
+        p = torch.tensor([[5, 9, 100, 3, 7, 7, 200]])
+        for m in (a, b):
+            m.setup_caches(1, 64)
+        assert torch.equal(a(p, torch.arange(7)), b(p, torch.arange(7))), fused
+
+
+def test_gguf_of_another_block_type_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "q5.gguf"
+    _write_tiny_gguf(f, types={"blk.1.ffn_up.weight": "Q5_1"})
+    with pytest.raises(CheckpointError) as e:
+        download.resolve_checkpoint(str(f))
+    assert "\n" not in str(e.value) and "blk.1.ffn_up.weight has type Q5_1" in str(e.value)
+    assert not (tmp_path / "cache" / "gguf").exists() or not any((tmp_path / "cache" / "gguf").iterdir())
+
+
 def test_prepare_default_is_atomic_and_idempotent(tmp_path, monkeypatch):
     # prepare_default end to end with the fetch replaced by the tiny GGUF (offline).
     calls, hf = [], {}
@@ -209,6 +268,7 @@ def test_prepare_default_is_atomic_and_idempotent(tmp_path, monkeypatch):
     assert download.prepare_default(dest) == dest
     assert (dest / download.MARKER).is_file() and len(calls) == 1
     _check_tiny_folder(dest, hf)
+    assert (dest / "tiny.gguf").is_file()  # kept as it came, for native runs
     assert sorted(p.name for p in dest.parent.iterdir()) == ["M"]  # temp dir cleaned up
     assert download.prepare_default(dest) == dest and len(calls) == 1  # no second fetch
 

@@ -378,8 +378,8 @@ static void residual(float* xr, const float* o, long n) {
 
 enum { W_IN, W_QKV, B_QKV, W_O, W_POST, W_GU, W_DOWN, W_HID, NW };
 
-/* (StackArgs) x [T, D] bf16, in place: the rows after all L layers. tab [L, NW] pointers (packed weights, norms, bias
-   or 0). cs, sn [T, hd] bf16 RoPE rows; mask [T, W] (bool bytes): row t may read slot mbase[t] + j where
+/* (StackArgs) x [T, D] bf16, in place: the rows after all L layers. tab [L, NW] pointers (the GEMMs' Packed
+   matrices, norms, bias or 0). cs, sn [T, hd] bf16 RoPE rows; mask [T, W] (bool bytes): row t may read slot mbase[t] + j where
    mask[t, j] (mbase 0: slot j; W <= S: a batch's rows each read their own range of the slots); cpos [T] the
    slots this pass writes; kv [L, 2, Hkv, S, hd] bf16; kt (AVX-512 builds with hd % 32 == 0, or 0) the same
    keys transposed, [L, Hkv, ceil(S / 16), hd / 2, 16] bf16 pairs (lanes512's layout), written with them and
@@ -476,7 +476,7 @@ void stack_bf16(const StackArgs* a) {
             kin = 2 * D;
         } else rmsnorm(xr, (const uint16_t*)w[W_IN], h, D, T, D, eps);
         PH(PH_NORM);
-        gemm_rows(h, T, kin, (const uint16_t*)w[W_QKV], (const uint16_t*)w[B_QKV], NQKV, 0, y, xs);  /* [T, q | k | v] */
+        gemm_rows(h, T, kin, (const Packed*)w[W_QKV], (const uint16_t*)w[B_QKV], NQKV, 0, y, xs);  /* [T, q | k | v] */
         PH(PH_GEMM);
         #pragma omp for schedule(static)
         for (long t = 0; t < T; t++) {
@@ -537,17 +537,17 @@ void stack_bf16(const StackArgs* a) {
             for (int i = 0; i < NQ; i++) for (long d = 0; d < hd; d++) os[i][d] = rbf(os[i][d]);
         }
         PH(PH_ATTN);
-        gemm_rows(h, T, Q, (const uint16_t*)w[W_O], 0, D, 0, o, xs);
+        gemm_rows(h, T, Q, (const Packed*)w[W_O], 0, D, 0, o, xs);
         PH(PH_GEMM);
         residual(xr, o, T * D);
         PH(PH_RESID);
         rmsnorm(xr, (const uint16_t*)w[W_POST], h, D, T, D, eps);
         PH(PH_NORM);
-        gemm_rows(h, T, D, (const uint16_t*)w[W_GU], 0, 2 * I, 0, y, xs);  /* [T, gate | up] */
+        gemm_rows(h, T, D, (const Packed*)w[W_GU], 0, 2 * I, 0, y, xs);  /* [T, gate | up] */
         PH(PH_GEMM);
         silu_mul(y, h, T, I);
         PH(PH_SILU);
-        gemm_rows(h, T, I, (const uint16_t*)w[W_DOWN], 0, D, 0, o, xs);
+        gemm_rows(h, T, I, (const Packed*)w[W_DOWN], 0, D, 0, o, xs);
         PH(PH_GEMM);
         residual(xr, o, T * D);
         PH(PH_RESID);

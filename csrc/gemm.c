@@ -23,18 +23,25 @@ void write_rows(const RowsDst* d, const int64_t* tok, const int64_t* slot, long 
 
 #if defined(__AVX512BF16__)
 /* y[M, N] = x[M, K] @ W[N, K]^T (+ b[N]); x, b, y bf16 (x 4-byte aligned: K is even); xf unused */
-void linear_bf16(const uint16_t* x, float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N,
-                 uint16_t* y, int threads) {
+void linear_packed(const uint16_t* x, float* xf, long M, long K, const Packed* W, const uint16_t* b, long N,
+                   uint16_t* y, int threads) {
     (void)xf;
     #pragma omp parallel num_threads(threads)
-    gemm_pairs((const uint32_t*)x, M, K, P, b, N, y, 0);
+    gemm_pairs((const uint32_t*)x, M, K, W, b, N, y, 0);
 }
 #else
-/* y[M, N] = x[M, K] @ W[N, K]^T (+ b[N]); x, b, y bf16; P: W packed by pack(); xf: fp32 scratch [M, K] */
-void linear_bf16(const uint16_t* x, float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N,
-                 uint16_t* y, int threads) {
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ b[N]); x, b, y bf16; xf: fp32 scratch [M, K] */
+void linear_packed(const uint16_t* x, float* xf, long M, long K, const Packed* W, const uint16_t* b, long N,
+                   uint16_t* y, int threads) {
     for (long i = 0; i < M * K; i++) { uint32_t u = (uint32_t)x[i] << 16; __builtin_memcpy(xf + i, &u, 4); }
     #pragma omp parallel num_threads(threads)
-    gemm_rows(xf, M, K, P, b, N, y, 0, 0);
+    gemm_rows(xf, M, K, W, b, N, y, 0, 0);
 }
 #endif
+
+/* linear_packed with bf16 panels P = pack(W) */
+void linear_bf16(const uint16_t* x, float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N,
+                 uint16_t* y, int threads) {
+    const Packed W = {P, 0, 0, 16, 0};
+    linear_packed(x, xf, M, K, &W, b, N, y, threads);
+}

@@ -2,6 +2,7 @@
    of the one ISA variant this build targets, chosen by the compiler's target macros */
 #pragma once
 #include "bf16.h"
+#include "nanospec.h"
 
 /* the 16 outputs of one register of accumulators: + bias, rounded to bf16 once, into y (or yf: fp32 holding
    the bf16 value); columns from N on are the zero rows padding the last panel and are not written */
@@ -30,10 +31,13 @@ static inline void store16(const float* out, const uint16_t* b, uint16_t* y, flo
     }
 }
 
-/* a register tile: rows m.. m + height of x (row stride kx, in the kernel's units) times packed panel p; where
-   pf is not 0 it prefetches the next panel's 64-byte lines [l0, l1) (tiles[height] for height 1..mtmax) */
-typedef void (*tile_fn)(const void* x, long kx, const uint16_t* P, const uint16_t* b, uint16_t* y, float* yf, long N,
+/* a register tile: rows m.. m + height of x (row stride kx, in the kernel's units) times panel p of W; where pf is
+   not 0 it prefetches the next panel's 64-byte lines [l0, l1) (tiles[fmt(bits)][height] for height 1..mtmax) */
+typedef void (*tile_fn)(const void* x, long kx, const Packed* W, const uint16_t* b, uint16_t* y, float* yf, long N,
                         long m, long p, const char* pf, long l0, long l1);
+
+static inline int fmt(long bits) { return bits == 16 ? 0 : bits == 8 ? 1 : 2; }  /* bf16, int8, int4 */
+
 
 /* y[M, N] (bf16; or yf, fp32 holding bf16 values) = x[M, K] @ W[N, K]^T (+ b[N]) through a kernel's tiles, over
    packed panels of `panel` weight rows (panel x K bf16 each). Work-shared over the threads of the enclosing parallel
@@ -49,9 +53,11 @@ typedef void (*tile_fn)(const void* x, long kx, const uint16_t* P, const uint16_
    the hardware prefetcher; spread = 2: a lone tile prefetches all of it, as with 0). The later tiles find their
    panel in cache and give the hardware prefetcher no misses to follow. Row-invariant by construction when each
    tile computes every output the same way whatever its height or width. */
-static void tiled(const tile_fn* tiles, const tile_fn* halves, long mtmax, long panel, int spread, const void* x,
-                  long kx, long M, long K, const uint16_t* P, const uint16_t* b, long N, uint16_t* y, float* yf) {
-    const long NP = (N + panel - 1) / panel, L = panel * K / 32;  /* 64-byte lines per panel */
+static void tiled(const tile_fn (*tiles)[7], const tile_fn (*halves)[7], long mtmax, long panel, int spread,
+                  const void* x, long kx, long M, long K, const Packed* W, const uint16_t* b, long N, uint16_t* y,
+                  float* yf) {
+    const long pb = panel * K * W->bits / 8, NP = (N + panel - 1) / panel, L = pb / 64;  /* 64-byte lines per panel */
+    const int f = fmt(W->bits);
     /* the blocks are of nearly equal height (60 rows: 30 + 30, not 48 + 12), as a thread may take a whole block;
        one run over all (row block, panel) pairs, not a loop per row block: with many blocks (a prefill) the
        pairs divide evenly */
@@ -62,14 +68,14 @@ static void tiled(const tile_fn* tiles, const tile_fn* halves, long mtmax, long 
         const long q = i / S, e = (q + 1) * S < i1 ? (q + 1) * S : i1;  /* this thread's part of pair q: [i, e) */
         const long mb = M * (q / NP) / NB, mend = M * (q / NP + 1) / NB, p = q % NP;
         long rows = mend - mb, nt = (rows + mtmax - 1) / mtmax;
-        const char* next = p + 1 < NP && (q + 1) * S < i1 ? (const char*)(P + (p + 1) * panel * K) : 0;
+        const char* next = p + 1 < NP && (q + 1) * S < i1 ? (const char*)W->w + (p + 1) * pb : 0;
         long m = mb;
         for (long t = 0; t < nt; t++) {
             long h = (mend - m) / (nt - t) + ((mend - m) % (nt - t) != 0);
             long l0 = spread && nt > 1 ? L * t / nt : 0,
                  l1 = spread && nt > 1 ? L * (t + 1) / nt : (t == 0 && spread != 1 ? L : 0);
-            if (e - i == S) tiles[h](x, kx, P, b, y, yf, N, m, p, l1 > l0 ? next : 0, l0, l1);
-            else halves[h](x, kx, P, b, y, yf, N, m, 2 * p + i % 2, l1 > l0 ? next : 0, l0, l1);
+            if (e - i == S) tiles[f][h](x, kx, W, b, y, yf, N, m, p, l1 > l0 ? next : 0, l0, l1);
+            else halves[f][h](x, kx, W, b, y, yf, N, m, 2 * p + i % 2, l1 > l0 ? next : 0, l0, l1);
             m += h;
         }
         i = e;
@@ -87,12 +93,12 @@ static void tiled(const tile_fn* tiles, const tile_fn* halves, long mtmax, long 
 #endif
 
 /* y[M, N] (bf16; or yf, fp32 holding bf16 values) = xf[M, K] @ W[N, K]^T (+ b[N]); xf fp32 holding bf16
-   values, b bf16; P: W packed by pack(); xs: scratch the AVX-512 BF16 kernel needs (unused here). Every
+   values, b bf16; xs: scratch the AVX-512 BF16 kernel needs (unused here). Every
    output is one fp32 FMA chain over k in order, plus the bias, rounded once: the same whatever the tile, the
    row count or the row's place in the pass (row-invariant, as exact mode needs). Tiles of up to 6 rows. */
-static void gemm_rows(const float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N, uint16_t* y,
+static void gemm_rows(const float* xf, long M, long K, const Packed* W, const uint16_t* b, long N, uint16_t* y,
                       float* yf, uint16_t* xs) {
     (void)xs;
-    tiled(tiles, FMA_HALVES, 6, FMA_PANEL, FMA_SPREAD, xf, K, M, K, P, b, N, y, yf);
+    tiled(tiles, FMA_HALVES, 6, FMA_PANEL, FMA_SPREAD, xf, K, M, K, W, b, N, y, yf);
 }
 #endif

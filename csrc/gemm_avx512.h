@@ -8,31 +8,58 @@
    Each output is one fp32 FMA chain over k in order, as in the AVX2 kernel: the two give the same bits, and
    each instruction does twice an AVX2 FMA's work (measured on an Ice Lake Xeon, the default model's GEMMs in
    one process, alternating: 16 rows 1.4-1.5x, 60 rows 1.6-2x the AVX2 kernel, 1-4 rows the same: memory-bound). */
-static inline __attribute__((always_inline)) void tile(const float* x, long K, const uint16_t* P, const uint16_t* b,
-        uint16_t* y, float* yf, long N, long m0, long p, const char* pf, long l0, long l1, const int MT, const int NVH) {
+static inline __attribute__((always_inline)) void tile(const float* x, long K, const Packed* W, const uint16_t* b,
+        uint16_t* y, float* yf, long N, long m0, long p, const char* pf, long l0, long l1, const int MT, const int NVH,
+        const int BITS) {
     /* NVH = 4: the whole panel p; NVH = 2: the half panel p (panel p / 2's 32 columns from 32 x (p % 2): the
-       second of each k's two 64-byte loads, or the first) */
+       second of each k's two 64-byte loads, or the first; quantized, the second or first half of each k's codes) */
     __m512 acc[6][4];  /* in registers: the loops over it are unrolled (MT and NVH are constants) */
     for (int i = 0; i < MT; i++) for (int v = 0; v < NVH; v++) acc[i][v] = _mm512_setzero_ps();
     const float* x0 = x + m0 * K;
-    const long half = NVH == 4 ? 0 : p % 2;
-    const long n0 = NVH == 4 ? p * 64 : p / 2 * 64 + half * 32;
-    const __m512i* w = (const __m512i*)(P + (NVH == 4 ? p : p / 2) * 64 * K) + half;
+    const long half = NVH == 4 ? 0 : p % 2, pp = NVH == 4 ? p : p / 2;
+    const long n0 = pp * 64 + half * 32;
+    const __m512i* w = (const __m512i*)((const uint16_t*)W->w + pp * 64 * K) + half;
+    /* quantized: codes of a k's 64 rows in order (int4: rows 32 r + j and 32 r + 16 + j in byte 16 r + j), this
+       tile's half from byte 32 x half (int4: 16 x half); a group's scales and offsets widened once per group */
+    const uint8_t* q = (const uint8_t*)W->w + pp * 64 * K * BITS / 8 + half * 32 * BITS / 8;
+    const long GK = BITS == 16 ? K : W->group, NG = K / GK;
+    const uint16_t *sp = BITS == 16 ? 0 : W->s + pp * NG * 64 + half * 32,
+                   *mp = BITS != 16 && W->m ? W->m + pp * NG * 64 + half * 32 : 0;
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
     long due = 0, l = l0;
-    #pragma GCC unroll 2
-    for (long k = 0; k < K; k++) {
-        if (pf)  /* this tile's share of the next panel, spread evenly over its k loop (as the BF16 kernel) */
-            for (due += l1 - l0; due >= K; due -= K, l++) _mm_prefetch(pf + l * 64, _MM_HINT_T0);
-        __m512 wv[4];
-        for (int v = 0; v < NVH / 2; v++) {
-            __m512i u = _mm512_loadu_si512(w + 2 * k + v);
-            wv[2 * v] = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
-            wv[2 * v + 1] = _mm512_castsi512_ps(_mm512_and_si512(u, hi));
-        }
-        for (int i = 0; i < MT; i++) {
-            __m512 xv = _mm512_set1_ps(x0[i * K + k]);
-            for (int v = 0; v < NVH; v++) acc[i][v] = _mm512_fmadd_ps(xv, wv[v], acc[i][v]);
+    for (long g = 0; g < NG; g++) {
+        __m512 sx[4], mx[4];
+        if (BITS != 16)
+            for (int v = 0; v < NVH; v++) {
+                sx[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + g * 64 + 16 * v)));
+                mx[v] = mp ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mp + g * 64 + 16 * v))) : _mm512_setzero_ps();
+            }
+        #pragma GCC unroll 2
+        for (long k = g * GK; k < (g + 1) * GK; k++) {
+            if (pf)  /* this tile's share of the next panel, spread evenly over its k loop (as the BF16 kernel) */
+                for (due += l1 - l0; due >= K; due -= K, l++) _mm_prefetch(pf + l * 64, _MM_HINT_T0);
+            __m512 wv[4];
+            if (BITS == 16)
+                for (int v = 0; v < NVH / 2; v++) {
+                    __m512i u = _mm512_loadu_si512(w + 2 * k + v);
+                    wv[2 * v] = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+                    wv[2 * v + 1] = _mm512_castsi512_ps(_mm512_and_si512(u, hi));
+                }
+            else
+                for (int v = 0; v < NVH; v++) {
+                    __m512i c;
+                    if (BITS == 8) c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k * 64 + 16 * v)));
+                    else {
+                        c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + k * 32 + 16 * (v / 2))));
+                        c = v % 2 ? _mm512_srli_epi32(c, 4) : _mm512_and_si512(c, _mm512_set1_epi32(15));
+                    }
+                    __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(c), sx[v]);
+                    wv[v] = rbf16v(mp ? _mm512_add_ps(f, mx[v]) : f);
+                }
+            for (int i = 0; i < MT; i++) {
+                __m512 xv = _mm512_set1_ps(x0[i * K + k]);
+                for (int v = 0; v < NVH; v++) acc[i][v] = _mm512_fmadd_ps(xv, wv[v], acc[i][v]);
+            }
         }
     }
     float out[16];
@@ -41,13 +68,18 @@ static inline __attribute__((always_inline)) void tile(const float* x, long K, c
         store16(out, b, y, yf, N, m0 + i, n0 + v * 16);
     }
 }
-#define TILE(MT) static void t##MT(const void* x, long K, const uint16_t* P, const uint16_t* b, uint16_t* y, float* yf, \
-        long N, long m, long p, const char* pf, long l0, long l1) { tile((const float*)x, K, P, b, y, yf, N, m, p, pf, l0, l1, MT, 4); } \
-    static void h##MT(const void* x, long K, const uint16_t* P, const uint16_t* b, uint16_t* y, float* yf, \
-        long N, long m, long p, const char* pf, long l0, long l1) { tile((const float*)x, K, P, b, y, yf, N, m, p, pf, l0, l1, MT, 2); }
-TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
-static const tile_fn tiles[7] = {0, t1, t2, t3, t4, t5, t6};
-static const tile_fn half_tiles[7] = {0, h1, h2, h3, h4, h5, h6};
+#define TILE(MT, BITS) static void t##MT##_##BITS(const void* x, long K, const Packed* W, const uint16_t* b, uint16_t* y, \
+        float* yf, long N, long m, long p, const char* pf, long l0, long l1) { \
+        tile((const float*)x, K, W, b, y, yf, N, m, p, pf, l0, l1, MT, 4, BITS); } \
+    static void h##MT##_##BITS(const void* x, long K, const Packed* W, const uint16_t* b, uint16_t* y, float* yf, \
+        long N, long m, long p, const char* pf, long l0, long l1) { \
+        tile((const float*)x, K, W, b, y, yf, N, m, p, pf, l0, l1, MT, 2, BITS); }
+#define TILES(BITS) TILE(1, BITS) TILE(2, BITS) TILE(3, BITS) TILE(4, BITS) TILE(5, BITS) TILE(6, BITS)
+TILES(16) TILES(8) TILES(4)
+static const tile_fn tiles[3][7] = {{0, t1_16, t2_16, t3_16, t4_16, t5_16, t6_16},
+                                    {0, t1_8, t2_8, t3_8, t4_8, t5_8, t6_8}, {0, t1_4, t2_4, t3_4, t4_4, t5_4, t6_4}};
+static const tile_fn half_tiles[3][7] = {{0, h1_16, h2_16, h3_16, h4_16, h5_16, h6_16},
+                                         {0, h1_8, h2_8, h3_8, h4_8, h5_8, h6_8}, {0, h1_4, h2_4, h3_4, h4_4, h5_4, h6_4}};
 #define FMA_HALVES half_tiles  /* 9-panel products split evenly over 2 threads (tiled()) */
 #define FMA_PANEL 64
 /* a lone tile (1-6 rows) prefetches the whole next panel, as the AVX2 kernel's first tile does (measured on an Ice

@@ -7,7 +7,8 @@
 #define NV 4
 #endif
 /* MT (<= 6) rows of x times the 64 weight rows of packed panel p (P[p][k/2][64][2]: for each pair of k, each
-   weight row's two bf16 values side by side, so one 64-byte load is 16 rows' pairs). x: bf16 pairs, K2 = K / 2
+   weight row's two bf16 values side by side, so one 64-byte load is 16 rows' pairs; quantized (BITS 8 or 4), the
+   codes in the same places, widened to those bf16 values in registers). x: bf16 pairs, K2 = K / 2
    per row; one 32-bit broadcast per row and pair. Each output is one chain of vdpbf16ps over the pairs in
    order; 4 x MT independent chains hide its latency (24 accumulators of the 32 registers), one row's 4
    included. A pass of one tile (up to 6 rows) leaves its panel stream to the hardware prefetcher; in larger
@@ -16,25 +17,54 @@
    26 and 48 rows, where prefetching the whole next panel from the one-row tile was 7-12% slower. 16-row tiles
    of 16-row panels, which read each panel once per 16 rows, were 5-15% slower at 1-4 rows and between 20%
    faster and 15% slower at 16, as this shared machine's memory speed moved. */
-static inline __attribute__((always_inline)) void tile(const uint32_t* x, long K2, const uint16_t* P, const uint16_t* b,
-        uint16_t* y, float* yf, long N, long m0, long p, const char* pf, long l0, long l1, const int MT) {
+static inline __attribute__((always_inline)) void tile(const uint32_t* x, long K2, const Packed* W, const uint16_t* b,
+        uint16_t* y, float* yf, long N, long m0, long p, const char* pf, long l0, long l1, const int MT, const int BITS) {
     __m512 acc[6][NV];  /* in registers: the loops over it are unrolled (MT and NV are constants) */
     for (int i = 0; i < MT; i++) for (int v = 0; v < NV; v++) acc[i][v] = _mm512_setzero_ps();
     const uint32_t* x0 = x + m0 * K2;
-    const __m512i* w = (const __m512i*)(P + p * 32 * NV * K2);
+    const uint8_t* q = (const uint8_t*)W->w + p * 16 * NV * K2 * BITS / 4;  /* this panel's bf16 values or codes */
+    /* quantized: a group's scales and offsets, widened once per group into each lane's row order (row c twice: its
+       k pair), so a code's weight is one multiply and one add from memory operands */
+    const long GK = BITS == 16 ? K2 : W->group / 2, NG = K2 / GK;
+    const uint16_t *sp = BITS == 16 ? 0 : W->s + p * NG * 16 * NV, *mp = BITS != 16 && W->m ? W->m + p * NG * 16 * NV : 0;
+    const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     long due = 0, l = l0;
-    #pragma GCC unroll 2
-    for (long k = 0; k < K2; k++) {
-        /* this tile's share of the next panel, spread evenly over its k loop by a running remainder (two integer
-           divisions per k had cost 12-16% of 26- and 60-row passes, measured on Zen 5), into L1 (T0: 3-13% faster
-           than L2 at 16-26 rows there) */
-        if (pf)
-            for (due += l1 - l0; due >= K2; due -= K2, l++) _mm_prefetch(pf + l * 64, _MM_HINT_T0);
-        __m512bh wv[NV];
-        for (int v = 0; v < NV; v++) wv[v] = (__m512bh)_mm512_loadu_si512(w + NV * k + v);
-        for (int i = 0; i < MT; i++) {
-            __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x0[i * K2 + k]);
-            for (int v = 0; v < NV; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], xb, wv[v]);
+    for (long g = 0; g < NG; g++) {
+        __m512 sx[2 * NV], mx[2 * NV];
+        if (BITS != 16)
+            for (int j = 0; j < 2 * NV; j++) {
+                sx[j] = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(
+                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + g * 16 * NV + 8 * j)))));
+                mx[j] = mp ? _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(
+                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mp + g * 16 * NV + 8 * j))))) : _mm512_setzero_ps();
+            }
+        #pragma GCC unroll 2
+        for (long k = g * GK; k < (g + 1) * GK; k++) {
+            /* this tile's share of the next panel, spread evenly over its k loop by a running remainder (two integer
+               divisions per k had cost 12-16% of 26- and 60-row passes, measured on Zen 5), into L1 (T0: 3-13%
+               faster than L2 at 16-26 rows there) */
+            if (pf)
+                for (due += l1 - l0; due >= K2; due -= K2, l++) _mm_prefetch(pf + l * 64, _MM_HINT_T0);
+            __m512bh wv[NV];
+            for (int v = 0; v < NV; v++) {
+                if (BITS == 16) { wv[v] = (__m512bh)_mm512_loadu_si512((const __m512i*)q + NV * k + v); continue; }
+                __m512i lo, hi;  /* the codes of rows 8 v .. 8 v + 7's pairs and of the next 8 rows' */
+                if (BITS == 8) {
+                    lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + (NV * k + v) * 32)));
+                    hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + (NV * k + v) * 32 + 16)));
+                } else {
+                    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + (NV * k + v) * 16)));
+                    lo = _mm512_and_si512(c, _mm512_set1_epi32(15));
+                    hi = _mm512_srli_epi32(c, 4);
+                }
+                __m512 fl = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), sx[2 * v]), fh = _mm512_mul_ps(_mm512_cvtepi32_ps(hi), sx[2 * v + 1]);
+                if (mp) { fl = _mm512_add_ps(fl, mx[2 * v]); fh = _mm512_add_ps(fh, mx[2 * v + 1]); }
+                wv[v] = _mm512_cvtne2ps_pbh(fh, fl);  /* round to nearest even, as torch (weights are not subnormal) */
+            }
+            for (int i = 0; i < MT; i++) {
+                __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x0[i * K2 + k]);
+                for (int v = 0; v < NV; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], xb, wv[v]);
+            }
         }
     }
     float out[16];
@@ -43,24 +73,27 @@ static inline __attribute__((always_inline)) void tile(const uint32_t* x, long K
         store16(out, b, y, yf, N, m0 + i, (p * NV + v) * 16);
     }
 }
-#define TILE(MT) static void t##MT(const void* x, long K2, const uint16_t* P, const uint16_t* b, uint16_t* y, \
-        float* yf, long N, long m, long p, const char* pf, long l0, long l1) { tile((const uint32_t*)x, K2, P, b, y, yf, N, m, p, pf, l0, l1, MT); }
-TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
-static const tile_fn tiles[7] = {0, t1, t2, t3, t4, t5, t6};
+#define TILE(MT, BITS) static void t##MT##_##BITS(const void* x, long K2, const Packed* W, const uint16_t* b, \
+        uint16_t* y, float* yf, long N, long m, long p, const char* pf, long l0, long l1) { \
+        tile((const uint32_t*)x, K2, W, b, y, yf, N, m, p, pf, l0, l1, MT, BITS); }
+#define TILES(BITS) TILE(1, BITS) TILE(2, BITS) TILE(3, BITS) TILE(4, BITS) TILE(5, BITS) TILE(6, BITS)
+TILES(16) TILES(8) TILES(4)
+static const tile_fn tiles[3][7] = {{0, t1_16, t2_16, t3_16, t4_16, t5_16, t6_16},
+                                    {0, t1_8, t2_8, t3_8, t4_8, t5_8, t6_8}, {0, t1_4, t2_4, t3_4, t4_4, t5_4, t6_4}};
 
 /* y[M, N] = x[M, K] @ W[N, K]^T (+ b), x as bf16 pairs, in tiles of up to 6 rows over panels of 64. Row-invariant
    by construction: every output is one chain of vdpbf16ps over the k pairs in order, plus the bias, rounded
    once, whatever the tile, the row count or the row's place in the pass. */
-static void gemm_pairs(const uint32_t* x, long M, long K, const uint16_t* P, const uint16_t* b, long N, uint16_t* y,
+static void gemm_pairs(const uint32_t* x, long M, long K, const Packed* W, const uint16_t* b, long N, uint16_t* y,
                        float* yf) {
-    tiled(tiles, 0, 6, 16 * NV, 1, x, K / 2, M, K, P, b, N, y, yf);
+    tiled(tiles, 0, 6, 16 * NV, 1, x, K / 2, M, K, W, b, N, y, yf);
 }
 
 /* the fused pass's interface (forward.c; gemm.c's linear_bf16 takes bf16 pairs directly): xf [M, K] fp32 holding
    bf16 values, made bf16 (exact) in xs [threads, M, K] first */
-__attribute__((unused)) static void gemm_rows(const float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N, uint16_t* y,
-                      float* yf, uint16_t* xs) {
+__attribute__((unused)) static void gemm_rows(const float* xf, long M, long K, const Packed* W, const uint16_t* b,
+                                              long N, uint16_t* y, float* yf, uint16_t* xs) {
     uint16_t* mine = xs + omp_get_thread_num() * M * K;  /* each thread its own copy: no barrier before the GEMM */
     for (long i = 0; i < M * K; i++) mine[i] = to_bf16(xf[i]);
-    gemm_pairs((const uint32_t*)mine, M, K, P, b, N, y, yf);
+    gemm_pairs((const uint32_t*)mine, M, K, W, b, N, y, yf);
 }

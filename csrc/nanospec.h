@@ -10,11 +10,21 @@ typedef struct {
     uint16_t* rows; uint16_t* P; const uint16_t* W; long V, nslots, K, panel, kb; const int64_t* place;
 } RowsDst;
 
+/* A weight matrix W [N, K] packed for the GEMM. bits 16: w holds pack()'s bf16 panels. bits 8 or 4: w holds
+   quant.pack_codes()'s codes: per panel, per group of KB consecutive k, the panel's rows in order, a row's KB codes
+   side by side (int8 one a byte; int4 0..15 two a byte, in each run of 2 QC codes code j and j + QC in byte j's
+   low and high nibble, QC the lanes one widening fills: 16 with AVX-512, 8 with AVX2); s and m fp16 [panels][K /
+   group][PANEL], a panel's rows in order: the weight is bf16(code * s + m) (m 0: no offsets) */
+typedef struct { const void* w; const uint16_t *s, *m; long bits, group; } Packed;
+
 void write_rows(const RowsDst* d, const int64_t* tok, const int64_t* slot, long n);
 void linear_bf16(const uint16_t* x, float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N,
                  uint16_t* y, int threads);
+void linear_packed(const uint16_t* x, float* xf, long M, long K, const Packed* W, const uint16_t* b, long N,
+                   uint16_t* y, int threads);
 
-/* The fused pass's arguments (cpu_forward.run; stack_bf16 in forward.c documents them) */
+/* The fused pass's arguments (cpu_forward.run; stack_bf16 in forward.c documents them; tab's GEMM entries point at
+   Packed matrices) */
 typedef struct {
     const int64_t* tab; long L, D, H, Hkv, hd, I; float eps; long T, S;
     uint16_t* x; const uint16_t *emb, *cs, *sn; const uint8_t* mask; const int64_t *mbase; long W; const int64_t* cpos;

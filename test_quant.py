@@ -1,0 +1,237 @@
+"""Weight-only quantization (quant.py, quantize.py): the codes' error bounds, the kernel's products equal to the bf16
+kernel's on the dequantized weights for every ISA this CPU runs (tails and group edges), a quantized model's pass
+equal bit for bit to the bf16 pass on its dequantized weights, tree rows equal to autoregressive bits, every drafter
+lossless on int8 and int4 targets, and bad input as one line."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import cpu_forward
+import cpu_gemm
+import draft_eagle as de
+import draft_hybrid as dh
+import draft_lookup as dl
+import generate
+import model as M
+import quant
+import quantize
+from conftest import write_eagle_head, write_tiny_hf
+from eagle import load_eagle
+from generate import Engine
+from test_cpu_forward import load, toks  # the fused-pass tests' loader (GEMM kernel on) and tokens
+from vocab import make_vocab
+
+needs_kernel = pytest.mark.skipif(cpu_gemm.kernel() is None, reason="needs x86-64 with AVX2+FMA and a C compiler")
+
+
+@pytest.mark.parametrize("bits,group", [(8, 64), (8, 192), (4, 32), (4, 64)])
+def test_codes_are_within_half_a_step(bits, group):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 192, generator=g) * torch.rand(40, 1, generator=g)
+    w[3, :group] = 0.25  # a constant group: scale 0, every code exact
+    codes, s, m = quant.quantize(w, quant.Scheme(bits, group))
+    c = quant.codes_of(codes, bits)
+    assert c.shape == w.shape and (c.min() >= (0 if bits == 4 else -127)) and c.max() <= (15 if bits == 4 else 127)
+    assert (m is None) == (bits == 8) and s.dtype == torch.float16 and s.shape == (40, 192 // group)
+    step = s.float().repeat_interleave(group, 1)
+    err = (quant.dequantize(codes, s, m, bits).float() - w).abs()
+    # half a step, plus fp16's rounding of the scale and offset, plus bf16's of the weight
+    assert (err <= step * 0.5 + w.abs() * 2 ** -8 + step * 16 * 2 ** -10 + 2 ** -20).all()
+    assert torch.equal(quant.dequantize(codes, s, m, bits)[3, :group].float(), torch.full((group,), 0.25))
+    assert (err.mean() < step.mean() * 0.3)  # codes are rounded, not truncated
+
+
+def test_nibbles_round_trip():
+    c = torch.randint(0, 16, (5, 12), dtype=torch.uint8)
+    assert torch.equal(quant.unpack_nibbles(quant.pack_nibbles(c)), c)
+    assert quant.pack_nibbles(c)[0, 0] == c[0, 0] | (c[0, 1] << 4)
+
+
+def test_scheme_errors():
+    with pytest.raises(quant.QuantError, match="does not divide its input width 576"):
+        quant.Scheme(4, 128).check("x", 576)
+    with pytest.raises(quant.QuantError, match="not supported"):
+        quant.Scheme(3, 32).check("x", 64)
+
+
+SHAPES = [(9, 64, 32), (200, 192, 64), (69, 256, 256), (128, 96, 32)]  # N: under a panel, tails, whole panels
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [8, 4])
+def test_kernel_is_the_bf16_kernel_on_dequantized_weights(bits):
+    """For each shape, group size and row count (register tiles of 1-6 rows, blocks of 48, a padded last panel):
+    the quantized GEMM's bits are the bf16 GEMM's on dequantize()'s matrix, and near fp32's product."""
+    g = torch.Generator().manual_seed(bits)
+    for N, K, group in SHAPES:
+        w = torch.randn(N, K, generator=g) * 0.05
+        codes, s, m = quant.quantize(w, quant.Scheme(bits, group))
+        dq = quant.dequantize(codes, s, m, bits)
+        kw, ref_p = quant.kernel_weight(codes, s, m, bits), cpu_gemm.pack(dq)
+        b = torch.randn(N, generator=g).bfloat16()
+        x = torch.randn(61, K, generator=g).bfloat16()
+        for r in (1, 2, 5, 7, 13, 61):
+            y = quant.kernel_linear(x[:r], kw, N, b)
+            assert torch.equal(y, cpu_gemm.kernel_linear(x[:r], ref_p, N, b)), (N, K, group, r)
+            ref = x[:r].float() @ dq.float().T + b.float()
+            assert torch.allclose(y.float(), ref, atol=0.02, rtol=0.02)
+        assert torch.equal(quant.kernel_linear(x[:5], kw, N)[2], quant.kernel_linear(x[2:3], kw, N)[0])  # rows
+
+
+SMALLER = [isa for isa in ("avx512", "avx2") if isa != cpu_gemm.ISA and cpu_gemm.ISA != "avx2"
+           and (isa == "avx2" or "avx512f" in cpu_gemm.cpu_flags())]
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", SMALLER or [pytest.param("avx2", marks=pytest.mark.skip("this process tests the AVX2 kernel"))])
+def test_the_smaller_kernels_too(tmp_path, isa):
+    """The kernels smaller CPUs run (AVX2; AVX-512 without bf16) pass the kernel test too, each in its own process."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, cpu_gemm.ISA_ENV: isa, "NANOSPEC_CACHE": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel_is_the_bf16",
+                        "test_quant.py"], cwd=here, env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "2 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A Qwen2-shaped tiny target (q/k/v bias, head size 64), its int8 and int4 copies, and each copy's
+    dequantized bf16 twin (the same weights as plain bf16 tensors)."""
+    root = tmp_path_factory.mktemp("quant")
+    path, _ = write_tiny_hf(root / "bf16", arch="qwen2", hidden_size=192, intermediate_size=256,
+                            num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=1, vocab_size=300,
+                            max_position_embeddings=512)
+    out = {"bf16": path}
+    for mode in ("int8", "int4"):
+        q = root / mode
+        quantize.quantize_folder(path, q, mode, None)
+        sd, twin = load_file(str(q / "model.safetensors")), {}
+        for k, t in sd.items():
+            if k.endswith(".qweight"):
+                base = k.removesuffix(".qweight")
+                twin[base + ".weight"] = quant.dequantize(t, sd[base + ".scales"], sd.get(base + ".offsets"),
+                                                          8 if t.dtype == torch.int8 else 4)
+            elif not k.endswith((".scales", ".offsets")):
+                twin[k] = t
+        d = root / f"{mode}_twin"
+        d.mkdir()
+        save_file(twin, str(d / "model.safetensors"))
+        cfg = json.loads((q / "config.json").read_text())
+        del cfg[quant.CONFIG_KEY]
+        (d / "config.json").write_text(json.dumps(cfg))
+        out[mode], out[mode + "_twin"] = q, d
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("fused", [True, False])
+@torch.no_grad()
+def test_quantized_pass_is_the_bf16_pass_on_its_dequantized_weights(folders, mode, fused, monkeypatch):
+    q, twin = load(folders[mode], fused, monkeypatch), load(folders[mode + "_twin"], fused, monkeypatch)
+    assert isinstance(q.layers[0].mlp.down_proj, quant.QLinear) and isinstance(q.lm_head, quant.QLinear)
+    assert q.lm_head.bits == 8 and q.layers[0].mlp.down_proj.bits == (8 if mode == "int8" else 4)
+    q.aux_layers = twin.aux_layers = (2, 0)
+    p = toks(37)
+    for m in (q, twin):
+        m.setup_caches(1, 256)
+    a, b = q(p, torch.arange(37), return_hidden=True), twin(p, torch.arange(37), return_hidden=True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert quant.weight_bytes(q) < quant.weight_bytes(twin) * (0.7 if mode == "int8" else 0.6)
+
+
+@needs_kernel
+@torch.no_grad()
+def test_int4_tree_rows_are_autoregressive_bits(folders, monkeypatch):
+    """The exact-mode property on an int4 target: one pass over a tree gives each node the logits that decoding
+    its path one token at a time gives (the fused pass is row-invariant by construction)."""
+    m = load(folders["int4"], True, monkeypatch)
+    parents = [-1, 0, 0, 1, 2, 2, 4, 3, 0]
+    anc = torch.zeros(9, 9, dtype=torch.bool)
+    for i in range(9):
+        j = i
+        while j >= 0:
+            anc[i, j], j = True, parents[j]
+    depth = anc.sum(1) - 1
+    tk, T, n = toks(9, 2)[0], 37, torch.tensor(37)
+    p = toks(T)
+    m(p, torch.arange(T))
+    lt = m(tk[None], n + depth, mask=M.tree_mask(m.seq_range, anc, n), cache_pos=n + torch.arange(9))
+    for i in range(9):
+        m(p, torch.arange(T))
+        for t, j in enumerate(torch.nonzero(anc[i])[:, 0].tolist()):
+            lo = m(tk[j].view(1, 1), torch.tensor([T + t]))
+        assert torch.equal(lo[0, 0], lt[0, i]), i
+
+
+PROMPTS = [[5, 17, 99, 3, 42, 42, 8], [200, 201, 202, 203, 200, 201, 202], list(range(30, 60))]
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_every_drafter_is_lossless_on_quantized_targets(folders, mode, tmp_path):
+    m = M.load_model(folders[mode], dtype=torch.bfloat16)
+    head_path = write_eagle_head(tmp_path / "e3", json.loads((folders[mode] / "config.json").read_text()))
+
+    def eagle(vocab):
+        head = load_eagle(head_path, m, torch.bfloat16, "cpu")
+        m.aux_layers = head.c.aux_layers
+        v = make_vocab(vocab, head.lm_weight(), w_max=64, max_append=10 + 4 * 3,
+                       token_to_row=de.EagleDrafter.token_to_row_map(head))
+        return de.EagleDrafter(head, v, 4, 3, 10, m.lm_head)
+
+    drafters = {"ngram": lambda: dl.NgramDrafter(k=4), "eagle3": lambda: eagle("full"),
+                "eagle3+nanospec": lambda: eagle("nanospec"),
+                "hybrid": lambda: dh.HybridDrafter(eagle("nanospec"), dl.NgramDrafter(k=4)),
+                "self": lambda: de.ModelDrafter(M.load_model(folders[mode], dtype=torch.bfloat16),
+                                                make_vocab("full", m.lm_head.weight), k=3)}
+    for p in PROMPTS:
+        m.aux_layers = ()
+        ref = Engine(m).generate(p, 40)[0]
+        for name, make in drafters.items():
+            out, st = Engine(m, drafter=make()).generate(p, 40)
+            assert out == ref, (mode, name, p)
+            if name == "self":
+                assert st.mean_accepted_length > 3.0  # the quantized target drafting for itself is always right
+
+
+def one_line(capsys, rc, *words):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    for w in words:
+        assert w in err[0], err[0]
+
+
+def test_quantize_cli_errors(folders, tmp_path, capsys):
+    one_line(capsys, quantize.main(["--checkpoint", str(folders["bf16"]), "--mode", "int4", "--groupsize", "128",
+                                    "--out", str(tmp_path / "a")]), "group size 128", "192")
+    one_line(capsys, quantize.main(["--checkpoint", str(folders["int8"]), "--mode", "int4",
+                                    "--out", str(tmp_path / "b")]), "already quantized")
+    one_line(capsys, quantize.main(["--checkpoint", str(tmp_path / "nope"), "--mode", "int8",
+                                    "--out", str(tmp_path / "c")]), "not found")
+    one_line(capsys, quantize.main(["--checkpoint", str(folders["bf16"]), "--mode", "int8",
+                                    "--out", str(folders["int8"])]), "not an empty folder")
+    assert quantize.main(["--checkpoint", str(folders["bf16"]), "--mode", "int8", "--groupsize", "64",
+                          "--out", str(tmp_path / "g64")]) == 0
+    m = M.load_model(tmp_path / "g64", dtype=torch.bfloat16)
+    assert m.layers[0].mlp.down_proj.group == 64 and m.lm_head.group == 192
+
+
+@pytest.mark.parametrize("drop", [".scales", ".offsets"])
+def test_a_quantized_checkpoint_missing_a_tensor_is_one_line(folders, tmp_path, capsys, drop):
+    src = folders["int4"]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in src.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    sd = load_file(str(src / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj" + drop
+    del sd[name]
+    save_file(sd, str(bad / "model.safetensors"))
+    one_line(capsys, generate.main(["--checkpoint", str(bad), "--prompt", "hi", "--max-new-tokens", "2",
+                                    "--draft", "none"]), "layers.1.mlp.up_proj", drop.strip("."))
