@@ -65,7 +65,7 @@ class BatchEngine:
         if drafters and len(drafters) != batch:
             raise ValueError(f"{len(drafters)} drafters for a batch of {batch}")
         self.model, self.B, self.S, self.sampling, self.prefill_rows = model, batch, max_seq, sampling, prefill_rows
-        self.device = model.lm_head.weight.device
+        self.device = model.norm.weight.device
         self.eos = set(model.args.eos_ids)
         if drafters and budget:  # the pass's cost by rows, measured once per machine (before the caches: it
             cap = batch * drafters[0].nodes  # sets up its own): a budget that had to learn it drafted too little

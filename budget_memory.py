@@ -9,14 +9,14 @@ from model import Transformer
 
 
 def pass_key(model: Transformer) -> str:
-    return (f"{cpu_gemm.machine_id()} {cpu_forward.shape_key(model.args)} {model.lm_head.weight.dtype} "
+    return (f"{cpu_gemm.machine_id()} {cpu_forward.shape_key(model.args)} {model.norm.weight.dtype} "
             f"{'fused pass' if model.cpu_pass is not None else 'layers'} {'kernel' if cpu_gemm.enabled() else 'torch'}")
 
 
 def pass_costs(model: Transformer, nodes: int, extra=()) -> dict[int, float] | None:
     """Seconds of the target's pass per budget size on this CPU (measured once, cached in pass_cost.json);
     None on other devices (budget.py interpolates)."""
-    if model.lm_head.weight.device.type != "cpu":
+    if model.norm.weight.device.type != "cpu":
         return None
     sizes = sorted(set([s for s in SIZES if s < nodes] + [nodes] + list(extra)))
     key = pass_key(model)
@@ -38,7 +38,7 @@ class BudgetMemory:
         self.drafter, self.sources, self.where = drafter, {}, None
         if key is not None and os.environ.get("NANOSPEC_BUDGET_CACHE", "on") != "off":
             self.where = (cpu_gemm.cache_dir() / "budget.json",
-                          f"{pass_key(model)} {model.lm_head.weight.device.type} {key}")
+                          f"{pass_key(model)} {model.norm.weight.device.type} {key}")
         self.load()
 
     def load(self):  # a missing, stale or unreadable entry leaves the memory empty

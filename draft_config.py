@@ -168,7 +168,7 @@ def make_drafter(c: DraftConfig, target: Transformer, sampling: Sampling | None 
             raise ValueError("--vocab does not apply to --draft ngram (it has no LM head)")
         check_given(c, "prompt lookup", LOOKUP_FLAGS, ("spec_k",))
         return lookup(c)
-    dev, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
+    dev, dtype = target.norm.weight.device, target.norm.weight.dtype  # (a quantized LM head has codes)
     if head is None:
         path = resolve_checkpoint(c.draft, patterns=DRAFT_PATTERNS)
         if detect_draft_kind(path) == "eagle":
@@ -212,7 +212,7 @@ def make_drafters(c: DraftConfig, target: Transformer, n: int, sampling: Samplin
     if detect_draft_kind(path) != "eagle":
         raise ValueError("batched decoding drafts with EAGLE heads and prompt lookup; a draft model (--draft "
                          f"{c.draft}) drafts one prompt at a time")
-    w = target.lm_head.weight
+    w = target.norm.weight
     head = load_eagle(path, target, w.dtype, w.device)
     return [make_drafter(c, target, sampling, tokenizer, head=head if i == 0 else head.twin()) for i in range(n)]
 

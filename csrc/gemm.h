@@ -2,6 +2,7 @@
    of the one ISA variant this build targets, chosen by the compiler's target macros */
 #pragma once
 #include "bf16.h"
+#include <stdlib.h>
 #include "nanospec.h"
 
 /* the 16 outputs of one register of accumulators: + bias, rounded to bf16 once, into y (or yf: fp32 holding
@@ -33,8 +34,12 @@ static inline void store16(const float* out, const uint16_t* b, uint16_t* y, flo
 
 /* a register tile: rows m.. m + height of x (row stride kx, in the kernel's units) times panel p of W; where pf is
    not 0 it prefetches the next panel's 64-byte lines [l0, l1) (tiles[fmt(bits)][height] for height 1..mtmax) */
-typedef void (*tile_fn)(const void* x, long kx, const Packed* W, const uint16_t* b, uint16_t* y, float* yf, long N,
-                        long m, long p, const char* pf, long l0, long l1);
+typedef void (*tile_fn)(const void* x, long kx, const Packed* W, const uint16_t* wide, const uint16_t* b, uint16_t* y,
+                        float* yf, long N, long m, long p, const char* pf, long l0, long l1);
+/* (bf16 tiles: wide, where not 0, holds panel p as pack() lays it out, to read instead of W's) */
+
+/* panel p of quantized W widened to pack()'s bf16 layout, into dst [panel x K] (each ISA's header) */
+static void widen_panel(const Packed* W, long p, long K, uint16_t* dst);
 
 static inline int fmt(long bits) { return bits == 16 ? 0 : bits == 8 ? 1 : 2; }  /* bf16, int8, int4 */
 
@@ -53,6 +58,9 @@ static inline int fmt(long bits) { return bits == 16 ? 0 : bits == 8 ? 1 : 2; } 
    the hardware prefetcher; spread = 2: a lone tile prefetches all of it, as with 0). The later tiles find their
    panel in cache and give the hardware prefetcher no misses to follow. Row-invariant by construction when each
    tile computes every output the same way whatever its height or width. */
+static __thread uint16_t* widen_buf;  /* each thread's widened panel (tiled()), grown as needed, kept */
+static __thread long widen_cap;
+
 static void tiled(const tile_fn (*tiles)[7], const tile_fn (*halves)[7], long mtmax, long panel, int spread,
                   const void* x, long kx, long M, long K, const Packed* W, const uint16_t* b, long N, uint16_t* y,
                   float* yf) {
@@ -69,13 +77,28 @@ static void tiled(const tile_fn (*tiles)[7], const tile_fn (*halves)[7], long mt
         const long mb = M * (q / NP) / NB, mend = M * (q / NP + 1) / NB, p = q % NP;
         long rows = mend - mb, nt = (rows + mtmax - 1) / mtmax;
         const char* next = p + 1 < NP && (q + 1) * S < i1 ? (const char*)W->w + (p + 1) * pb : 0;
+        /* quantized, with several tiles to a panel: widen it once into this thread's buffer (L2) and run bf16
+           tiles over it, not every tile widening every code (the same bits: a quantized tile widens in registers
+           to these bf16 values). Measured on Zen 5, a pass of the default model's int4 GEMMs: 16 rows 7.3 ms
+           widening per tile, 5.9 widening once (bf16 5.9); 64 rows 25.6 and 17.1 (bf16 17.1) */
+        const int fw = f && nt > 1 ? 0 : f;
+        const uint16_t* wide = 0;
+        if (f && nt > 1) {
+            if (widen_cap < panel * K) {
+                free(widen_buf);
+                widen_cap = panel * K;
+                widen_buf = aligned_alloc(64, (widen_cap * 2 + 63) / 64 * 64);
+            }
+            widen_panel(W, p, K, widen_buf);
+            wide = widen_buf;
+        }
         long m = mb;
         for (long t = 0; t < nt; t++) {
             long h = (mend - m) / (nt - t) + ((mend - m) % (nt - t) != 0);
             long l0 = spread && nt > 1 ? L * t / nt : 0,
                  l1 = spread && nt > 1 ? L * (t + 1) / nt : (t == 0 && spread != 1 ? L : 0);
-            if (e - i == S) tiles[f][h](x, kx, W, b, y, yf, N, m, p, l1 > l0 ? next : 0, l0, l1);
-            else halves[f][h](x, kx, W, b, y, yf, N, m, 2 * p + i % 2, l1 > l0 ? next : 0, l0, l1);
+            if (e - i == S) tiles[fw][h](x, kx, W, wide, b, y, yf, N, m, p, l1 > l0 ? next : 0, l0, l1);
+            else halves[fw][h](x, kx, W, wide, b, y, yf, N, m, 2 * p + i % 2, l1 > l0 ? next : 0, l0, l1);
             m += h;
         }
         i = e;

@@ -8,9 +8,50 @@
    Each output is one fp32 FMA chain over k in order, as in the AVX2 kernel: the two give the same bits, and
    each instruction does twice an AVX2 FMA's work (measured on an Ice Lake Xeon, the default model's GEMMs in
    one process, alternating: 16 rows 1.4-1.5x, 60 rows 1.6-2x the AVX2 kernel, 1-4 rows the same: memory-bound). */
-static inline __attribute__((always_inline)) void tile(const float* x, long K, const Packed* W, const uint16_t* b,
-        uint16_t* y, float* yf, long N, long m0, long p, const char* pf, long l0, long l1, const int MT, const int NVH,
-        const int BITS) {
+/* the fp32 (bf16-valued) weights of rows 16 v .. 16 v + 15 at k from codes q (a k's 64 rows in order; int4: rows
+   32 r + j and 32 r + 16 + j in byte 16 r + j), sx / mx their group's scales and offsets */
+static inline __attribute__((always_inline)) __m512 widen(const uint8_t* q, long k, int v, const __m512* sx,
+                                                           const __m512* mx, int has_m, const int BITS) {
+    __m512i c;
+    if (BITS == 8) c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k * 64 + 16 * v)));
+    else {
+        c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + k * 32 + 16 * (v / 2))));
+        c = v % 2 ? _mm512_srli_epi32(c, 4) : _mm512_and_si512(c, _mm512_set1_epi32(15));
+    }
+    __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(c), sx[v]);
+    return rbf16v(has_m ? _mm512_add_ps(f, mx[v]) : f);
+}
+
+static inline __attribute__((always_inline)) void expand(const uint16_t* sp, const uint16_t* mp, int n, __m512* sx, __m512* mx) {
+    for (int v = 0; v < n; v++) {
+        sx[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 16 * v)));
+        mx[v] = mp ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mp + 16 * v))) : _mm512_setzero_ps();
+    }
+}
+
+/* panel p of a quantized W as pack()'s bf16 panel, into dst [K][64] (per 32 rows [n0, n16, n1, n17, ...]) */
+static void widen_panel(const Packed* W, long p, long K, uint16_t* dst) {
+    const long NG = K / W->group;
+    const uint8_t* q = (const uint8_t*)W->w + p * 64 * K * W->bits / 8;
+    const uint16_t *sp = W->s + p * NG * 64, *mp = W->m ? W->m + p * NG * 64 : 0;
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    for (long g = 0; g < NG; g++) {
+        __m512 sx[4], mx[4];
+        expand(sp + g * 64, mp ? mp + g * 64 : 0, 4, sx, mx);
+        for (long k = g * W->group; k < (g + 1) * W->group; k++)
+            for (int v = 0; v < 2; v++) {  /* rows 32 v + j (low half) and 32 v + 16 + j (high half) of lane j */
+                __m512 a = W->bits == 8 ? widen(q, k, 2 * v, sx, mx, mp != 0, 8) : widen(q, k, 2 * v, sx, mx, mp != 0, 4);
+                __m512 c = W->bits == 8 ? widen(q, k, 2 * v + 1, sx, mx, mp != 0, 8) : widen(q, k, 2 * v + 1, sx, mx, mp != 0, 4);
+                __m512i u = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(a), 16),
+                                            _mm512_and_si512(_mm512_castps_si512(c), hi));
+                _mm512_storeu_si512((__m512i*)(dst + k * 64 + 32 * v), u);
+            }
+    }
+}
+
+static inline __attribute__((always_inline)) void tile(const float* x, long K, const Packed* W, const uint16_t* wide,
+        const uint16_t* b, uint16_t* y, float* yf, long N, long m0, long p, const char* pf, long l0, long l1,
+        const int MT, const int NVH, const int BITS) {
     /* NVH = 4: the whole panel p; NVH = 2: the half panel p (panel p / 2's 32 columns from 32 x (p % 2): the
        second of each k's two 64-byte loads, or the first; quantized, the second or first half of each k's codes) */
     __m512 acc[6][4];  /* in registers: the loops over it are unrolled (MT and NVH are constants) */
@@ -18,9 +59,9 @@ static inline __attribute__((always_inline)) void tile(const float* x, long K, c
     const float* x0 = x + m0 * K;
     const long half = NVH == 4 ? 0 : p % 2, pp = NVH == 4 ? p : p / 2;
     const long n0 = pp * 64 + half * 32;
-    const __m512i* w = (const __m512i*)((const uint16_t*)W->w + pp * 64 * K) + half;
-    /* quantized: codes of a k's 64 rows in order (int4: rows 32 r + j and 32 r + 16 + j in byte 16 r + j), this
-       tile's half from byte 32 x half (int4: 16 x half); a group's scales and offsets widened once per group */
+    const __m512i* w = (const __m512i*)(wide ? wide : (const uint16_t*)W->w + pp * 64 * K) + half;
+    /* quantized: this tile's half from byte 32 x half (int4: 16 x half) of each k's codes; a group's scales and
+       offsets widened once per group */
     const uint8_t* q = (const uint8_t*)W->w + pp * 64 * K * BITS / 8 + half * 32 * BITS / 8;
     const long GK = BITS == 16 ? K : W->group, NG = K / GK;
     const uint16_t *sp = BITS == 16 ? 0 : W->s + pp * NG * 64 + half * 32,
@@ -29,11 +70,7 @@ static inline __attribute__((always_inline)) void tile(const float* x, long K, c
     long due = 0, l = l0;
     for (long g = 0; g < NG; g++) {
         __m512 sx[4], mx[4];
-        if (BITS != 16)
-            for (int v = 0; v < NVH; v++) {
-                sx[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + g * 64 + 16 * v)));
-                mx[v] = mp ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mp + g * 64 + 16 * v))) : _mm512_setzero_ps();
-            }
+        if (BITS != 16) expand(sp + g * 64, mp ? mp + g * 64 : 0, NVH, sx, mx);
         #pragma GCC unroll 2
         for (long k = g * GK; k < (g + 1) * GK; k++) {
             if (pf)  /* this tile's share of the next panel, spread evenly over its k loop (as the BF16 kernel) */
@@ -46,16 +83,7 @@ static inline __attribute__((always_inline)) void tile(const float* x, long K, c
                     wv[2 * v + 1] = _mm512_castsi512_ps(_mm512_and_si512(u, hi));
                 }
             else
-                for (int v = 0; v < NVH; v++) {
-                    __m512i c;
-                    if (BITS == 8) c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k * 64 + 16 * v)));
-                    else {
-                        c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + k * 32 + 16 * (v / 2))));
-                        c = v % 2 ? _mm512_srli_epi32(c, 4) : _mm512_and_si512(c, _mm512_set1_epi32(15));
-                    }
-                    __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(c), sx[v]);
-                    wv[v] = rbf16v(mp ? _mm512_add_ps(f, mx[v]) : f);
-                }
+                for (int v = 0; v < NVH; v++) wv[v] = widen(q, k, v, sx, mx, mp != 0, BITS);
             for (int i = 0; i < MT; i++) {
                 __m512 xv = _mm512_set1_ps(x0[i * K + k]);
                 for (int v = 0; v < NVH; v++) acc[i][v] = _mm512_fmadd_ps(xv, wv[v], acc[i][v]);
@@ -68,12 +96,12 @@ static inline __attribute__((always_inline)) void tile(const float* x, long K, c
         store16(out, b, y, yf, N, m0 + i, n0 + v * 16);
     }
 }
-#define TILE(MT, BITS) static void t##MT##_##BITS(const void* x, long K, const Packed* W, const uint16_t* b, uint16_t* y, \
-        float* yf, long N, long m, long p, const char* pf, long l0, long l1) { \
-        tile((const float*)x, K, W, b, y, yf, N, m, p, pf, l0, l1, MT, 4, BITS); } \
-    static void h##MT##_##BITS(const void* x, long K, const Packed* W, const uint16_t* b, uint16_t* y, float* yf, \
-        long N, long m, long p, const char* pf, long l0, long l1) { \
-        tile((const float*)x, K, W, b, y, yf, N, m, p, pf, l0, l1, MT, 2, BITS); }
+#define TILE(MT, BITS) static void t##MT##_##BITS(const void* x, long K, const Packed* W, const uint16_t* wide, \
+        const uint16_t* b, uint16_t* y, float* yf, long N, long m, long p, const char* pf, long l0, long l1) { \
+        tile((const float*)x, K, W, wide, b, y, yf, N, m, p, pf, l0, l1, MT, 4, BITS); } \
+    static void h##MT##_##BITS(const void* x, long K, const Packed* W, const uint16_t* wide, const uint16_t* b, \
+        uint16_t* y, float* yf, long N, long m, long p, const char* pf, long l0, long l1) { \
+        tile((const float*)x, K, W, wide, b, y, yf, N, m, p, pf, l0, l1, MT, 2, BITS); }
 #define TILES(BITS) TILE(1, BITS) TILE(2, BITS) TILE(3, BITS) TILE(4, BITS) TILE(5, BITS) TILE(6, BITS)
 TILES(16) TILES(8) TILES(4)
 static const tile_fn tiles[3][7] = {{0, t1_16, t2_16, t3_16, t4_16, t5_16, t6_16},

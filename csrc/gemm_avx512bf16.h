@@ -17,27 +17,64 @@
    26 and 48 rows, where prefetching the whole next panel from the one-row tile was 7-12% slower. 16-row tiles
    of 16-row panels, which read each panel once per 16 rows, were 5-15% slower at 1-4 rows and between 20%
    faster and 15% slower at 16, as this shared machine's memory speed moved. */
-static inline __attribute__((always_inline)) void tile(const uint32_t* x, long K2, const Packed* W, const uint16_t* b,
-        uint16_t* y, float* yf, long N, long m0, long p, const char* pf, long l0, long l1, const int MT, const int BITS) {
+/* a quantized group's scales (and offsets) in each lane's row order: row c twice, for its k pair */
+static inline __attribute__((always_inline)) void expand(const uint16_t* sp, const uint16_t* mp, __m512* sx, __m512* mx) {
+    const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    for (int j = 0; j < 2 * NV; j++) {
+        sx[j] = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + 8 * j)))));
+        mx[j] = mp ? _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mp + 8 * j)))))
+                   : _mm512_setzero_ps();
+    }
+}
+
+/* the bf16 weights of vector v of k pair k from a panel's codes q: 32 values, rows 8 v .. 8 v + 15's pairs */
+static inline __attribute__((always_inline)) __m512bh widen(const uint8_t* q, long k, int v, const __m512* sx,
+                                                             const __m512* mx, int has_m, const int BITS) {
+    __m512i lo, hi;  /* the codes of 8 rows' pairs and of the next 8 rows' */
+    if (BITS == 8) {
+        lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + (NV * k + v) * 32)));
+        hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + (NV * k + v) * 32 + 16)));
+    } else {
+        __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + (NV * k + v) * 16)));
+        lo = _mm512_and_si512(c, _mm512_set1_epi32(15));
+        hi = _mm512_srli_epi32(c, 4);
+    }
+    __m512 fl = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), sx[2 * v]), fh = _mm512_mul_ps(_mm512_cvtepi32_ps(hi), sx[2 * v + 1]);
+    if (has_m) { fl = _mm512_add_ps(fl, mx[2 * v]); fh = _mm512_add_ps(fh, mx[2 * v + 1]); }
+    return _mm512_cvtne2ps_pbh(fh, fl);  /* round to nearest even, as torch (weights are not subnormal) */
+}
+
+/* panel p of a quantized W as pack()'s bf16 panel, into dst [K / 2][64][2] */
+static void widen_panel(const Packed* W, long p, long K, uint16_t* dst) {
+    const long K2 = K / 2, GK = W->group / 2, NG = K2 / GK;
+    const uint8_t* q = (const uint8_t*)W->w + p * 16 * NV * K2 * W->bits / 4;
+    const uint16_t *sp = W->s + p * NG * 16 * NV, *mp = W->m ? W->m + p * NG * 16 * NV : 0;
+    for (long g = 0; g < NG; g++) {
+        __m512 sx[2 * NV], mx[2 * NV];
+        expand(sp + g * 16 * NV, mp ? mp + g * 16 * NV : 0, sx, mx);
+        for (long k = g * GK; k < (g + 1) * GK; k++)
+            for (int v = 0; v < NV; v++)
+                _mm512_storeu_si512((__m512i*)(dst + (NV * k + v) * 32),
+                                    (__m512i)(W->bits == 8 ? widen(q, k, v, sx, mx, mp != 0, 8) : widen(q, k, v, sx, mx, mp != 0, 4)));
+    }
+}
+
+static inline __attribute__((always_inline)) void tile(const uint32_t* x, long K2, const Packed* W, const uint16_t* wide,
+        const uint16_t* b, uint16_t* y, float* yf, long N, long m0, long p, const char* pf, long l0, long l1,
+        const int MT, const int BITS) {
     __m512 acc[6][NV];  /* in registers: the loops over it are unrolled (MT and NV are constants) */
     for (int i = 0; i < MT; i++) for (int v = 0; v < NV; v++) acc[i][v] = _mm512_setzero_ps();
     const uint32_t* x0 = x + m0 * K2;
-    const uint8_t* q = (const uint8_t*)W->w + p * 16 * NV * K2 * BITS / 4;  /* this panel's bf16 values or codes */
-    /* quantized: a group's scales and offsets, widened once per group into each lane's row order (row c twice: its
-       k pair), so a code's weight is one multiply and one add from memory operands */
+    /* this panel's bf16 values (W's, or wide: widened once for several tiles) or codes */
+    const uint8_t* q = wide ? (const uint8_t*)wide : (const uint8_t*)W->w + p * 16 * NV * K2 * BITS / 4;
+    /* quantized: a group's scales and offsets, widened once per group, so a code's weight is one multiply and one
+       add from memory operands */
     const long GK = BITS == 16 ? K2 : W->group / 2, NG = K2 / GK;
     const uint16_t *sp = BITS == 16 ? 0 : W->s + p * NG * 16 * NV, *mp = BITS != 16 && W->m ? W->m + p * NG * 16 * NV : 0;
-    const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     long due = 0, l = l0;
     for (long g = 0; g < NG; g++) {
         __m512 sx[2 * NV], mx[2 * NV];
-        if (BITS != 16)
-            for (int j = 0; j < 2 * NV; j++) {
-                sx[j] = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(
-                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + g * 16 * NV + 8 * j)))));
-                mx[j] = mp ? _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(
-                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mp + g * 16 * NV + 8 * j))))) : _mm512_setzero_ps();
-            }
+        if (BITS != 16) expand(sp + g * 16 * NV, mp ? mp + g * 16 * NV : 0, sx, mx);
         #pragma GCC unroll 2
         for (long k = g * GK; k < (g + 1) * GK; k++) {
             /* this tile's share of the next panel, spread evenly over its k loop by a running remainder (two integer
@@ -46,21 +83,9 @@ static inline __attribute__((always_inline)) void tile(const uint32_t* x, long K
             if (pf)
                 for (due += l1 - l0; due >= K2; due -= K2, l++) _mm_prefetch(pf + l * 64, _MM_HINT_T0);
             __m512bh wv[NV];
-            for (int v = 0; v < NV; v++) {
-                if (BITS == 16) { wv[v] = (__m512bh)_mm512_loadu_si512((const __m512i*)q + NV * k + v); continue; }
-                __m512i lo, hi;  /* the codes of rows 8 v .. 8 v + 7's pairs and of the next 8 rows' */
-                if (BITS == 8) {
-                    lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + (NV * k + v) * 32)));
-                    hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + (NV * k + v) * 32 + 16)));
-                } else {
-                    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + (NV * k + v) * 16)));
-                    lo = _mm512_and_si512(c, _mm512_set1_epi32(15));
-                    hi = _mm512_srli_epi32(c, 4);
-                }
-                __m512 fl = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), sx[2 * v]), fh = _mm512_mul_ps(_mm512_cvtepi32_ps(hi), sx[2 * v + 1]);
-                if (mp) { fl = _mm512_add_ps(fl, mx[2 * v]); fh = _mm512_add_ps(fh, mx[2 * v + 1]); }
-                wv[v] = _mm512_cvtne2ps_pbh(fh, fl);  /* round to nearest even, as torch (weights are not subnormal) */
-            }
+            for (int v = 0; v < NV; v++)
+                wv[v] = BITS == 16 ? (__m512bh)_mm512_loadu_si512((const __m512i*)q + NV * k + v)
+                                   : widen(q, k, v, sx, mx, mp != 0, BITS);
             for (int i = 0; i < MT; i++) {
                 __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x0[i * K2 + k]);
                 for (int v = 0; v < NV; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], xb, wv[v]);
@@ -73,9 +98,9 @@ static inline __attribute__((always_inline)) void tile(const uint32_t* x, long K
         store16(out, b, y, yf, N, m0 + i, (p * NV + v) * 16);
     }
 }
-#define TILE(MT, BITS) static void t##MT##_##BITS(const void* x, long K2, const Packed* W, const uint16_t* b, \
-        uint16_t* y, float* yf, long N, long m, long p, const char* pf, long l0, long l1) { \
-        tile((const uint32_t*)x, K2, W, b, y, yf, N, m, p, pf, l0, l1, MT, BITS); }
+#define TILE(MT, BITS) static void t##MT##_##BITS(const void* x, long K2, const Packed* W, const uint16_t* wide, \
+        const uint16_t* b, uint16_t* y, float* yf, long N, long m, long p, const char* pf, long l0, long l1) { \
+        tile((const uint32_t*)x, K2, W, wide, b, y, yf, N, m, p, pf, l0, l1, MT, BITS); }
 #define TILES(BITS) TILE(1, BITS) TILE(2, BITS) TILE(3, BITS) TILE(4, BITS) TILE(5, BITS) TILE(6, BITS)
 TILES(16) TILES(8) TILES(4)
 static const tile_fn tiles[3][7] = {{0, t1_16, t2_16, t3_16, t4_16, t5_16, t6_16},
