@@ -1,13 +1,15 @@
 """Autoregressive speed: this engine's configurations against HF transformers `generate()` on the same checkpoint.
 
     python bench_ar.py [--checkpoint PATH] [--max-new-tokens 128] [--rounds 3] [--compile]
-                       [--llama-cpp PATH/llama-completion --gguf MODEL.gguf]
+                       [--llama-cpp PATH/llama-completion --gguf MODEL.gguf] [--quant int8,int4,gguf]
     python bench_ar.py --profile [--context 300]      # where one target pass spends its time
 
 Rows: the engine as the CLI runs it (the fused CPU pass where this machine has it, cpu_forward.py: exact by
 construction), the PyTorch layers with plain arithmetic and in exact mode (`--exact`: what makes speculative
 output bit-identical there), both again with torch's GEMM where this machine chose cpu_gemm's kernel,
-`--compile` when asked, transformers, and llama.cpp when given a binary and a GGUF of the same weights
+`--compile` when asked, quantized targets when asked (`--quant`: int8 and int4 copies made by quantize.py, and
+`gguf`: the checkpoint folder's GGUF files run as they are), transformers, and llama.cpp when given a binary and
+GGUFs (its Q8_0 and Q4_1 files are the quantized rows' peers)
 (`llama-completion`, greedy, this process's thread count; its tokens/s is generated tokens over its own
 prompt-eval + eval time, as ours is over prefill + decode). Methods alternate prompt by prompt (machines here
 are shared and noisy); the table reports the median tokens/s of each, its ratio to transformers and to the
@@ -19,7 +21,9 @@ import os
 import re
 import statistics
 import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -54,7 +58,12 @@ def main():
     p.add_argument("--llama-cpp", default=None, help="a llama.cpp llama-completion binary: time it as a peer")
     p.add_argument("--gguf", action="append", default=None, help="with --llama-cpp: a GGUF of the same weights (e.g. "
                    "convert_hf_to_gguf.py --outtype bf16 of the checkpoint folder); repeat for several")
+    p.add_argument("--quant", default="", help="quantized targets to time too: int8, int4 (quantize.py's defaults) "
+                   "and gguf (the checkpoint folder's GGUF files, as they are)")
     args = p.parse_args()
+    quant_modes = [q for q in args.quant.split(",") if q]
+    if bad := [q for q in quant_modes if q not in ("int8", "int4", "gguf")]:
+        p.error(f"--quant takes int8, int4 and gguf, not {bad[0]}")
     if bool(args.llama_cpp) != bool(args.gguf):
         p.error("--llama-cpp and --gguf go together")
     for f in [args.llama_cpp, *(args.gguf or [])] if args.llama_cpp else []:
@@ -84,6 +93,8 @@ def main():
                     "engine --exact, PyTorch layers, torch GEMM": Engine(layers, exact=True)}
     if args.compile:
         methods["engine --compile"] = Engine(load_model(path, dtype=dtype), compile=True, exact=False)
+    quantized = quantized_engines(path, quant_modes, dtype, tempfile.mkdtemp(prefix="bench_ar_quant-"))
+    methods |= quantized
     hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     eos = ours.model.args.eos_ids
     n = args.max_new_tokens
@@ -129,15 +140,31 @@ def main():
                 speeds[name].append(fn(ids))
     med = {k: statistics.median(v) for k, v in speeds.items()}
     base = med["transformers"]
-    fastest = max((k for k in med if k.startswith("engine")), key=med.get)
+    fastest = max((k for k in med if k.startswith("engine") and k not in quantized), key=med.get)
     print(f"\ncheckpoint {path.name}, {args.dtype}, greedy, {n} new tokens max, {len(prompts)} prompts x {args.rounds} rounds, "
           f"{torch.get_num_threads()} threads, {machine_id()}")
     print(f"| method | median tok/s | vs transformers | vs fastest engine ({fastest}) | tokens = transformers' |\n"
           "|---|---|---|---|---|")
     for k, v in med.items():
-        print(f"| {k} | {v:.2f} | {v / base:.2f}x | {v / med[fastest]:.3f}x | {same.get(k, '-')} |")
+        print(f"| {k} | {v:.2f} | {v / base:.2f}x | {v / med[fastest]:.3f}x | {'-' if k in quantized else same.get(k, '-')} |")
     print("tokens = transformers': every greedy answer equals transformers' (prefix compared); bf16 GEMMs that sum "
           "in another order (cpu_gemm's kernel) flip near-ties, so False there is expected, not a fault")
+
+
+def quantized_engines(path, modes: list[str], dtype, work: str) -> dict:
+    """{row name: Engine} of the quantized targets asked for (their weights differ from bf16's: no token check)."""
+    import quantize
+    out = {}
+    for mode in modes:
+        if mode == "gguf":
+            for f in sorted(path.glob("*.gguf")):
+                m = load_model(resolve_checkpoint(str(f)), dtype=dtype)
+                out[f"engine {f.name} as it is{' (fused CPU pass)' if m.cpu_pass is not None else ''}"] = Engine(m, exact=None)
+            continue
+        quantize.quantize_folder(path, Path(work) / mode, mode, None)
+        m = load_model(Path(work) / mode, dtype=dtype)
+        out[f"engine {mode}{' (fused CPU pass)' if m.cpu_pass is not None else ''}"] = Engine(m, exact=None)
+    return out
 
 
 def run_llama_cpp(binary: str, gguf: str, text: str, n: int) -> float:

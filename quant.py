@@ -16,7 +16,6 @@ a byte (code j and j + QC of each run of 2 QC in byte j), scales [panels][K / gr
 Packed documents the same).
 """
 import ctypes
-import json
 from dataclasses import dataclass
 
 import torch
@@ -286,11 +285,3 @@ def weight_bytes(model: nn.Module) -> int:
             seen.add(t.data_ptr())
             n += t.numel() * t.element_size()
     return n
-
-
-def describe(model: nn.Module) -> str:
-    kinds = {}
-    for m in model.modules():
-        if isinstance(m, QLinear):
-            kinds[f"int{m.bits} g{m.group}"] = kinds.get(f"int{m.bits} g{m.group}", 0) + 1
-    return json.dumps(kinds)

@@ -1,4 +1,5 @@
-"""bench_ar.py --profile on a tiny checkpoint: one row per pass size, each part measured, and the weight floor."""
+"""bench_ar.py --profile on a tiny checkpoint: one row per pass size, each part measured, and the weight floor; the
+llama.cpp peer's timings; the quantized rows."""
 import sys
 
 import pytest
@@ -51,3 +52,13 @@ def test_llama_cpp_peer_reads_its_timings(tmp_path):
     fake.write_text("#!/bin/sh\necho 'error: unable to load model' >&2\nexit 1\n")
     with pytest.raises(SystemExit, match="llama.cpp failed.*unable to load model"):
         bench_ar.run_llama_cpp(str(fake), "m.gguf", "hi", 16)
+
+
+def test_quantized_rows(tmp_path):
+    """--quant int8,int4: each a target of its own, quantized by quantize.py's defaults, decoding."""
+    path, _ = write_tiny_hf(tmp_path / "t")
+    rows = bench_ar.quantized_engines(path, ["int8", "int4"], torch.bfloat16, str(tmp_path / "q"))
+    assert [k.split(" (")[0] for k in rows] == ["engine int8", "engine int4"]
+    for eng in rows.values():
+        assert eng.model.layers[0].mlp.down_proj.bits in (8, 4)
+        assert len(eng.generate([5, 6, 7], 4)[0]) == 4
