@@ -87,7 +87,7 @@ def fits(a, layers) -> bool:
     built here."""
     w = layers[0].mlp.down_proj
     if isinstance(w, quant.QLinear):
-        return fits_args(a) and w.codes.device.type == "cpu" and kernel() is not None
+        return fits_args(a) and w.kw is not None and kernel() is not None
     return (fits_args(a) and w.weight.device.type == "cpu" and w.weight.dtype == torch.bfloat16
             and w.packed is not None and kernel() is not None)
 
@@ -179,10 +179,8 @@ class Stack:
             self.keep += [t for t in ts if torch.is_tensor(t)]
             rows.append([0 if t is None else t if isinstance(t, int) else t.data_ptr() for t in ts])
             for lin in (at.q_proj, at.k_proj, at.v_proj, mlp.gate_proj, mlp.up_proj):
-                if isinstance(lin, quant.QLinear):
-                    lin.kw = None  # the fused copies serve them (made again if the PyTorch layers run)
-                else:
-                    lin.packed = None
+                if not isinstance(lin, quant.QLinear):  # (a quantized one's buffers are views of the fused copy)
+                    lin.packed = None  # the fused copies serve them
         self.table = torch.tensor(rows, dtype=torch.int64)
         self.aux_of = {}  # aux layers -> [n_aux] the layer whose input each aux slot gets (built once per tuple)
         self.no_kt = torch.empty(0, dtype=torch.int32)  # no transposed keys: the scores read K
@@ -205,14 +203,14 @@ class Stack:
 def kernel_weight(lin) -> quant.KernelWeight:
     """A linear's matrix as the C GEMM reads it: a quantized one's own, else its bf16 panels."""
     if isinstance(lin, quant.QLinear):
-        return lin.kernel()
+        return lin.kw
     return quant.KernelWeight(lin.packed if lin.packed is not None else cpu_gemm.pack(lin.weight.detach()))
 
 
 def fused(lins: list) -> quant.KernelWeight:
     """Linears reading one input, their rows stacked into one matrix (q | k | v, gate | up)."""
     if isinstance(lins[0], quant.QLinear):
-        return quant.cat(lins)
+        return quant.fuse(lins)
     return quant.KernelWeight(cpu_gemm.pack(torch.cat([m.weight for m in lins]).detach()))
 
 

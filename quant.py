@@ -107,6 +107,25 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     return (runs[..., 0, :] | (runs[..., 1, :] << 4)).reshape(P, K // KB, PN * KB // 2).contiguous()
 
 
+def unpack_codes(packed: Tensor, N: int, bits: int) -> Tensor:
+    """pack_codes' inverse: the checkpoint layout's codes of the N rows a packed copy holds."""
+    P, G, B = packed.shape
+    PN, KB = cpu_gemm.PANEL, cpu_gemm.KB
+    if bits == 4:
+        q = qc()
+        b = packed.reshape(P, G, PN * KB // (2 * q), q)
+        c = torch.stack([b & 15, b >> 4], dim=3).reshape(P, G, PN * KB)
+    else:
+        c = packed
+    c = c.reshape(P, G, PN, KB).permute(0, 2, 1, 3).reshape(P * PN, G * KB)[:N]
+    return pack_nibbles(c) if bits == 4 else c.contiguous()
+
+
+def unpack_groups(t: Tensor, N: int) -> Tensor:
+    P, NG, PN = t.shape
+    return t.transpose(1, 2).reshape(P * PN, NG)[:N].contiguous()
+
+
 def pack_groups(t: Tensor) -> Tensor:
     """Scales or offsets [N, K / group] fp16 -> [panels, K / group, PANEL], zero rows padding the last panel."""
     N, NG = t.shape
@@ -160,32 +179,45 @@ def _(x, address, N, b=None):
 
 
 class QLinear(nn.Module):
-    """A linear layer with quantized weights. On the CPU its products run in the C GEMM (row-invariant, the bf16
-    GEMM's bits on the dequantized weights); elsewhere (CUDA, no C compiler) through the dequantized weights."""
+    """A linear layer with quantized weights, held once: on a CPU with the C kernels in the kernel's layout (packed
+    at load; its products row-invariant, the bf16 GEMM's bits on the dequantized weights), elsewhere (CUDA, no C
+    compiler) in the checkpoint's, multiplied through the dequantized weights."""
 
     def __init__(self, codes: Tensor, scales: Tensor, offsets: Tensor | None, bits: int, bias: Tensor | None = None):
         super().__init__()
         self.bits = bits
         self.out_features, self.in_features = codes.shape[0], codes.shape[1] * (2 if bits == 4 else 1)
         self.group = self.in_features // scales.shape[1]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.kw: KernelWeight | None = None  # the C GEMM's view of the buffers, in the kernel's layout
+        if codes.device.type == "cpu" and cpu_gemm.c_function("linear_packed") is not None:
+            codes, scales = pack_codes(codes, bits), pack_groups(scales)
+            offsets = None if offsets is None else pack_groups(offsets)
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
         self.register_buffer("offsets", offsets)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.kw: KernelWeight | None = None  # the C GEMM's copy, made on first CPU use
+        if codes.dim() == 3:
+            self.point()
+
+    def point(self):
+        """(Re)point the kernel at the buffers (after they were replaced by views of a fused copy)."""
+        self.kw = KernelWeight(self.codes, self.scales, self.offsets, self.bits, self.group)
+
+    def rows(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(codes, scales, offsets) in the checkpoint's layout."""
+        if self.kw is None:
+            return self.codes, self.scales, self.offsets
+        N = self.out_features
+        return (unpack_codes(self.codes, N, self.bits), unpack_groups(self.scales, N),
+                None if self.offsets is None else unpack_groups(self.offsets, N))
 
     @property
     def weight(self) -> Tensor:
         """The dequantized bf16 weights (a new [N, K] tensor each call: for checks, not for the forward)."""
-        return dequantize(self.codes, self.scales, self.offsets, self.bits)
-
-    def kernel(self) -> KernelWeight | None:
-        if self.kw is None and self.codes.device.type == "cpu" and cpu_gemm.c_function("linear_packed") is not None:
-            self.kw = kernel_weight(self.codes, self.scales, self.offsets, self.bits)
-        return self.kw
+        return dequantize(*self.rows(), self.bits)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.device.type == "cpu" and x.dtype == torch.bfloat16 and self.kernel() is not None:
+        if self.kw is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16:
             b = None if self.bias is None else self.bias.to(torch.bfloat16)
             if torch.compiler.is_compiling():
                 return torch.ops.nanospec.linear_packed(x, self.kw.address(), self.out_features, b)
@@ -196,21 +228,27 @@ class QLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, int{self.bits}, group {self.group}"
 
 
-def cat(layers: list[QLinear]) -> KernelWeight:
-    """One kernel matrix of several quantized linears' rows stacked (the fused pass's q | k | v, gate | up)."""
-    s = {(m.bits, m.group, m.offsets is None) for m in layers}
-    if len(s) != 1:
+def fuse(layers: list[QLinear]) -> KernelWeight:
+    """One kernel matrix of several quantized linears' rows stacked (the fused pass's q | k | v, gate | up). Where
+    every one fills whole panels, the panels are concatenated and each linear's buffers become views of them (one
+    copy in memory); else the rows are packed again into a copy of their own."""
+    if len({(m.bits, m.group, m.offsets is None) for m in layers}) != 1:
         raise QuantError("fused linears must share one quantization scheme: " + ", ".join(map(repr, layers)))
     m0 = layers[0]
-    return kernel_weight(torch.cat([m.codes for m in layers]), torch.cat([m.scales for m in layers]),
-                         None if m0.offsets is None else torch.cat([m.offsets for m in layers]), m0.bits)
-
-
-def quantize_linear(lin: nn.Module, s: Scheme, name: str = "linear") -> QLinear:
-    w = lin.weight.detach()
-    s.check(name, w.shape[1])
-    codes, scales, offsets = quantize(w, s)
-    return QLinear(codes, scales, offsets, s.bits, None if lin.bias is None else lin.bias.detach().bfloat16())
+    if all(m.kw is not None and m.out_features % cpu_gemm.PANEL == 0 for m in layers):
+        c, s = torch.cat([m.codes for m in layers]), torch.cat([m.scales for m in layers])
+        o = None if m0.offsets is None else torch.cat([m.offsets for m in layers])
+        p = 0
+        for m in layers:
+            n = m.codes.shape[0]
+            m.codes, m.scales = c[p:p + n], s[p:p + n]
+            m.offsets = None if o is None else o[p:p + n]
+            m.point()
+            p += n
+        return KernelWeight(c, s, o, m0.bits, m0.group)
+    rows = [m.rows() for m in layers]
+    return kernel_weight(torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]),
+                         None if m0.offsets is None else torch.cat([r[2] for r in rows]), m0.bits)
 
 
 GGUF_TYPES = {"Q8_0": (34, 8), "Q4_0": (18, 4), "Q4_1": (20, 4)}  # bytes per block of 32 weights, bits
@@ -277,11 +315,13 @@ def swap_linears(model: nn.Module, sd: dict, where: str) -> int:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Resident bytes of the model's weights as stored (codes, scales, offsets, bf16 tensors; a tied tensor once)."""
+    """Resident bytes of the model's weights (parameters and quantized buffers; storage shared by ties and views
+    counted once)."""
     seen, n = set(), 0
-    for t in list(model.parameters()) + [b for m in model.modules() for k, b in m._buffers.items()
-                                          if b is not None and k in ("codes", "scales", "offsets")]:
-        if t.data_ptr() not in seen and t.device.type != "meta":
-            seen.add(t.data_ptr())
-            n += t.numel() * t.element_size()
+    for t in list(model.parameters()) + [b for m in model.modules() if isinstance(m, QLinear)
+                                          for b in (m.codes, m.scales, m.offsets) if b is not None]:
+        st = t.untyped_storage()
+        if t.device.type != "meta" and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            n += st.nbytes()
     return n

@@ -52,6 +52,14 @@ def test_nibbles_round_trip():
     assert quant.pack_nibbles(c)[0, 0] == c[0, 0] | (c[0, 1] << 4)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_kernel_layout_round_trips(bits):
+    for N, K, group in SHAPES:
+        codes, s, m = quant.quantize(torch.randn(N, K), quant.Scheme(bits, group))
+        assert torch.equal(quant.unpack_codes(quant.pack_codes(codes, bits), N, bits), codes)
+        assert torch.equal(quant.unpack_groups(quant.pack_groups(s), N), s)
+
+
 def test_scheme_errors():
     with pytest.raises(quant.QuantError, match="does not divide its input width 576"):
         quant.Scheme(4, 128).check("x", 576)
@@ -142,6 +150,9 @@ def test_quantized_pass_is_the_bf16_pass_on_its_dequantized_weights(folders, mod
         m.setup_caches(1, 256)
     a, b = q(p, torch.arange(37), return_hidden=True), twin(p, torch.arange(37), return_hidden=True)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # one copy of the codes: the fused pass's q | k | v and gate | up are the linears' own buffers
+    at = q.layers[0].self_attn
+    assert (at.k_proj.codes.untyped_storage().data_ptr() == at.q_proj.codes.untyped_storage().data_ptr()) == fused
     assert quant.weight_bytes(q) < quant.weight_bytes(twin) * (0.7 if mode == "int8" else 0.6)
 
 
