@@ -9,6 +9,8 @@
    device-to-device copy bandwidth, and whether the NanoSpec gather hides behind the draft backbone.
 4. End-to-end tokens/s on the default model: autoregressive, EAGLE full vocabulary, FR-Spec, NanoSpec.
 5. Batched decoding: batch outputs == one prompt at a time (fp32), and batch 16's tokens/s (bf16).
+6. Quantized targets (quantize.py int8 and int4 g32 through torch's kernels, as gpt-fast): prompt lookup's greedy
+   output == the quantized target's own autoregressive output, and autoregressive tokens/s against bf16's.
 Writes OUT/gpu_check.json and OUT/gpu_check.md.
 """
 import argparse
@@ -92,6 +94,32 @@ def check_batch(path, device, dtype, n_new, batch=4):
     return outs == single, n / (t2 - t1), sum(len(o) for o in single) / (t1 - t0), spec == single
 
 
+def check_quantized(path, n_new, device="cuda", cache=REPO / "results" / "cache") -> list[list[str]]:
+    """Rows for the int8 and int4 targets on CUDA: lossless prompt lookup against their own AR, and AR tok/s."""
+    import quantize
+    rows = []
+    for mode in ("int8", "int4"):
+        q = Path(cache) / f"gpu_check_{mode}"
+        try:
+            if not (q / "config.json").is_file():
+                quantize.quantize_folder(path, q, mode, None)
+            m, tok, _ = load_target(str(q), device, "bfloat16")
+            ar, ng = Engine(m), build_engine(m, tok, dc.DraftConfig("ngram"), budget=False)
+            same, speeds = True, []
+            for p in PROMPTS:
+                ids = tok.encode_chat([{"role": "user", "content": p}])
+                ar.generate(ids, 8)
+                o, st = ar.generate(ids, n_new)
+                same &= ng.generate(ids, n_new)[0] == o
+                speeds.append(st.new_tokens / st.total_s)
+            rows.append([f"quantized target: {mode}", "torch's kernels, eager", "PASS" if same else "FAIL",
+                         f"prompt lookup == its AR; AR {statistics.median(speeds):.1f} tok/s"])
+        except Exception as e:  # a kernel torch lacks here is a finding, not the end of the run
+            rows.append([f"quantized target: {mode}", "torch's kernels, eager", "FAIL",
+                         f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"])
+    return rows
+
+
 def run_all(path, device, dtype, compile, head_path, n_new, repeats=1):
     es, tok = engines(path, device, dtype, compile, head_path)
     res = {}
@@ -153,6 +181,10 @@ def main():
     rows.append(["batched decoding (batch.py)", "fp32: batch 4 == one at a time, AR and prompt lookup",
                  "PASS" if same32 and spec32 else "FAIL",
                  f"bf16 batch 16: {tps:.1f} tok/s, x{tps / tps1:.2f} vs one at a time"])
+
+    qrows = check_quantized(path, n_new)
+    ok &= all(r[2] == "PASS" for r in qrows)
+    rows += qrows
 
     # device-to-device copy bandwidth (the roofline for a decode step)
     x = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")

@@ -190,9 +190,13 @@ class QLinear(nn.Module):
         self.group = self.in_features // scales.shape[1]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.kw: KernelWeight | None = None  # the C GEMM's view of the buffers, in the kernel's layout
-        if codes.device.type == "cpu" and cpu_gemm.c_function("linear_packed") is not None:
+        self.tq: tuple | None = None  # torch's packed weights and scales for its kernels, where it has one
+        if codes.device.type == "cpu" and cpu_gemm.mode() != "torch" and cpu_gemm.c_function("linear_packed") is not None:
             codes, scales = pack_codes(codes, bits), pack_groups(scales)
             offsets = None if offsets is None else pack_groups(offsets)
+        elif torch_kernel_fits(bits, self.group, offsets is not None, self.out_features, self.in_features):
+            self.tq = to_torch_kernel(codes, scales, offsets, bits)
+            codes, scales, offsets = self.tq[0], self.tq[1], None  # (held once: the buffers are torch's tensors)
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
         self.register_buffer("offsets", offsets)
@@ -204,7 +208,7 @@ class QLinear(nn.Module):
         self.kw = KernelWeight(self.codes, self.scales, self.offsets, self.bits, self.group)
 
     def rows(self) -> tuple[Tensor, Tensor, Tensor | None]:
-        """(codes, scales, offsets) in the checkpoint's layout."""
+        """(codes, scales, offsets) in the checkpoint's layout (not for torch's kernels' layouts)."""
         if self.kw is None:
             return self.codes, self.scales, self.offsets
         N = self.out_features
@@ -213,7 +217,11 @@ class QLinear(nn.Module):
 
     @property
     def weight(self) -> Tensor:
-        """The dequantized bf16 weights (a new [N, K] tensor each call: for checks, not for the forward)."""
+        """The dequantized bf16 weights (a new [N, K] tensor each call: for checks, not for the forward); with torch's
+        kernels, theirs: its product with the identity, one term per output."""
+        if self.tq is not None:
+            eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.codes.device)
+            return torch_kernel_linear(eye, self.tq, self.bits, self.group).T.contiguous()
         return dequantize(*self.rows(), self.bits)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -222,10 +230,52 @@ class QLinear(nn.Module):
             if torch.compiler.is_compiling():
                 return torch.ops.nanospec.linear_packed(x, self.kw.address(), self.out_features, b)
             return kernel_linear(x, self.kw, self.out_features, b)
+        if self.tq is not None:
+            y = torch_kernel_linear(x, self.tq, self.bits, self.group)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         return F.linear(x, self.weight.to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, int{self.bits}, group {self.group}"
+
+
+def torch_kernel_fits(bits: int, group: int, offsets: bool, N: int, K: int) -> bool:
+    """Whether torch has a kernel for this scheme (gpt-fast's): int8 per output channel, int4 in groups of 32-256
+    with offsets (tinygemm; its CUDA layout wants K in 32s and N in 8s)."""
+    if bits == 8:
+        return group == K and not offsets
+    return offsets and group in (32, 64, 128, 256) and K % group == 0 and K % 32 == 0 and N % 8 == 0
+
+
+def to_torch_kernel(codes: Tensor, scales: Tensor, offsets: Tensor | None, bits: int) -> tuple:
+    """(weights, scales) in torch's layouts: int8 codes [N, K] and bf16 scales [N]; int4, tinygemm's packed
+    codes and scales_and_zeros [K / group, N, 2] bf16, whose weight is (q - 8) scale + zero: zero = offset + 8 scale
+    (rounded to bf16: torch's path is its own arithmetic, not the C kernel's bits)."""
+    if bits == 8:
+        return codes, scales.view(-1).bfloat16()
+    q = codes_of(codes, 4)
+    sz = torch.stack([scales.float().T, (offsets.float() + 8 * scales.float()).T], dim=-1).bfloat16().contiguous()
+    if codes.device.type == "cuda":  # gpt-fast's call: even k in the high nibble; inner k tiles as K allows
+        tiles = next(t for t in (8, 4, 2) if q.shape[1] % (t * 16) == 0)
+        packed = torch.ops.aten._convert_weight_to_int4pack(((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8), tiles)
+    else:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+    return packed, sz
+
+
+def torch_kernel_linear(x: Tensor, tq: tuple, bits: int, group: int) -> Tensor:
+    w, s = tq[0], tq[1]
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    if bits == 8:
+        if x.device.type == "cpu":
+            y = torch.ops.aten._weight_int8pack_mm(x2, w, s)
+        else:  # gpt-fast's int8 on CUDA: the codes widened in the GEMM, the scales after
+            y = F.linear(x2, w.to(x2.dtype)) * s
+    elif x.device.type == "cpu":
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w, group, s)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm(x2, w, group, s)
+    return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 
 def fuse(layers: list[QLinear]) -> KernelWeight:
@@ -235,6 +285,8 @@ def fuse(layers: list[QLinear]) -> KernelWeight:
     if len({(m.bits, m.group, m.offsets is None) for m in layers}) != 1:
         raise QuantError("fused linears must share one quantization scheme: " + ", ".join(map(repr, layers)))
     m0 = layers[0]
+    if any(m.tq is not None for m in layers):
+        raise QuantError("the fused CPU pass reads the C kernel's layouts, not torch's")
     if all(m.kw is not None and m.out_features % cpu_gemm.PANEL == 0 for m in layers):
         c, s = torch.cat([m.codes for m in layers]), torch.cat([m.scales for m in layers])
         o = None if m0.offsets is None else torch.cat([m.offsets for m in layers])

@@ -28,3 +28,12 @@ def test_gpu_check_batch_runs_on_cpu(tmp_path):
     path, _ = write_tiny_hf(tmp_path / "t")
     same, tps, tps1, spec = gpu_check.check_batch(path, "cpu", torch.float32, n_new=6, batch=2)
     assert same and spec and tps > 0 and tps1 > 0
+
+
+def test_gpu_check_quantized_runs_on_cpu(tmp_path, monkeypatch):
+    """The quantized targets' rows, through torch's kernels (the CUDA path's choice) on the CPU here."""
+    monkeypatch.setenv("NANOSPEC_CPU_GEMM", "torch")
+    path, _ = write_tiny_hf(tmp_path / "t")
+    rows = gpu_check.check_quantized(path, 6, device="cpu", cache=tmp_path / "cache")
+    assert [r[0] for r in rows] == ["quantized target: int8", "quantized target: int4"]
+    assert all(r[2] == "PASS" for r in rows), rows

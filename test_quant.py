@@ -91,6 +91,22 @@ def test_kernel_is_the_bf16_kernel_on_dequantized_weights(bits):
         assert torch.equal(quant.kernel_linear(x[:5], kw, N)[2], quant.kernel_linear(x[2:3], kw, N)[0])  # rows
 
 
+@pytest.mark.parametrize("bits,group,torch_kernel", [(8, 192, True), (4, 32, True), (4, 64, True), (8, 32, False)])
+def test_torch_kernels_where_the_c_kernel_is_off(monkeypatch, bits, group, torch_kernel):
+    """NANOSPEC_CPU_GEMM=torch (and CUDA): torch's kernels for the schemes it has (gpt-fast's int8 per channel, int4
+    in groups with offsets), else the dequantized weights; each near the dequantized product."""
+    monkeypatch.setenv(cpu_gemm.ENV, "torch")
+    g = torch.Generator().manual_seed(bits + group)
+    w = torch.randn(96, 192, generator=g) * 0.05
+    codes, s, m = quant.quantize(w, quant.Scheme(bits, group))
+    lin = quant.QLinear(codes, s, m, bits, bias=torch.randn(96, generator=g).bfloat16())
+    assert lin.kw is None and (lin.tq is not None) == torch_kernel
+    dq = quant.dequantize(codes, s, m, bits).float()
+    x = torch.randn(5, 192, generator=g).bfloat16()
+    assert torch.allclose(lin(x).float(), x.float() @ dq.T + lin.bias.float(), atol=0.02, rtol=0.02)
+    assert torch.allclose(lin.weight.float(), dq, atol=2e-3)
+
+
 SMALLER = [isa for isa in ("avx512", "avx2") if isa != cpu_gemm.ISA and cpu_gemm.ISA != "avx2"
            and (isa == "avx2" or "avx512f" in cpu_gemm.cpu_flags())]
 
