@@ -203,16 +203,18 @@ PROMPTS = [[5, 17, 99, 3, 42, 42, 8], [200, 201, 202, 203, 200, 201, 202], list(
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_every_drafter_is_lossless_on_quantized_targets(folders, mode, tmp_path):
     m = M.load_model(folders[mode], dtype=torch.bfloat16)
-    head_path = write_eagle_head(tmp_path / "e3", json.loads((folders[mode] / "config.json").read_text()))
+    cfg = json.loads((folders[mode] / "config.json").read_text())
+    heads = {3: write_eagle_head(tmp_path / "e3", cfg), 1: write_eagle_head(tmp_path / "e2", cfg, version=1)}
 
-    def eagle(vocab):
-        head = load_eagle(head_path, m, torch.bfloat16, "cpu")
-        m.aux_layers = head.c.aux_layers
+    def eagle(vocab, version=3):
+        head = load_eagle(heads[version], m, torch.bfloat16, "cpu")
+        m.aux_layers = head.c.aux_layers if version == 3 else ()
         v = make_vocab(vocab, head.lm_weight(), w_max=64, max_append=10 + 4 * 3,
                        token_to_row=de.EagleDrafter.token_to_row_map(head))
         return de.EagleDrafter(head, v, 4, 3, 10, m.lm_head)
 
     drafters = {"ngram": lambda: dl.NgramDrafter(k=4), "eagle3": lambda: eagle("full"),
+                "eagle2+nanospec": lambda: eagle("nanospec", version=1),
                 "eagle3+nanospec": lambda: eagle("nanospec"),
                 "hybrid": lambda: dh.HybridDrafter(eagle("nanospec"), dl.NgramDrafter(k=4)),
                 "self": lambda: de.ModelDrafter(M.load_model(folders[mode], dtype=torch.bfloat16),
@@ -225,6 +227,24 @@ def test_every_drafter_is_lossless_on_quantized_targets(folders, mode, tmp_path)
             assert out == ref, (mode, name, p)
             if name == "self":
                 assert st.mean_accepted_length > 3.0  # the quantized target drafting for itself is always right
+
+
+def test_speculative_sampling_is_exact_on_an_int4_target(tmp_path, monkeypatch):
+    """test_generate's chi-square test of the joint law of tokens 2 and 3 (prompt lookup's first tree, with
+    siblings), its target the int4 copy of the tiny model (teacher-forced probabilities from the int4 model too)."""
+    import test_generate as tg
+    from sampling import Sampling
+    real = tg.load_model
+
+    def int4(path, dtype=None):
+        q = tmp_path / "int4"
+        if not q.exists():
+            quantize.quantize_folder(path, q, "int4", None)
+        m = real(q, dtype=torch.bfloat16)
+        assert isinstance(m.layers[0].mlp.up_proj, quant.QLinear)
+        return m
+    monkeypatch.setattr(tg, "load_model", int4)
+    tg.test_speculative_sampling_is_exact(tmp_path, monkeypatch, "ngram", Sampling(1.0), None)
 
 
 def one_line(capsys, rc, *words):
