@@ -106,7 +106,8 @@ def attach(model):
     """Give a bf16 CPU model its fastest pass here: the fused one where it fits and NANOSPEC_CPU_GEMM=kernel or it
     beats the PyTorch layers on the model's own weights (fused_wins, cached per machine and shape)."""
     gemm, layers_kernel = cpu_gemm.mode(), cpu_gemm.enabled()
-    if not (switched_on() and gemm != "torch" and fits_args(model.args) and kernel() is not None):
+    c_layout = all(m.kw is not None for m in model.layers.modules() if isinstance(m, quant.QLinear))
+    if not (switched_on() and gemm != "torch" and fits_args(model.args) and kernel() is not None and c_layout):
         if layers_kernel:
             cpu_gemm.pack_linears(model)
         return

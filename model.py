@@ -430,6 +430,8 @@ def load_model(path, dtype=torch.bfloat16, device="cpu") -> Transformer:
         model = Transformer(args)
     sd = load_state_dict(safetensor_files(path), dtype, device, strip_prefix="model.")
     if qrec is not None:  # quantized linears (quant.py): their codes, scales and offsets as stored
+        if torch.device(device).type == "cpu":  # this machine picks the C kernel or torch's for them
+            quant.choose(quant.schemes_of(sd))
         try:
             quant.swap_linears(model, sd, f"checkpoint {path}")
         except quant.QuantError as e:

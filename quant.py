@@ -16,6 +16,7 @@ a byte (code j and j + QC of each run of 2 QC in byte j), scales [panels][K / gr
 Packed documents the same).
 """
 import ctypes
+import time
 from dataclasses import dataclass
 
 import torch
@@ -178,6 +179,64 @@ def _(x, address, N, b=None):
     return x.new_empty(*x.shape[:-1], N)
 
 
+_C = [True]  # whether the C kernel serves quantized products on this CPU (choose(); a list: tests switch it)
+
+
+def choose(schemes: list[tuple[int, int, bool, int, int]], rows=(1, 16), reps: int = 5) -> bool:
+    """Whether the C kernel serves quantized products here, for a model of these (bits, group, offsets, N, K):
+    NANOSPEC_CPU_GEMM=kernel or torch decides, else it must beat torch's kernels (gpt-fast's, where torch has one
+    for the scheme) on a pass through the shapes at every row count, timed once per machine (cached). Only the C
+    kernel's products are row-invariant, and only its layout feeds the fused pass."""
+    mode = cpu_gemm.mode()
+    if cpu_gemm.c_function("linear_packed") is None or mode == "torch":
+        on = False
+    elif mode == "kernel":
+        on = True
+    else:
+        fits = sorted(s for s in set(schemes) if torch_kernel_fits(s[0], s[1], s[2], s[3], s[4]))
+        counts = {s: schemes.count(s) for s in fits}
+        on = not fits or cpu_gemm.cached(f"{cpu_gemm.machine_id()} quantized {counts} rows {list(rows)}",
+                                         lambda: _c_faster(counts, rows, reps))
+    _C[0] = on
+    return on
+
+
+def _c_faster(counts: dict, rows, reps: int) -> bool:
+    g = torch.Generator().manual_seed(0)
+    for r in rows:
+        total = {"c": 0.0, "torch": 0.0}
+        for (bits, group, _, N, K), c in counts.items():
+            codes, s, m = quantize(torch.randn(N, K, generator=g), Scheme(bits, group))
+            kw, tq = kernel_weight(codes, s, m, bits), to_torch_kernel(codes, s, m, bits)
+            x = torch.randn(r, K, generator=g).bfloat16()
+            fns = {"c": lambda: kernel_linear(x, kw, N), "torch": lambda: torch_kernel_linear(x, tq, bits, group)}
+            ts = {k: [] for k in fns}
+            for _ in range(reps + 1):  # alternating; the first round warms up
+                for k, fn in fns.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    ts[k].append(time.perf_counter() - t0)
+            for k in total:
+                total[k] += c * sorted(ts[k][1:])[reps // 2]
+        if total["c"] >= total["torch"]:
+            return False
+    return True
+
+
+def schemes_of(sd: dict) -> list[tuple[int, int, bool, int, int]]:
+    """(bits, group, offsets, N, K) of every quantized matrix in a checkpoint's tensors."""
+    out = []
+    for k, codes in sd.items():
+        if k.endswith(".qweight"):
+            base = k.removesuffix(".qweight")
+            bits = 8 if codes.dtype == torch.int8 else 4
+            K = codes.shape[1] * (2 if bits == 4 else 1)
+            scales = sd.get(base + ".scales")
+            if scales is not None and scales.dim() == 2 and scales.shape[1] and K % scales.shape[1] == 0:
+                out.append((bits, K // scales.shape[1], base + ".offsets" in sd, codes.shape[0], K))
+    return out
+
+
 class QLinear(nn.Module):
     """A linear layer with quantized weights, held once: on a CPU with the C kernels in the kernel's layout (packed
     at load; its products row-invariant, the bf16 GEMM's bits on the dequantized weights), elsewhere (CUDA, no C
@@ -191,7 +250,8 @@ class QLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.kw: KernelWeight | None = None  # the C GEMM's view of the buffers, in the kernel's layout
         self.tq: tuple | None = None  # torch's packed weights and scales for its kernels, where it has one
-        if codes.device.type == "cpu" and cpu_gemm.mode() != "torch" and cpu_gemm.c_function("linear_packed") is not None:
+        if (codes.device.type == "cpu" and _C[0] and cpu_gemm.mode() != "torch"
+                and cpu_gemm.c_function("linear_packed") is not None):
             codes, scales = pack_codes(codes, bits), pack_groups(scales)
             offsets = None if offsets is None else pack_groups(offsets)
         elif torch_kernel_fits(bits, self.group, offsets is not None, self.out_features, self.in_features):
@@ -251,8 +311,8 @@ def to_torch_kernel(codes: Tensor, scales: Tensor, offsets: Tensor | None, bits:
     """(weights, scales) in torch's layouts: int8 codes [N, K] and bf16 scales [N]; int4, tinygemm's packed
     codes and scales_and_zeros [K / group, N, 2] bf16, whose weight is (q - 8) scale + zero: zero = offset + 8 scale
     (rounded to bf16: torch's path is its own arithmetic, not the C kernel's bits)."""
-    if bits == 8:
-        return codes, scales.view(-1).bfloat16()
+    if bits == 8:  # (a fresh, aligned copy: torch's int8 kernel crashed on a safetensors buffer at offset 40 of 64)
+        return codes.clone(), scales.view(-1).bfloat16()
     q = codes_of(codes, 4)
     sz = torch.stack([scales.float().T, (offsets.float() + 8 * scales.float()).T], dim=-1).bfloat16().contiguous()
     if codes.device.type == "cuda":  # gpt-fast's call: even k in the high nibble; inner k tiles as K allows

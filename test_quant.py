@@ -282,3 +282,23 @@ def test_a_quantized_checkpoint_missing_a_tensor_is_one_line(folders, tmp_path, 
     save_file(sd, str(bad / "model.safetensors"))
     one_line(capsys, generate.main(["--checkpoint", str(bad), "--prompt", "hi", "--max-new-tokens", "2",
                                     "--draft", "none"]), "layers.1.mlp.up_proj", drop.strip("."))
+
+
+def test_the_machine_picks_the_kernel_once(folders, monkeypatch, tmp_path):
+    """Quantized products take the C kernel or torch's by a timing check cached per machine (NANOSPEC_CPU_GEMM
+    decides when set); a model loaded where torch's won runs torch's kernels in the PyTorch layers."""
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv(cpu_gemm.ENV, raising=False)
+    calls = []
+    monkeypatch.setattr(quant, "_c_faster", lambda counts, rows, reps: calls.append(counts) or False)
+    schemes = quant.schemes_of(load_file(str(folders["int4"] / "model.safetensors")))
+    assert (4, 32, True, 192, 192) in schemes and (8, 192, False, 300, 192) in schemes
+    try:
+        assert quant.choose(schemes) is False and quant.choose(schemes) is False and len(calls) == 1  # cached
+        m = M.load_model(folders["int4"], dtype=torch.bfloat16)
+        assert m.cpu_pass is None and m.layers[0].mlp.down_proj.tq is not None
+        assert len(Engine(m).generate([5, 6, 7], 4)[0]) == 4
+        monkeypatch.setenv(cpu_gemm.ENV, "kernel")
+        assert quant.choose(schemes) is True and len(calls) == 1
+    finally:
+        quant._C[0] = True
