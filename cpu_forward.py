@@ -169,8 +169,6 @@ class Stack:
             at, mlp = layer.self_attn, layer.mlp
             hid = getattr(layer, "hidden_norm", None)  # EAGLE-3: q/k/v read [norm(embedding); norm(hidden)]
             bias = torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]).detach() if a.qkv_bias else None
-            if bias is not None:
-                bias = bias.bfloat16()
             gemms = [fused([at.q_proj, at.k_proj, at.v_proj]), kernel_weight(at.o_proj),
                      fused([mlp.gate_proj, mlp.up_proj]), kernel_weight(mlp.down_proj)]
             self.keep += gemms

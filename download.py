@@ -185,9 +185,9 @@ def convert_gguf(gguf_path: pathlib.Path | str, out: pathlib.Path | str, native:
             q = quant.from_gguf_blocks(np.asarray(t.data).reshape(shape[0], -1), kind, shape[1])
             if rows:
                 q = tuple(None if x is None else torch.from_numpy(unpermute_qk(x.numpy(), rows).copy()) for x in q)
-            base = "lm_head" if name == "model.embed_tokens.weight" else name.removesuffix(".weight")
-            if base == "lm_head" and not tied:  # the embedding alone: its rows are read, not multiplied
-                base = None
+            base = name.removesuffix(".weight")
+            if name == "model.embed_tokens.weight":  # widened below for lookups; tied, its codes are the LM head
+                base = "lm_head" if tied else None
             if base is not None:
                 tensors[f"{base}.qweight"], tensors[f"{base}.scales"] = q[0], q[1]
                 if q[2] is not None:
