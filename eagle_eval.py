@@ -150,3 +150,41 @@ def table(res: dict, eng: dict | None = None) -> str:
     if eng:
         tail += f"; engine τ {eng['tau']} over {eng['steps']} steps"
     return "\n".join(out) + "\n\n" + tail
+
+
+def curve(points: list[tuple[float, dict]], png: str | None = None, ref: tuple[str, dict] | None = None) -> str:
+    """The data-size curve: (supervised tokens, `eval --json` result) per head, as a markdown table (depth-1 and
+    depth-4 recall, engine τ) and, with png, a figure of depth-1 R@8 and τ against tokens; ref: a head drawn as a
+    line (its label, its result)."""
+    pts = sorted(points, key=lambda p: p[0])
+    row = lambda r: [r["recall"]["full"][0][0], r["recall"]["full"][0][2], r["recall"]["full"][-1][2],
+                     (r.get("engine") or {}).get("tau")]
+    out = ["| supervised tokens | depth-1 R@1 | depth-1 R@8 | depth-4 R@8 | engine τ |", "|---|---|---|---|---|"]
+    for n, r in pts:
+        a, b, c, t = row(r)
+        out.append(f"| {n / 1e6:.2f}M | {a:.3f} | {b:.3f} | {c:.3f} | {'-' if t is None else f'{t:.3f}'} |")
+    if ref:
+        a, b, c, t = row(ref[1])
+        out.append(f"| {ref[0]} | {a:.3f} | {b:.3f} | {c:.3f} | {'-' if t is None else f'{t:.3f}'} |")
+    if png:
+        import matplotlib
+        import matplotlib.ticker
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+        xs = [n / 1e6 for n, _ in pts]
+        for ax, j, name in ((axes[0], 1, "depth-1 recall@8"), (axes[1], 3, "engine τ (16-node tree)")):
+            ax.plot(xs, [row(r)[j] or float("nan") for _, r in pts], "o-", label="campaign")
+            if ref and row(ref[1])[j] is not None:
+                ax.axhline(row(ref[1])[j], color="gray", ls="--", label=ref[0])
+            ax.set_xscale("log")
+            ax.set_xticks(xs, [f"{x:.2f}" for x in xs])
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set_xlabel("supervised tokens (M)")
+            ax.set_title(name)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(png, dpi=120)
+    return "\n".join(out)
+

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -334,6 +335,26 @@ def cmd_eval(args):
     return 0
 
 
+def cmd_curve(args):
+    def read(spec):
+        label, sep, f = spec.partition("=")
+        if not sep or not Path(f).is_file():
+            raise TrainError(f"{spec!r}: expected LABEL=FILE.json with an existing file")
+        try:
+            return label, json.loads(Path(f).read_text())
+        except json.JSONDecodeError as e:
+            raise TrainError(f"{f} is not JSON ({e.msg})") from None
+
+    def tokens(label):
+        m = re.fullmatch(r"([\d.]+)([kKmM]?)", label)
+        if not m:
+            raise TrainError(f"{label!r} is not a token count (e.g. 410k, 2.21M)")
+        return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6}[m.group(2).lower()]
+    points = [(tokens(lb), r) for lb, r in map(read, args.points)]
+    print(ev.curve(points, args.png, read(args.ref) if args.ref else None))
+    return 0
+
+
 def cmd_train(args):
     if args.no_lm_head and not args.freeze_lm_head:
         raise TrainError("--no-lm-head needs --freeze-lm-head (the exported head then shares the target's lm_head)")
@@ -453,6 +474,13 @@ def parse_args(argv=None):
     v.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     v.add_argument("--json", default=None, help="also write the figures here")
     v.set_defaults(func=cmd_eval)
+
+    c = sub.add_parser("curve", help="the data-size curve: a table (and a PNG) of `eval --json` results by "
+                                     "supervised tokens")
+    c.add_argument("points", nargs="+", help="TOKENS=FILE.json, e.g. 2.21M=results/head_eval/a.json")
+    c.add_argument("--ref", default=None, help="LABEL=FILE.json: a head drawn as a line (e.g. the shipped one)")
+    c.add_argument("--png", default=None)
+    c.set_defaults(func=cmd_curve)
     return p.parse_args(argv)
 
 

@@ -31,3 +31,24 @@ def test_pruned_head_is_refused(tmp_path):
         assert "whole vocabulary" in str(e)
     else:
         raise AssertionError("a d2t head was accepted")
+
+
+def test_curve_table_and_figure(tmp_path):
+    """`eagle_train.py curve`: one row per point in token order, the reference head last, the PNG drawn; a bad
+    point is one line."""
+    import json
+
+    import eagle_train
+    rec = lambda r1, t: dict(recall=dict(full=[[r1, 0.6, r1 + 0.3, 0.9], [0.3, 0.4, 0.5, 0.6]]), engine=dict(tau=t))
+    files = {}
+    for name, r in (("a", rec(0.31, 1.7)), ("b", rec(0.41, 2.0)), ("ref", rec(0.40, 1.9))):
+        files[name] = tmp_path / f"{name}.json"
+        files[name].write_text(json.dumps(r))
+    png = tmp_path / "c.png"
+    assert eagle_train.main(["curve", f"2.21M={files['b']}", f"410k={files['a']}", "--ref", f"shipped={files['ref']}",
+                             "--png", str(png)]) == 0
+    t = ev.curve([(4.1e5, rec(0.31, 1.7)), (2.21e6, rec(0.41, 2.0))], None, ("shipped", rec(0.40, 1.9))).splitlines()
+    assert [r.split(" | ")[0] for r in t[2:]] == ["| 0.41M", "| 2.21M", "| shipped"]
+    assert t[3].split(" | ")[1:] == ["0.410", "0.710", "0.500", "2.000 |"]
+    assert png.stat().st_size > 1000
+    assert eagle_train.main(["curve", f"lots={files['a']}"]) == 2
