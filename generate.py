@@ -28,7 +28,7 @@ from stats import PHASES, Clock, Stats, sync
 from tokenizer import Streamer, Tokenizer
 
 DEFAULT_PROMPT = "What is the capital of France?"
-DEFAULT_HEAD = Path(__file__).resolve().parent / "heads" / "SmolLM2-135M-Instruct-eagle3"  # trained by eagle_train.py
+DEFAULT_HEAD = Path(__file__).resolve().parent / "heads" / "SmolLM2-135M-Instruct-eagle3-sharegpt"  # eagle_train.py, on ShareGPT
 
 
 def accepted_tokens(host: list[int]) -> tuple[int, list[int], list[int]]:

@@ -31,7 +31,7 @@ from eagle import load_eagle
 from generate import Engine, build_engine, load_target
 
 REPO = Path(__file__).resolve().parent
-HEAD = REPO / "heads" / "SmolLM2-135M-Instruct-eagle3"
+HEAD = REPO / "heads" / "SmolLM2-135M-Instruct-eagle3-sharegpt"
 PROMPTS = ["What is the capital of France?", "Write a Python function that checks whether a number is prime.",
            "Summarize the water cycle in three sentences."]
 
