@@ -144,35 +144,49 @@ def ttt_forward(head, aux: Tensor, tokens: Tensor, steps: int, cos: Tensor, sin:
     return outs
 
 
+def target_probs(tgt_logits: Tensor, bias: Tensor | None = None):
+    """The target's distributions over the loss columns, fp32 [P, V'], and its argmax [P]: formed once per
+    position, shared by the TTT steps that predict it."""
+    tz = tgt_logits.float() if bias is None else tgt_logits.float() + bias
+    return torch.softmax(tz, -1), tz.argmax(-1)
+
+
 class LinearSoftCE(torch.autograd.Function):
-    """sum_n w_n * CE(softmax(target_n), softmax(h_n W^T)) computed over row chunks, so the [N, V] logits
-    never exist at once (128k vocabularies fit); the gradient w.r.t. h (and W when it trains) is formed in
-    the forward pass, chunk by chunk. Also returns per-row top-1 agreement (draft argmax == target argmax)."""
+    """sum_r w_r * CE(p_(r mod P), softmax(h_r W^T)) computed over row chunks, so the [N, V] logits never
+    exist at once (128k vocabularies fit); the gradient w.r.t. h (and W when it trains) is formed in the
+    forward pass, chunk by chunk. h stacks S blocks of P rows, block s paired row by row with the target
+    distributions p [P, V] (fp32, rows sum to 1), so the TTT steps share one p. CE = lse(z) - p.z, and each
+    chunk's [rows, V] buffer is rewritten in place (logits, then q, then the gradient): about 10 passes over
+    it, where separate temporaries took 17 (and fresh 16 MB buffers each cost page faults, 17 ms an op).
+    Also returns per-row top-1 agreement (draft argmax == target argmax `arg`)."""
 
     @staticmethod
-    def forward(ctx, h, W, tgt, w, chunk, cdtype, bias=None):
+    def forward(ctx, h, W, p, arg, w, chunk, cdtype, bias=None):
+        P = p.shape[0]
         N = h.shape[0]
+        assert N % max(P, 1) == 0, "h must stack whole blocks of P rows"
         Wc = W.detach().to(cdtype)
         gh = torch.empty_like(h, dtype=torch.float32)
         gW = torch.zeros_like(W, dtype=torch.float32) if W.requires_grad else None
         correct = torch.zeros(N, dtype=torch.bool, device=h.device)
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         with torch.autocast(h.device.type, enabled=False):
-            for a in range(0, N, chunk):
-                hc = h[a:a + chunk].detach().to(cdtype)
-                z = (hc @ Wc.T).float()
-                tz = tgt[a:a + chunk].float()
-                if bias is not None:
-                    z, tz = z + bias, tz + bias
-                logq = torch.log_softmax(z, dim=-1)
-                p = torch.softmax(tz, dim=-1)
-                wc = w[a:a + chunk]
-                loss -= (wc * (p * logq).sum(-1)).sum()
-                g = ((logq.exp() - p) * wc[:, None]).to(cdtype)
-                gh[a:a + chunk] = (g @ Wc).float()
-                if gW is not None:
-                    gW += (g.T @ hc).float()
-                correct[a:a + chunk] = z.argmax(-1) == tz.argmax(-1)
+            for base in range(0, N, max(P, 1)):
+                for a in range(0, P, chunk):
+                    r0, r1 = base + a, base + min(a + chunk, P)
+                    hc = h[r0:r1].detach().to(cdtype)
+                    pc, wc = p[a:a + chunk], w[r0:r1]
+                    z = (hc @ Wc.T).float()
+                    if bias is not None:
+                        z += bias
+                    correct[r0:r1] = z.argmax(-1) == arg[a:a + chunk]
+                    lse = torch.logsumexp(z, -1)
+                    pz = torch.bmm(pc[:, None, :], z[:, :, None]).view(-1)
+                    loss += (wc * (lse - pz)).sum()
+                    g = z.sub_(lse[:, None]).exp_().sub_(pc).mul_(wc[:, None]).to(cdtype)  # w * (q - p)
+                    gh[r0:r1] = g @ Wc
+                    if gW is not None:
+                        gW += (g.T @ hc).float()
         ctx.save_for_backward(gh, gW if gW is not None else torch.empty(0))
         ctx.has_gW, ctx.h_dtype, ctx.W_dtype = gW is not None, h.dtype, W.dtype
         ctx.mark_non_differentiable(correct)
@@ -182,7 +196,7 @@ class LinearSoftCE(torch.autograd.Function):
     def backward(ctx, gl, _):
         gh, gW = ctx.saved_tensors
         return ((gh * gl).to(ctx.h_dtype), (gW * gl).to(ctx.W_dtype) if ctx.has_gW else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def loss_columns(tokens: Tensor, vocab_size: int, n: int):
@@ -228,26 +242,18 @@ class TTTLoss(nn.Module):
         cos, sin = self.rope(T, tokens.device)
         outs = ttt_forward(self.head, aux, tokens, self.steps, cos, sin)
         sb, sj = sup.nonzero(as_tuple=True)
-        P = sb.shape[0]
-        rows, tgt_idx, weights, step_of = [], [], [], []
-        pidx = torch.arange(P, device=tokens.device)
-        for i, o in enumerate(outs):
-            t = sj - 2 - i  # draft row whose step i predicts token j
-            keep = t >= 0
-            n = int(keep.sum())
-            if n == 0:
-                continue
-            rows.append(o[sb[keep], t[keep]])
-            tgt_idx.append(pidx[keep])
-            weights.append(torch.full((n,), LOSS_DECAY ** i / n, device=tokens.device))
-            step_of.append(torch.full((n,), i, device=tokens.device))
-        h = torch.cat(rows)
-        tgt = tgt_logits[torch.cat(tgt_idx)]
-        step_of = torch.cat(step_of)
+        # step i's draft row t = j - 2 - i predicts token j; rows with t < 0 (the first tokens) weigh 0
+        t = sj[None] - 2 - torch.arange(self.steps, device=tokens.device)[:, None]  # [steps, P]
+        keep = t >= 0
+        n = keep.sum(-1)  # [steps]
+        h = torch.cat([o[sb, t[i].clamp(min=0)] for i, o in enumerate(outs)])
+        decay = LOSS_DECAY ** torch.arange(self.steps, device=tokens.device, dtype=torch.float32)
+        w = (keep * (decay / n.clamp(min=1))[:, None]).flatten()
+        p, arg = target_probs(tgt_logits, bias)
         W = self.head.lm_head.weight if cols is None else self.head.lm_head.weight[cols]
-        loss, correct = LinearSoftCE.apply(h, W, tgt, torch.cat(weights), self.chunk, self.cdtype, bias)
-        cnt = torch.bincount(step_of, minlength=self.steps).float()
-        acc = torch.bincount(step_of, weights=correct.float(), minlength=self.steps) / cnt.clamp(min=1)
+        loss, correct = LinearSoftCE.apply(h, W, p, arg, w, self.chunk, self.cdtype, bias)
+        cnt = n.float()
+        acc = (correct.view(self.steps, sb.shape[0]) & keep).sum(-1) / cnt.clamp(min=1)
         return loss, acc, cnt
 
 

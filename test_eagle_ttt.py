@@ -76,26 +76,73 @@ def test_ttt_forward_matches_the_inference_path(tiny):
                 torch.testing.assert_close(lm_in[0, 0], outs[i][0, t], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("train_w", [False, True])
-def test_fused_soft_ce_matches_autograd(train_w):
+@pytest.mark.parametrize("train_w,blocks", [(False, 1), (True, 1), (True, 3)])
+def test_fused_soft_ce_matches_autograd(train_w, blocks):
     torch.manual_seed(0)
     N, d, V = 37, 16, 50
-    h = torch.randn(N, d, requires_grad=True)
+    h = torch.randn(blocks * N, d, requires_grad=True)
     W = torch.randn(V, d, requires_grad=train_w)
     tgt = torch.randn(N, V) * 3
-    w = torch.rand(N)
-    loss, correct = ttt.LinearSoftCE.apply(h, W, tgt, w, 8, torch.float32)
+    w = torch.rand(blocks * N)
+    p, arg = ttt.target_probs(tgt)
+    loss, correct = ttt.LinearSoftCE.apply(h, W, p, arg, w, 8, torch.float32)
     loss.backward()
     h2 = h.detach().clone().requires_grad_(True)
     W2 = W.detach().clone().requires_grad_(train_w)
     z = h2 @ W2.T
-    ref = -(w * (torch.softmax(tgt, -1) * torch.log_softmax(z, -1)).sum(-1)).sum()
+    ref = -(w * (torch.softmax(tgt, -1).repeat(blocks, 1) * torch.log_softmax(z, -1)).sum(-1)).sum()
     ref.backward()
     torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(h.grad, h2.grad, atol=1e-5, rtol=1e-4)
     if train_w:
         torch.testing.assert_close(W.grad, W2.grad, atol=1e-5, rtol=1e-4)
-    assert torch.equal(correct, z.argmax(-1) == tgt.argmax(-1))
+    assert torch.equal(correct, z.argmax(-1) == tgt.argmax(-1).repeat(blocks))
+
+
+def test_target_probs_leave_the_logits_alone():
+    tgt = torch.randn(5, 9)
+    keep = tgt.clone()
+    p, arg = ttt.target_probs(tgt, torch.full((9,), 2.0))
+    assert torch.equal(tgt, keep)
+    torch.testing.assert_close(p, torch.softmax(tgt, -1))  # a constant bias leaves the softmax
+    assert torch.equal(arg, tgt.argmax(-1))
+
+
+def test_ttt_loss_equals_its_definition(tiny):
+    """sum_i 0.8^i / n_i * sum over supervised j with row t = j - 2 - i >= 0 of CE(p_(j-1), q_i(row t))."""
+    torch.manual_seed(0)
+    target = tiny["model"]
+    target.aux_layers = target.eagle3_aux_layers()
+    head = ttt.new_head(target, target.aux_layers, seed=5)
+    tokens = torch.randint(0, target.args.vocab_size, (2, 12))
+    sup = torch.zeros(2, 12, dtype=torch.bool)
+    sup[0, 3:9] = True
+    sup[1, 2:12] = True
+    steps = 3
+    aux, tgt = ttt.target_pass(target, tokens, sup)
+    loss, acc, cnt = ttt.TTTLoss(head, steps, 4, torch.float32)(aux, tokens, sup, tgt.float())
+    a = head.c.args
+    cos, sin = ttt.rope_cache(12 + steps, a.head_dim, a.rope_theta, a.rope_scaling)
+    with torch.no_grad():
+        outs = ttt.ttt_forward(head, aux, tokens, steps, cos, sin)
+    sb, sj = sup.nonzero(as_tuple=True)
+    ref, ref_acc, ref_cnt = 0.0, [], []
+    for i, o in enumerate(outs):
+        terms, hits = [], []
+        for k in range(sb.shape[0]):
+            b, j = int(sb[k]), int(sj[k])
+            if j - 2 - i < 0:
+                continue
+            with torch.no_grad():
+                z = head.lm_head(o[b, j - 2 - i]).float()
+            terms.append(-(torch.softmax(tgt[k].float(), -1) * torch.log_softmax(z, -1)).sum())
+            hits.append(float(z.argmax() == tgt[k].argmax()))
+        ref = ref + ttt.LOSS_DECAY ** i * torch.stack(terms).mean()
+        ref_acc.append(sum(hits) / len(hits))
+        ref_cnt.append(len(terms))
+    torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(acc, torch.tensor(ref_acc))
+    assert cnt.tolist() == ref_cnt
 
 
 def test_sampled_loss_columns():
@@ -108,6 +155,8 @@ def test_sampled_loss_columns():
     assert ttt.loss_columns(tokens, 100, 0) == (None, None) and ttt.loss_columns(tokens, 100, 100) == (None, None)
     # bias added to both sides: with every column sampled the loss is the exact one
     h, W, tgt, w = torch.randn(6, 8), torch.randn(30, 8), torch.randn(6, 30), torch.ones(6)
-    exact, _ = ttt.LinearSoftCE.apply(h, W, tgt, w, 4, torch.float32)
-    same, _ = ttt.LinearSoftCE.apply(h, W, tgt, w, 4, torch.float32, torch.zeros(30))
+    p, arg = ttt.target_probs(tgt)
+    exact, _ = ttt.LinearSoftCE.apply(h, W, p, arg, w, 4, torch.float32)
+    p, arg = ttt.target_probs(tgt, torch.zeros(30))
+    same, _ = ttt.LinearSoftCE.apply(h, W, p, arg, w, 4, torch.float32, torch.zeros(30))
     torch.testing.assert_close(exact, same)
