@@ -28,18 +28,29 @@ def test_ttt_mask_matches_explicit_construction(T, step):
     assert torch.equal(ttt.ttt_mask(T, step), slow_ttt_mask(T, step))
 
 
-def test_ttt_attention_equals_masked_dense_attention():
+@pytest.mark.parametrize("flash", [True, False])
+def test_ttt_attention_equals_masked_dense_attention(flash, monkeypatch):
+    if not flash:
+        monkeypatch.setattr(ttt, "_CPU_FLASH", None)
+    elif ttt._CPU_FLASH is None:
+        pytest.skip("this torch has no CPU flash attention")
     torch.manual_seed(0)
     B, H, Hkv, T, hd = 2, 4, 2, 6, 8
-    q = torch.randn(B, H, T, hd)
-    ks = [torch.randn(B, Hkv, T, hd) for _ in range(4)]
-    vs = [torch.randn(B, Hkv, T, hd) for _ in range(4)]
+    q = torch.randn(B, H, T, hd, dtype=torch.float64, requires_grad=True)
+    ks = [torch.randn(B, Hkv, T, hd, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    vs = [torch.randn(B, Hkv, T, hd, dtype=torch.float64, requires_grad=True) for _ in range(4)]
     for step in range(4):
         fast = ttt.ttt_attention(q, ks[0], vs[0], ks[1:step + 1], vs[1:step + 1])
         K = torch.cat(ks[:step + 1], dim=2).repeat_interleave(H // Hkv, dim=1)  # [B, H, (step+1)T, hd]
         V = torch.cat(vs[:step + 1], dim=2).repeat_interleave(H // Hkv, dim=1)
         ref = torch.nn.functional.scaled_dot_product_attention(q, K, V, attn_mask=slow_ttt_mask(T, step))
         torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+        # gradients w.r.t. q and every key and value, through a random projection of the output
+        r = torch.randn_like(ref)
+        got = torch.autograd.grad((fast * r).sum(), [q] + ks[:step + 1] + vs[:step + 1])
+        want = torch.autograd.grad((ref * r).sum(), [q] + ks[:step + 1] + vs[:step + 1])
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_ttt_forward_matches_the_inference_path(tiny):
