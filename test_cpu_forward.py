@@ -325,3 +325,26 @@ def test_auto_mode_times_the_whole_pass_once(target, monkeypatch, tmp_path):
             assert (l.packed is not None) == (cpu_gemm.enabled() and not (wins and id(l) in fused_away))
         m.setup_caches(1, 64)
         torch.testing.assert_close(m(p, torch.arange(12)).float(), outs[0].float(), rtol=0.05, atol=0.05)
+
+
+@torch.no_grad()
+def test_training_target_pass_runs_a_batch_a_sequence_at_a_time(target, monkeypatch):
+    """eagle_ttt.target_pass with the fused pass: each row of a batch exactly as that sequence alone, and the
+    batch as the PyTorch layers' batched pass to bf16 rounding."""
+    from eagle_ttt import target_pass
+    tokens = torch.cat([toks(24, s) for s in range(3)])
+    sup = torch.zeros(3, 24, dtype=torch.bool)
+    sup[:, 5:] = True
+    sup[1, 20:] = False
+    cols = torch.arange(0, 300, 3)
+    ms = {f: load(target, f, monkeypatch) for f in (True, False)}
+    aux, logits = target_pass(ms[True], tokens, sup, 16, cols)
+    n = sup.sum(1).tolist()
+    for b in range(3):
+        a1, l1 = target_pass(ms[True], tokens[b:b + 1], sup[b:b + 1], 16, cols)
+        assert torch.equal(aux[b:b + 1], a1)
+        assert torch.equal(logits[sum(n[:b]):sum(n[:b + 1])], l1)
+    aux_t, logits_t = target_pass(ms[False], tokens, sup, 16, cols)
+    for a, b in ((aux, aux_t), (logits, logits_t)):
+        assert a.shape == b.shape
+        assert (a.float() - b.float()).norm() / b.float().norm() < 2e-2
