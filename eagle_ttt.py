@@ -328,7 +328,7 @@ def target_pass(target: Transformer, tokens: Tensor, sup: Tensor, chunk: int = 5
         hid, aux = torch.cat([o[1] for o in outs]), torch.cat([o[2] for o in outs])
     else:
         target.setup_caches(B, T)
-        _, hid, aux = target(tokens, pos, return_hidden=True, compute_logits=False)
+        _, hid, aux = target(tokens, pos, return_hidden=True, compute_logits=False, causal=True)
     sb, sj = sup.nonzero(as_tuple=True)
     hp = hid[sb, sj - 1]
     W = target.lm_head.weight if cols is None else target.lm_head.weight[cols]

@@ -121,6 +121,26 @@ def test_hidden_and_aux_states(tiny_llama):
     torch.testing.assert_close(aux, torch.cat([out.hidden_states[i] for i in (0, 2, 3)], -1), atol=1e-5, rtol=1e-5)
 
 
+def test_causal_pass_over_the_whole_cache(tiny_llama):
+    """causal=True (SDPA's is_causal, the trainer's pass) gives the masked pass's logits, hidden and aux states, and
+    refuses rows that do not fill the cache or bring a mask."""
+    path, hf = tiny_llama
+    m = load_model(path, dtype=torch.float32)
+    m.aux_layers = (0, 2, 3)
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    m.setup_caches(2, 12)
+    ref = m(ids, torch.arange(12), return_hidden=True)
+    got = m(ids, torch.arange(12), return_hidden=True, causal=True)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(got[0], hf(ids).logits, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="fill the cache"):
+        m(ids[:, :10], torch.arange(10), causal=True)
+    with pytest.raises(ValueError, match="fill the cache"):
+        m(ids, torch.arange(12), mask=m.causal_mask(torch.arange(12)), causal=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_runs(tiny_llama, dtype):
     m = load_model(tiny_llama[0], dtype=dtype)
