@@ -142,11 +142,12 @@ class _FlashTTTAttention(torch.autograd.Function):
         if kd is None:
             out, lse = out0, lse0
         else:
-            sd = torch.einsum("bhtd,bhtid->bhti", f(q), f(kd)) * scale
-            lse = torch.logaddexp(lse0, torch.logsumexp(sd, -1))
-            pd = torch.exp(sd - lse[..., None])
-            out = (torch.exp(lse0 - lse)[..., None] * f(out0)
-                   + torch.einsum("bhti,bhtid->bhtd", pd, f(vd))).to(q.dtype)
+            with torch.autocast(q.device.type, enabled=False):  # the scores in fp32, as the backward's
+                sd = torch.einsum("bhtd,bhtid->bhti", f(q), f(kd)) * scale
+                lse = torch.logaddexp(lse0, torch.logsumexp(sd, -1))
+                pd = torch.exp(sd - lse[..., None])
+                out = (torch.exp(lse0 - lse)[..., None] * f(out0)
+                       + torch.einsum("bhti,bhtid->bhtd", pd, f(vd))).to(q.dtype)
         ctx.save_for_backward(q, k0, v0, kd, vd, out, lse, pd)
         ctx.scale = scale
         return out

@@ -51,6 +51,13 @@ def test_ttt_attention_equals_masked_dense_attention(flash, monkeypatch):
         want = torch.autograd.grad((ref * r).sum(), [q] + ks[:step + 1] + vs[:step + 1])
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # under the trainer's bf16 autocast the scores stay fp32: the same output as without it
+    qf, kf, vf = q.detach().float(), [k.detach().float() for k in ks], [v.detach().float() for v in vs]
+    plain = ttt.ttt_attention(qf, kf[0], vf[0], kf[1:], vf[1:])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = ttt.ttt_attention(qf, kf[0], vf[0], kf[1:], vf[1:])
+    if flash:
+        torch.testing.assert_close(cast, plain, atol=1e-5, rtol=1e-5)
 
 
 def test_ttt_forward_matches_the_inference_path(tiny):
