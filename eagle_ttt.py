@@ -125,6 +125,10 @@ _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 _CPU_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
+def _f32(x: Tensor) -> Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 (fp64 stays fp64)
+
+
 class _FlashTTTAttention(torch.autograd.Function):
     """ttt_attention with the causal block in the flash kernel, which also returns its log-sum-exp lse0;
     the diagonal scores sd [B, H, T, i] join through lse = logaddexp(lse0, lse(sd)):
@@ -137,8 +141,7 @@ class _FlashTTTAttention(torch.autograd.Function):
     def forward(ctx, q, k0, v0, kd, vd):
         scale = 1.0 / math.sqrt(q.shape[-1])
         out0, lse0 = _CPU_FLASH(q, k0, v0, 0.0, True, scale=scale)
-        pd = None
-        f = lambda x: x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 (fp64 stays fp64)
+        pd, f = None, _f32
         if kd is None:
             out, lse = out0, lse0
         else:
@@ -159,7 +162,7 @@ class _FlashTTTAttention(torch.autograd.Function):
         dq, dk0, dv0 = _CPU_FLASH_BWD(g, q, k0, v0, out, lse, 0.0, True, scale=ctx.scale)
         if kd is None:
             return dq, dk0, dv0, None, None
-        f = lambda x: x.to(torch.promote_types(x.dtype, torch.float32))
+        f = _f32
         gf = f(g)
         D = (gf * f(out)).sum(-1, keepdim=True)  # [B, H, T, 1]: the softmax backward's row term
         ds = pd * (torch.einsum("bhtd,bhtid->bhti", gf, f(vd)) - D) * ctx.scale
