@@ -324,9 +324,9 @@ def target_pass(target: Transformer, tokens: Tensor, sup: Tensor, chunk: int = 5
     pos = torch.arange(T, device=tokens.device)
     # caches of exactly this batch's shape: attention kernels round differently with the KV length, so a
     # cache grown by earlier batches would make a resumed run (fresh cache) compute other aux states
-    if target.cpu_pass is not None and B > 1:
-        # the fused CPU pass (batch 1), a sequence at a time: 2 x 1,000 rows 0.86 s, the PyTorch layers'
-        # batched pass 1.6 s (Zen 5, 2 threads)
+    if target.cpu_pass is not None:
+        # the fused CPU pass is batch 1: a sequence at a time (2 x 1,000 rows 0.86 s, the PyTorch layers'
+        # batched pass 1.6 s; Zen 5, 2 threads)
         target.setup_caches(1, T)
         outs = [target(tokens[b:b + 1], pos, return_hidden=True, compute_logits=False) for b in range(B)]
         hid, aux = torch.cat([o[1] for o in outs]), torch.cat([o[2] for o in outs])
