@@ -163,6 +163,29 @@ def test_ttt_loss_equals_its_definition(tiny):
     assert cnt.tolist() == ref_cnt
 
 
+def test_ttt_accuracy_counts_only_the_rows_a_step_supervises(tiny):
+    """The target's logits are the head's own step-1 outputs (its row max(j - 3, 0) for token j), so every row step
+    1 supervises is right: its accuracy is exactly 1. Token 2's step-1 row would be t = -1: it reads row 0, is
+    'right' too, and must not count (n + 1 of n otherwise)."""
+    torch.manual_seed(0)
+    target = tiny["model"]
+    target.aux_layers = target.eagle3_aux_layers()
+    head = ttt.new_head(target, target.aux_layers, seed=5)
+    tokens = torch.randint(0, target.args.vocab_size, (2, 12))
+    sup = torch.zeros(2, 12, dtype=torch.bool)
+    sup[0, 4:9] = True
+    sup[1, 2:12] = True  # token 2: no row at step 1
+    aux, _ = ttt.target_pass(target, tokens, sup)
+    a = head.c.args
+    cos, sin = ttt.rope_cache(12 + 2, a.head_dim, a.rope_theta, a.rope_scaling)
+    sb, sj = sup.nonzero(as_tuple=True)
+    with torch.no_grad():
+        o1 = ttt.ttt_forward(head, aux, tokens, 2, cos, sin)[1]
+        tgt = head.lm_head(o1[sb, (sj - 3).clamp(min=0)]).float()
+    _, acc, cnt = ttt.TTTLoss(head, 2, 4, torch.float32)(aux, tokens, sup, tgt)
+    assert cnt.tolist() == [15, 14] and acc[1].item() == 1.0
+
+
 def test_sampled_loss_columns():
     torch.manual_seed(0)
     tokens = torch.tensor([[3, 5, 5, 9], [9, 0, 2, 2]])
