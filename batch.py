@@ -57,16 +57,18 @@ class BatchEngine:
     """Up to `batch` sequences at a time; waiting prompts join as running ones finish (prefill steps first)."""
 
     def __init__(self, model: Transformer, batch: int, max_seq: int, sampling: Sampling = Sampling(),
-                 prefill_rows: int = 2048, drafters: list | None = None, budget: bool = True):
+                 prefill_rows: int = 2048, drafters: list | None = None, budget: bool = True,
+                 ignore_eos: bool = False):
         """drafters: one per sequence of the batch (draft_config.make_drafters), or None: autoregressive; max_seq
-        bounds prompt + new tokens + a draft's nodes; budget=False: every step verifies every whole tree."""
+        bounds prompt + new tokens + a draft's nodes; budget=False: every step verifies every whole tree;
+        ignore_eos: every sequence runs to its token budget (vLLM's ignore_eos, llama-batched-bench's shape)."""
         if batch < 1:
             raise UsageError(f"--batch must be >= 1, got {batch}")
         if drafters and len(drafters) != batch:
             raise ValueError(f"{len(drafters)} drafters for a batch of {batch}")
         self.model, self.B, self.S, self.sampling, self.prefill_rows = model, batch, max_seq, sampling, prefill_rows
         self.device = model.norm.weight.device
-        self.eos = set(model.args.eos_ids)
+        self.eos = set() if ignore_eos else set(model.args.eos_ids)
         if drafters and budget:  # the pass's cost by rows, measured once per machine (before the caches: it
             cap = batch * drafters[0].nodes  # sets up its own): a budget that had to learn it drafted too little
             rows = sorted({min(1 << i, cap) for i in range(cap.bit_length() + 1)} | {batch})

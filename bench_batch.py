@@ -28,6 +28,7 @@ from errors import UsageError
 from generate import DEFAULT_HEAD, Engine, load_target
 
 CONFIGS = ("AR", "auto", "forced")
+STEADY = "AR, full batch"  # run_steady: decode-only tokens/s, every step the whole batch (llama-batched-bench's S_TG)
 
 
 def prompts_for(tok, questions: str | None, n: int) -> list[list[int]]:
@@ -48,6 +49,15 @@ def run_batch(model, prompts, max_new, batch, drafters=None, budget=True) -> tup
     dt = time.perf_counter() - t0
     info = eng.budget.stats() if drafters and budget else {}
     return sum(len(o) for o in outs), dt, dict(info, outs=outs)
+
+
+def run_steady(model, prompts, max_new, batch) -> tuple[int, float, dict]:
+    """llama-batched-bench's shape: `batch` prompts at once, each decoding max_new tokens (no EOS), so every decode
+    step carries the whole batch -> (decode steps' tokens, their seconds): the batch's steady decode rate."""
+    S = -(-(max(len(p) for p in prompts) + max_new) // 16) * 16
+    eng = BatchEngine(model, batch, S, ignore_eos=True)
+    eng.generate_batch(prompts[:batch], max_new)
+    return eng.decode_tokens, eng.decode_s, dict(outs=None)
 
 
 def run_single(model, prompts, max_new) -> tuple[int, float, dict]:
@@ -107,10 +117,11 @@ def plot(png: str, sizes, med: dict, peers: dict):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, style in (("AR", "o-"), ("auto", "s-"), ("forced", "^--")):
+    for name, style in (("AR", "o-"), ("auto", "s-"), ("forced", "^--"), (STEADY, "d-.")):
         xs = [b for b in sizes if (name, b) in med]
-        ax.plot(xs, [med[name, b] for b in xs], style, label={"AR": "speculation off (AR)", "auto": "auto (budget)",
-                                                               "forced": "forced (every tree)"}[name])
+        ax.plot(xs, [med[name, b] for b in xs], style, label={
+            "AR": "speculation off (AR)", "auto": "auto (budget)", "forced": "forced (every tree)",
+            STEADY: "AR, whole batch every step (decode only)"}[name])
     for name, vals in peers.items():
         xs = sorted(vals)
         ax.plot(xs, [vals[b] for b in xs], ":", marker=".", label=name)
@@ -138,6 +149,9 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-batched-bench", default=None, help="llama.cpp's llama-batched-bench binary (a peer)")
     ap.add_argument("--gguf", default=None, help="with --llama-batched-bench: a GGUF of the same weights")
     ap.add_argument("--json", default=None, help="write every measurement here")
+    ap.add_argument("--steady", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time AR with the whole batch every step (batch prompts, no EOS: decode-only tok/s, the "
+                         "shape of llama-batched-bench's S_TG)")
     args = ap.parse_args(argv)
     if bool(args.llama_batched_bench) != bool(args.gguf):
         ap.error("--llama-batched-bench and --gguf go together")
@@ -152,12 +166,15 @@ def main(argv=None) -> int:
     prompts = prompts_for(tok, args.questions, n_max)
     drafters = dc.make_drafters(draft, model, max(sizes)) if {"auto", "forced"} & set(configs) else []
     jobs = [("one at a time", 1)] + [(c, b) for b in sizes for c in configs if c != "forced" or b <= args.forced_max]
+    jobs += [(STEADY, b) for b in sizes if "AR" in configs and args.steady]
 
     def run(job):
         c, b = job
         ps = prompts[:max(4, 2 * b)]
         if c == "one at a time":
             return run_single(model, ps, args.max_new_tokens)
+        if c == STEADY:
+            return run_steady(model, prompts[:b], args.max_new_tokens, b)
         return run_batch(model, ps, args.max_new_tokens, b, None if c == "AR" else drafters[:b], c == "auto")
 
     run(("AR", sizes[0]))  # warm-up: kernels, caches
@@ -167,7 +184,8 @@ def main(argv=None) -> int:
             n, dt, info = run(j)
             rates[j].append(n / dt)
             shares[j].append(info.get("speculated_share", 1.0 if j[0] == "forced" else 0.0))
-            outs[j] = info["outs"]
+            if info["outs"] is not None:
+                outs[j] = info["outs"]
     med = {j: statistics.median(v) for j, v in rates.items()}
     peers = {}
     eos = model.args.eos_ids
@@ -182,24 +200,31 @@ def main(argv=None) -> int:
     print(f"{path.name}, bf16, greedy, {args.max_new_tokens} new tokens max, 2 x batch prompts (at least 4) "
           f"from {args.questions or 'the built-in prompts'}, {torch.get_num_threads()} threads, medians of "
           f"{args.rounds} rounds, {machine_id()}\n")
+    steady = {b: med[STEADY, b] for b in sizes if (STEADY, b) in med}
     print("| batch | " + " | ".join(f"{c} tok/s" for c in configs) + " | auto / AR | auto: speculated share "
-          "| AR vs one at a time | " + " | ".join(peers) + " |")
-    print("|---" * (len(configs) + 4 + len(peers)) + "|")
-    print(f"| one at a time (engine, batch 1) | {base:.1f} |" + " |" * (len(configs) + 3 + len(peers)))
+          "| AR vs one at a time | " + " | ".join(peers) + (" | AR, full batch: decode tok/s | vs its batch 1 |"
+                                                             if steady else " |"))
+    print("|---" * (len(configs) + 4 + len(peers) + 2 * bool(steady)) + "|")
+    print(f"| one at a time (engine, batch 1) | {base:.1f} |" + " |" * (len(configs) + 3 + len(peers) + 2 * bool(steady)))
     for b in sizes:
         cells = [f"{med[c, b]:.1f}" if (c, b) in med else "-" for c in configs]
         ratio = f"{med['auto', b] / med['AR', b]:.2f}x" if ("auto", b) in med and ("AR", b) in med else "-"
         share = f"{statistics.median(shares['auto', b]):.0%}" if ("auto", b) in shares else "-"
         vs = f"{med['AR', b] / base:.2f}x" if ("AR", b) in med else "-"
         print(f"| {b} | " + " | ".join(cells) + f" | {ratio} | {share} | {vs} | "
-              + " | ".join(f"{v[b]:.1f}" if b in v else "-" for v in peers.values()) + " |")
+              + " | ".join(f"{v[b]:.1f}" if b in v else "-" for v in peers.values())
+              + (f" | {steady[b]:.1f} | {steady[b] / steady[sizes[0]]:.2f}x |" if steady else " |"))
+    if steady:
+        print(f"\n(AR, full batch: batch prompts at once, each decoding {args.max_new_tokens} tokens with EOS ignored, "
+              f"decode steps only, as llama-batched-bench's S_TG; 'vs its batch 1': against the same at batch "
+              f"{sizes[0]})")
     same = all(outs[c, b] == outs["AR", b] for c, b in outs if c != "one at a time" and ("AR", b) in outs)
     print(f"\nevery configuration's tokens equal AR's at the same batch size: {same}")
     S = -(-(max(len(p) for p in prompts) + args.max_new_tokens + (drafters[0].nodes if drafters else 0)) // 16) * 16
     mem = memory_per_sequence(model, drafters[0] if drafters else None, S)
     print(f"memory per sequence at {S} positions: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in mem.items()))
     if args.png:
-        plot(args.png, sizes, {k: v for k, v in med.items() if k[0] in CONFIGS}, peers)
+        plot(args.png, sizes, {k: v for k, v in med.items() if k[0] in CONFIGS + (STEADY,)}, peers)
         print(f"figure: {args.png}")
     if args.json:
         with open(args.json, "w") as f:

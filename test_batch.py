@@ -62,6 +62,18 @@ def test_every_sequence_is_its_batch1_output(target, monkeypatch, fused, max_seq
     assert eng.rows > eng.steps["decode"]  # decode steps carried several sequences
 
 
+def test_ignore_eos_runs_every_sequence_to_its_budget(target, monkeypatch):
+    """ignore_eos (llama-batched-bench's shape): every sequence decodes its whole budget, the batch full at every
+    decode step, and a sequence that ends at eos otherwise runs on through it with the same tokens before."""
+    m = load(target, cpu_forward.kernel() is not None, monkeypatch)
+    ref = BatchEngine(m, batch=3, max_seq=128).generate_batch(PROMPTS[:3], 24)
+    eng = BatchEngine(m, batch=3, max_seq=128, ignore_eos=True)
+    got = eng.generate_batch(PROMPTS[:3], 24)
+    assert all(len(g) == 24 for g in got) and any(len(r) < 24 for r in ref)
+    assert all(g[:len(r)] == r for g, r in zip(got, ref))
+    assert eng.rows == 3 * eng.steps["decode"] and eng.decode_tokens == eng.rows
+
+
 def drafting(kind: str, target, tmp_path) -> dc.DraftConfig:
     """prompt lookup, an EAGLE-3 head with NanoSpec, or both merged (the default model's configuration)."""
     if kind == "ngram":

@@ -15,10 +15,14 @@ def test_table(tmp_path, capsys, monkeypatch):
     assert bench_batch.main(["--checkpoint", str(path), "--questions", str(q), "--max-new-tokens", "6", "--batches", "1,2", "--rounds", "1",
                              "--forced-max", "1", "--hf", "2", "--png", str(png), "--json", str(js)]) == 0
     out = capsys.readouterr().out
-    rows = [x for x in out.splitlines() if x.startswith("| ") and "---" not in x][1:]
+    head, *rows = [x for x in out.splitlines() if x.startswith("| ") and "---" not in x]
     assert [r.split(" | ")[0] for r in rows] == ["| one at a time (engine, batch 1)", "| 1", "| 2"]
-    cells = rows[2].split(" | ")
+    col = {h.strip(" |"): i for i, h in enumerate(head.split(" | "))}
+    cells = [c.strip(" |") for c in rows[2].split(" | ")]
     assert float(cells[1]) > 0 and float(cells[2]) > 0 and cells[3] == "-"  # forced only up to --forced-max
-    assert float(cells[-1].rstrip(" |")) > 0  # transformers at batch 2
+    assert float(cells[col["transformers generate()"]]) > 0  # transformers at batch 2
+    # the whole batch every step (no EOS), decode steps only, and its ratio to the same at batch 1
+    assert float(cells[col["AR, full batch: decode tok/s"]]) > 0 and cells[col["vs its batch 1"]].endswith("x")
+    assert [c.strip(" |") for c in rows[1].split(" | ")][col["vs its batch 1"]] == "1.00x"
     assert "tokens equal AR's at the same batch size: True" in out and "KV cache" in out
     assert png.stat().st_size > 1000 and json.loads(js.read_text())["same"] is True
