@@ -126,14 +126,18 @@ def test_target_probs_leave_the_logits_alone():
     assert torch.equal(arg, tgt.argmax(-1))
 
 
-def test_ttt_loss_equals_its_definition(tiny):
-    """sum_i 0.8^i / n_i * sum over supervised j with row t = j - 2 - i >= 0 of CE(p_(j-1), q_i(row t))."""
+def head_and_batch(tiny):
+    """The tiny target with its aux layers, a fresh head, 2 x 12 random tokens and no supervised token yet."""
     torch.manual_seed(0)
     target = tiny["model"]
     target.aux_layers = target.eagle3_aux_layers()
     head = ttt.new_head(target, target.aux_layers, seed=5)
-    tokens = torch.randint(0, target.args.vocab_size, (2, 12))
-    sup = torch.zeros(2, 12, dtype=torch.bool)
+    return target, head, torch.randint(0, target.args.vocab_size, (2, 12)), torch.zeros(2, 12, dtype=torch.bool)
+
+
+def test_ttt_loss_equals_its_definition(tiny):
+    """sum_i 0.8^i / n_i * sum over supervised j with row t = j - 2 - i >= 0 of CE(p_(j-1), q_i(row t))."""
+    target, head, tokens, sup = head_and_batch(tiny)
     sup[0, 3:9] = True
     sup[1, 2:12] = True
     steps = 3
@@ -167,12 +171,7 @@ def test_ttt_accuracy_counts_only_the_rows_a_step_supervises(tiny):
     """The target's logits are the head's own step-1 outputs (its row max(j - 3, 0) for token j), so every row step
     1 supervises is right: its accuracy is exactly 1. Token 2's step-1 row would be t = -1: it reads row 0, is
     'right' too, and must not count (n + 1 of n otherwise)."""
-    torch.manual_seed(0)
-    target = tiny["model"]
-    target.aux_layers = target.eagle3_aux_layers()
-    head = ttt.new_head(target, target.aux_layers, seed=5)
-    tokens = torch.randint(0, target.args.vocab_size, (2, 12))
-    sup = torch.zeros(2, 12, dtype=torch.bool)
+    target, head, tokens, sup = head_and_batch(tiny)
     sup[0, 4:9] = True
     sup[1, 2:12] = True  # token 2: no row at step 1
     aux, _ = ttt.target_pass(target, tokens, sup)
