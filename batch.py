@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 import cpu_draft
+import cpu_forward
 from budget_batch import BatchBudget
 from budget_memory import pass_costs
 from draft import Accepted, Prefill, Tree, chain_tree, chained, stop_at
@@ -58,10 +59,12 @@ class BatchEngine:
 
     def __init__(self, model: Transformer, batch: int, max_seq: int, sampling: Sampling = Sampling(),
                  prefill_rows: int = 2048, drafters: list | None = None, budget: bool = True,
-                 ignore_eos: bool = False):
+                 ignore_eos: bool = False, exact: bool = True):
         """drafters: one per sequence of the batch (draft_config.make_drafters), or None: autoregressive; max_seq
         bounds prompt + new tokens + a draft's nodes; budget=False: every step verifies every whole tree;
-        ignore_eos: every sequence runs to its token budget (vLLM's ignore_eos, llama-batched-bench's shape)."""
+        ignore_eos: every sequence runs to its token budget (vLLM's ignore_eos, llama-batched-bench's shape);
+        exact=False: passes from the size cpu_forward.layers_from measured run the PyTorch layers (torch's GEMMs,
+        AMX where the CPU has it), so a sequence's output may differ from its batch-1 output at near ties."""
         if batch < 1:
             raise UsageError(f"--batch must be >= 1, got {batch}")
         if drafters and len(drafters) != batch:
@@ -69,6 +72,7 @@ class BatchEngine:
         self.model, self.B, self.S, self.sampling, self.prefill_rows = model, batch, max_seq, sampling, prefill_rows
         self.device = model.norm.weight.device
         self.eos = set() if ignore_eos else set(model.args.eos_ids)
+        model.layers_from = None if exact else cpu_forward.layers_from(model)  # (timed before the caches)
         if drafters and budget:  # the pass's cost by rows, measured once per machine (before the caches: it
             cap = batch * drafters[0].nodes  # sets up its own): a budget that had to learn it drafted too little
             rows = sorted({min(1 << i, cap) for i in range(cap.bit_length() + 1)} | {batch})
@@ -386,7 +390,8 @@ def run_prompts(model: Transformer, tok, args, sampling: Sampling, draft=None) -
               if len(p) + n + spare > limit}
     ok = [i for i in range(len(items)) if i not in errors]
     S = -(-max([len(ids[i]) + news[i] + spare for i in ok] or [1]) // 16) * 16  # every range fits the longest
-    eng = BatchEngine(model, args.batch, min(S, limit), sampling, drafters=drafters, budget=args.budget == "auto")
+    eng = BatchEngine(model, args.batch, min(S, limit), sampling, drafters=drafters, budget=args.budget == "auto",
+                      exact=args.exact is not False)
     for i in ok:
         it = items[i]
         s = Sampling(float(it["temperature"]), sampling.top_k, sampling.top_p) if "temperature" in it else sampling

@@ -41,9 +41,9 @@ def prompts_for(tok, questions: str | None, n: int) -> list[list[int]]:
     return [tok.encode_chat([{"role": "user", "content": mixed[i % len(mixed)].turns[0]}]) for i in range(n)]
 
 
-def run_batch(model, prompts, max_new, batch, drafters=None, budget=True) -> tuple[int, float, dict]:
+def run_batch(model, prompts, max_new, batch, drafters=None, budget=True, exact=True) -> tuple[int, float, dict]:
     S = -(-(max(len(p) for p in prompts) + max_new + (drafters[0].nodes if drafters else 0)) // 16) * 16
-    eng = BatchEngine(model, batch, S, drafters=drafters, budget=budget)
+    eng = BatchEngine(model, batch, S, drafters=drafters, budget=budget, exact=exact)
     t0 = time.perf_counter()
     outs = eng.generate_batch(prompts, max_new)
     dt = time.perf_counter() - t0
@@ -51,17 +51,17 @@ def run_batch(model, prompts, max_new, batch, drafters=None, budget=True) -> tup
     return sum(len(o) for o in outs), dt, dict(info, outs=outs)
 
 
-def run_steady(model, prompts, max_new, batch) -> tuple[int, float, dict]:
+def run_steady(model, prompts, max_new, batch, exact=True) -> tuple[int, float, dict]:
     """llama-batched-bench's shape: `batch` prompts at once, each decoding max_new tokens (no EOS), so every decode
     step carries the whole batch -> (decode steps' tokens, their seconds): the batch's steady decode rate."""
     S = -(-(max(len(p) for p in prompts) + max_new) // 16) * 16
-    eng = BatchEngine(model, batch, S, ignore_eos=True)
+    eng = BatchEngine(model, batch, S, ignore_eos=True, exact=exact)
     eng.generate_batch(prompts[:batch], max_new)
     return eng.decode_tokens, eng.decode_s, dict(outs=None)
 
 
-def run_single(model, prompts, max_new) -> tuple[int, float, dict]:
-    eng, n, t0 = Engine(model), 0, time.perf_counter()
+def run_single(model, prompts, max_new, exact=True) -> tuple[int, float, dict]:
+    eng, n, t0 = Engine(model, exact=None if exact else False), 0, time.perf_counter()
     outs = [eng.generate(p, max_new)[0] for p in prompts]
     return sum(len(o) for o in outs), time.perf_counter() - t0, dict(outs=outs)
 
@@ -149,6 +149,9 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-batched-bench", default=None, help="llama.cpp's llama-batched-bench binary (a peer)")
     ap.add_argument("--gguf", default=None, help="with --llama-batched-bench: a GGUF of the same weights")
     ap.add_argument("--json", default=None, help="write every measurement here")
+    ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True,
+                    help="--no-exact: passes from the size the machine's check picks run the PyTorch layers with torch's "
+                         "GEMMs (AMX where the CPU has it); a sequence may then differ from its batch-1 output")
     ap.add_argument("--steady", action=argparse.BooleanOptionalAction, default=True,
                     help="also time AR with the whole batch every step (batch prompts, no EOS: decode-only tok/s, the "
                          "shape of llama-batched-bench's S_TG)")
@@ -172,10 +175,10 @@ def main(argv=None) -> int:
         c, b = job
         ps = prompts[:max(4, 2 * b)]
         if c == "one at a time":
-            return run_single(model, ps, args.max_new_tokens)
+            return run_single(model, ps, args.max_new_tokens, args.exact)
         if c == STEADY:
-            return run_steady(model, prompts[:b], args.max_new_tokens, b)
-        return run_batch(model, ps, args.max_new_tokens, b, None if c == "AR" else drafters[:b], c == "auto")
+            return run_steady(model, prompts[:b], args.max_new_tokens, b, args.exact)
+        return run_batch(model, ps, args.max_new_tokens, b, None if c == "AR" else drafters[:b], c == "auto", args.exact)
 
     run(("AR", sizes[0]))  # warm-up: kernels, caches
     rates, shares, outs = {j: [] for j in jobs}, {j: [] for j in jobs}, {}
@@ -199,7 +202,8 @@ def main(argv=None) -> int:
     base = med["one at a time", 1]
     print(f"{path.name}, bf16, greedy, {args.max_new_tokens} new tokens max, 2 x batch prompts (at least 4) "
           f"from {args.questions or 'the built-in prompts'}, {torch.get_num_threads()} threads, medians of "
-          f"{args.rounds} rounds, {machine_id()}\n")
+          f"{args.rounds} rounds, {machine_id()}, "
+          + ("exact" if args.exact else f"not exact: the PyTorch layers from {model.layers_from} rows") + "\n")
     steady = {b: med[STEADY, b] for b in sizes if (STEADY, b) in med}
     print("| batch | " + " | ".join(f"{c} tok/s" for c in configs) + " | auto / AR | auto: speculated share "
           "| AR vs one at a time | " + " | ".join(peers) + (" | AR, full batch: decode tok/s | vs its batch 1 |"

@@ -10,7 +10,8 @@ from model import Transformer
 
 def pass_key(model: Transformer) -> str:
     return (f"{cpu_gemm.machine_id()} {cpu_forward.shape_key(model.args)} {model.norm.weight.dtype} "
-            f"{'fused pass' if model.cpu_pass is not None else 'layers'} {'kernel' if cpu_gemm.enabled() else 'torch'}")
+            f"{'fused pass' if model.cpu_pass is not None else 'layers'} {'kernel' if cpu_gemm.enabled() else 'torch'}"
+            + (f", layers from {model.layers_from} rows" if model.layers_from else ""))
 
 
 def pass_costs(model: Transformer, nodes: int, extra=()) -> dict[int, float] | None:

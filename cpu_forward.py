@@ -142,6 +142,45 @@ def fused_wins(model, stack: "Stack", packs: dict, layers_kernel: bool, reps: in
     return worth[True] > worth[False]
 
 
+LAYER_SIZES = (16, 32, 64, 128, 256)  # pass sizes layers_from times (a larger pass goes as the largest)
+
+
+def layers_from(model, reps: int = 3) -> int | None:
+    """The smallest pass size from which the PyTorch layers with torch's GEMMs (oneDNN, AMX tiles where the CPU
+    has them) beat the fused pass at that size and every larger one of LAYER_SIZES, or None: the fused pass wins
+    throughout. Timed once per machine and model shape, cached. Their rows are not invariant: --no-exact only.
+    Why: the fused pass's GEMMs win by streaming the weights once at few rows, but on an AMX Xeon oneDNN's took
+    41.5 ms for the whole model at 128 rows against the fused pass's 97.7 at 60."""
+    if model.cpu_pass is None or any(isinstance(m, quant.QLinear) for m in model.modules()):
+        return None
+    key = f"{cpu_gemm.machine_id()} layers with torch GEMMs from, against the {shape_key(model.args)} at {LAYER_SIZES}"
+    f = cpu_gemm.cache_dir() / "cpu_gemm.json"
+    data = cpu_gemm.read_json(f)
+    if key not in data:
+        data[key] = _layers_from(model, reps)
+        cpu_gemm.merge_json(f, key, data[key])
+    return data[key]
+
+
+@torch.no_grad()
+def _layers_from(model, reps: int) -> int | None:
+    stack, on = model.cpu_pass, cpu_gemm.enabled()
+    ts = {f: {r: [] for r in LAYER_SIZES} for f in (True, False)}
+    try:
+        for _ in range(reps + 1):  # the first round warms up
+            for fused in (True, False):
+                cpu_gemm.switch(fused)
+                model.cpu_pass = stack if fused else None
+                for r, t in pass_seconds(model, list(LAYER_SIZES), reps=1).items():
+                    ts[fused][r].append(t)
+    finally:
+        model.cpu_pass = stack
+        cpu_gemm.switch(on)
+    med = {f: {r: sorted(v[1:])[reps // 2] for r, v in d.items()} for f, d in ts.items()}
+    wins = [r for r in LAYER_SIZES if med[False][r] < med[True][r]]
+    return next((r for r in LAYER_SIZES if all(x in wins for x in LAYER_SIZES if x >= r)), None)
+
+
 @torch.no_grad()
 def pass_seconds(model, rows: list[int], reps: int = 3, ctx: int = 256) -> dict[int, float]:
     """{rows: median seconds of reps} of the model's pass as it runs now, over ctx keys; leaves no caches."""

@@ -10,6 +10,7 @@ Row-invariant: every output is one fp32 chain over k in order, plus the bias, ro
 row count (what exact mode needs; the BF16 variant rounds unlike the FMA ones, but a machine runs only one).
 `linear` uses it where `choose` (timed, cached per machine) turned it on.
 """
+import contextlib
 import os
 import platform
 import time
@@ -180,6 +181,17 @@ def enabled() -> bool:
 def switch(on: bool):
     """Turn the kernel on or off for this process (choose() and cpu_forward.attach decide; benches compare)."""
     _ON[0] = bool(on)
+
+
+@contextlib.contextmanager
+def turned_off():
+    """The kernel off within a block (model.forward's large --no-exact passes: torch's GEMMs), then as it was."""
+    on = _ON[0]
+    _ON[0] = False
+    try:
+        yield
+    finally:
+        _ON[0] = on
 
 
 def mode() -> str:

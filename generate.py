@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 import batch
+import cpu_forward
 import draft_config as dc
 import graphs
 from budget import StepBudget
@@ -54,6 +55,7 @@ class Engine:
         graphed = compile and self.device.type == "cuda"
         self.planner = Planner(model, exact, min(max_seq, model.args.max_position_embeddings) if graphed else None,
                                drafter)
+        model.layers_from = cpu_forward.layers_from(model) if exact is False else None  # --no-exact: per pass size
         self.R_dec = self.R_ver = PassRows(1, 1)  # rows of the decode and verify passes of the current request
         # compiled: the drafter's update and next draft run as one step (eager keeps them apart to time each)
         self.fused_steps = compile and drafter is not None and drafter.graphable

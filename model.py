@@ -279,6 +279,7 @@ class Transformer(nn.Module):
         self.aux_layers: tuple[int, ...] = ()  # layers whose *inputs* forward(return_hidden=True) also returns
         self.max_batch = self.max_seq = self.slots = -1
         self.cpu_pass: cpu_forward.Stack | None = None  # the fused CPU pass (bf16 on CPU, cpu_forward.py)
+        self.layers_from: int | None = None  # --no-exact: passes this large run the layers (cpu_forward.layers_from)
         self.kv: Tensor | None = None  # [L, 2, Hkv, S, hd]: every layer's KV cache in one tensor, for cpu_pass
         self.kt: Tensor | None = None  # the same keys transposed for cpu_pass's scores (cpu_forward.transposed_keys)
 
@@ -330,28 +331,36 @@ class Transformer(nn.Module):
         if input_pos.dim() == 2:
             cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         x = self.embed_tokens(tokens)  # [B, T, D]
-        if self.kv is not None and tokens.shape[0] == 1 and input_pos.dim() == 1 and mask.dim() == 2:
+        fused = self.kv is not None and tokens.shape[0] == 1 and input_pos.dim() == 1 and mask.dim() == 2
+        if fused and self.layers_from is not None and tokens.shape[1] >= self.layers_from:
+            with cpu_gemm.turned_off():  # a large --no-exact pass: the PyTorch layers with torch's GEMMs
+                h, aux = self._layers(x, cos, sin, input_pos, mask, cache_pos, recent, attn_rows, mask_base, causal)
+        elif fused:
             # layers and final norm in one C call, row-invariant by construction: no exact mode needed (cpu_forward.py)
             h, aux = self.cpu_pass(x[0], cos, sin, mask, cache_pos, self.kv, self.aux_layers, kt=self.kt,
                                    norm=self.norm.weight, mask_base=mask_base)
             h, aux = h[None], (aux[None] if self.aux_layers else None)
         else:
-            if mask_base is not None:  # the window's columns at their slots
-                j = self.seq_range[None, :] - mask_base[:, None]
-                mask = (j >= 0) & (j < mask.shape[1]) & mask.gather(1, j.clamp(0, mask.shape[1] - 1))
-            exact = None if recent is None else exact_plan(input_pos, recent, self.seq_range,
-                                                            self.args.n_heads // self.args.n_kv_heads, attn_rows)
-            states = {}
-            for i, layer in enumerate(self.layers):
-                if i in self.aux_layers:
-                    states[i] = x
-                x = layer(x, cos, sin, None if causal else mask, cache_pos, exact)
-            aux = torch.cat([states[i] for i in self.aux_layers], dim=-1) if states else None
-            if self.kt is not None and self.kt.numel():  # these layers wrote K without its transposed copy
-                self.kt.copy_(cpu_forward.transposed_keys(self.kv))
-            h = self.norm(x)
+            h, aux = self._layers(x, cos, sin, input_pos, mask, cache_pos, recent, attn_rows, mask_base, causal)
         logits = self.lm_head(h) if compute_logits else None
         return (logits, h, aux) if return_hidden else logits
+
+    def _layers(self, x, cos, sin, input_pos, mask, cache_pos, recent, attn_rows, mask_base, causal):
+        """The decoder layers and final norm as PyTorch modules -> (normed hidden, aux or None)."""
+        if mask_base is not None:  # the window's columns at their slots
+            j = self.seq_range[None, :] - mask_base[:, None]
+            mask = (j >= 0) & (j < mask.shape[1]) & mask.gather(1, j.clamp(0, mask.shape[1] - 1))
+        exact = None if recent is None else exact_plan(input_pos, recent, self.seq_range,
+                                                        self.args.n_heads // self.args.n_kv_heads, attn_rows)
+        states = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                states[i] = x
+            x = layer(x, cos, sin, None if causal else mask, cache_pos, exact)
+        aux = torch.cat([states[i] for i in self.aux_layers], dim=-1) if states else None
+        if self.kt is not None and self.kt.numel():  # these layers wrote K without its transposed copy
+            self.kt.copy_(cpu_forward.transposed_keys(self.kv))
+        return self.norm(x), aux
 
     @torch.no_grad()
     def compact_kv(self, src: Tensor | list[int], dst_start: Tensor | int):

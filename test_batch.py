@@ -287,3 +287,20 @@ def test_cli_too_long_prompt_errors_alone(target, tmp_path, monkeypatch, capsys)
 
 def test_cli_batch_needs_prompts(capsys):
     one_line_error(capsys, main(["--batch", "4"]), "--prompts")
+
+
+def test_no_exact_batches_run_large_passes_on_the_layers(target, monkeypatch):
+    """exact=False: the engine asks cpu_forward.layers_from for the size from which passes run the PyTorch layers,
+    and they do (the prefill, and decode steps of as many sequences); exact leaves every pass to the fused pass."""
+    if cpu_forward.kernel() is None:
+        pytest.skip("needs x86-64 with AVX2+FMA and a C compiler")
+    m = load(target, True, monkeypatch)
+    monkeypatch.setattr(cpu_forward, "layers_from", lambda model: 3)
+    rows, real = [], M.Transformer._layers
+    monkeypatch.setattr(M.Transformer, "_layers", lambda self, x, *a: rows.append(x.shape[1]) or real(self, x, *a))
+    BatchEngine(m, batch=3, max_seq=128).generate_batch(PROMPTS[:3], 12)
+    assert m.layers_from is None and rows == []
+    eng = BatchEngine(m, batch=3, max_seq=128, exact=False)
+    got = eng.generate_batch(PROMPTS[:3], 12)
+    assert m.layers_from == 3 and min(rows) == 3 and max(rows) > 3  # decode steps of 3 and the prefill
+    assert all(len(g) == 12 or (len(g) < 12 and g[-1] in m.args.eos_ids) for g in got)  # eos or budget

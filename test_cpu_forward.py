@@ -348,3 +348,47 @@ def test_training_target_pass_runs_a_batch_a_sequence_at_a_time(target, monkeypa
     for a, b in ((aux, aux_t), (logits, logits_t)):
         assert a.shape == b.shape
         assert (a.float() - b.float()).norm() / b.float().norm() < 2e-2
+
+
+def test_layers_from_is_the_crossover_it_measures(target, monkeypatch, tmp_path):
+    """layers_from: the smallest LAYER_SIZES size from which the PyTorch layers (torch's GEMMs: the kernel off while
+    they run) beat the fused pass there and at every larger size, None where they never do; timed once per
+    machine (cached), None without a fused pass."""
+    m = load(target, True, monkeypatch)
+    fused = {16: 1.0, 32: 2.0, 64: 4.0, 128: 8.0, 256: 16.0}
+    for case, (layers, want) in enumerate([({16: 3.0, 32: 2.5, 64: 3.0, 128: 5.0, 256: 9.0}, 64),
+                                           ({16: 0.5, 32: 2.5, 64: 3.0, 128: 5.0, 256: 9.0}, 64),  # 16 alone: no
+                                           ({16: 0.5, 32: 1.0, 64: 2.0, 128: 4.0, 256: 8.0}, 16),
+                                           ({16: 3.0, 32: 2.5, 64: 5.0, 128: 9.0, 256: 17.0}, None)]):
+        calls = []
+
+        def fake(model, rows, reps=3, ctx=256, layers=layers):
+            calls.append((model.cpu_pass is None, cpu_gemm.enabled()))
+            return {r: (layers if model.cpu_pass is None else fused)[r] for r in rows}
+
+        monkeypatch.setattr(cpu_forward, "pass_seconds", fake)
+        monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path / str(case)))
+        assert cpu_forward.layers_from(m) == want and cpu_forward.layers_from(m) == want
+        assert len(calls) == 8 and set(calls) == {(True, False), (False, True)}  # 4 rounds each, once
+        assert m.cpu_pass is not None and cpu_gemm.enabled()
+    assert cpu_forward.layers_from(load(target, False, monkeypatch)) is None
+
+
+@torch.no_grad()
+def test_large_passes_run_the_layers_when_asked(target, monkeypatch):
+    """model.layers_from = n: a pass of n rows or more runs the PyTorch layers with torch's GEMMs on the fused
+    pass's cache (K transposed again after them), smaller passes the fused pass; the numbers are the fused pass's
+    to bf16 rounding, and a fused decode step after a layers prefill reads the keys the layers wrote."""
+    ref, m = load(target, True, monkeypatch), load(target, True, monkeypatch)
+    m.layers_from = 8
+    seen = []
+    real = M.Transformer._layers
+    monkeypatch.setattr(M.Transformer, "_layers", lambda self, *a: seen.append(cpu_gemm.enabled()) or real(self, *a))
+    p, q = toks(40), toks(1, 1)
+    a, b = ref(p, torch.arange(40)), m(p, torch.arange(40))
+    assert seen == [False] and cpu_gemm.enabled()  # the layers, with the kernel off while they ran
+    c, d = ref(q, torch.tensor([40])), m(q, torch.tensor([40]))
+    assert seen == [False]  # one row: the fused pass
+    for x, y in ((a, b), (c, d)):
+        assert (x.float() - y.float()).norm() / x.float().norm() < 0.02
+    assert c[0, -1].argmax() == d[0, -1].argmax()
