@@ -5,6 +5,7 @@
     python bench.py --eagle3 PATH/TO/HEAD --methods main,ablations --categories qa,rag --limit 2
     python bench.py --latency --shape llama3.1-8b               # GPU latency table (random weights)
     python bench.py --compile both --methods ar,ngram,eagle3+nanospec   # torch.compile vs eager, side by side
+    python bench.py --questions Q --limit 3 --llama-cpp BIN/llama-completion --gguf F.gguf  # llama.cpp as a peer
 
 Methods run interleaved question by question (every method back to back on one question, the order
 rotated from question to question) so that drift of a shared machine hits all of them alike. Every
@@ -37,6 +38,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -121,6 +123,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; 1 is "
                    "far steadier on a machine shared with other jobs)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--llama-cpp", default=None, help="a llama.cpp llama-completion binary: time its autoregressive "
+                   "decoding of the questions' first turns as a peer (with --gguf)")
+    p.add_argument("--gguf", default=None, help="with --llama-cpp: the GGUF it runs (e.g. the target's Q4_1 file)")
     g = p.add_argument_group("speculative decoding (as generate.py)",
                              "EAGLE-2 tree: CUDA (and --latency) default top-10, depth 5, 60 nodes as in the papers; "
                              "CPU default top-8, depth 5, 16 nodes (on the 2-core dev CPU a 60-node verify costs "
@@ -156,6 +161,11 @@ def run(args, log) -> int:
         return latency_mode(args, log)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if bool(args.llama_cpp) != bool(args.gguf):
+        raise UsageError("--llama-cpp and --gguf go together")
+    for f in (args.llama_cpp, args.gguf) if args.llama_cpp else ():
+        if not Path(f).is_file():
+            raise UsageError(f"not a file: {f}")
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but CUDA is not available")
@@ -308,6 +318,7 @@ def run(args, log) -> int:
 
     records, mismatches, refs = run_benchmark(questions, methods, tok, args.max_new_tokens, log, guard=sampling.greedy,
                                               progress=not args.no_progress, model=model)
+    peer = llama_cpp_peer(args, questions, tok, methods, records, log) if args.llama_cpp else None
     S = summarize(records, methods, tasks)
     fig1 = figure1(S, methods, ranked, refs, sweep_ks, V_draft, [q.task for q in questions]) if heads else None
     d = model.lm_head.weight.shape[1]
@@ -340,7 +351,7 @@ def run(args, log) -> int:
         "wall time": f"{time.perf_counter() - t_begin:.0f} s",
     }
     ctx = dict(command=command_line(args.argv), settings=settings, warnings=warnings, state_tables=state_tables,
-               targets=check_targets(S, methods))
+               targets=check_targets(S, methods), peer=peer)
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         make_plots(out_dir, tag, fig1, S, methods, tasks, log)
@@ -352,7 +363,24 @@ def run(args, log) -> int:
             f.write(json.dumps(dict(question_id=q.qid, category=q.category,
                                     turns=[tok.decode(o) for o in outs]), ensure_ascii=False) + "\n")
     print_summary(S, methods, tasks, mismatches, warnings, out_dir / f"bench_{tag}.md", guarded=sampling.greedy)
+    if peer:
+        print(f"{peer['name']} (first turns, autoregressive): {peer['tokens_per_s']:.2f} tok/s; "
+              + ", ".join(f"{n} {v / peer['tokens_per_s']:.2f}x" for n, v in peer["methods"].items()))
     return 1 if mismatches else 0
+
+
+def llama_cpp_peer(args, questions, tok, methods, records, log) -> dict:
+    """llama.cpp's autoregressive decoding (llama-completion, greedy) of every question's first turn, after the
+    methods ran: its mean tokens/s (bench_ar.run_llama_cpp: prompt eval included, as ours is) against each
+    method's mean over its own first turns (later turns follow each method's own answers, which llama.cpp's
+    would not)."""
+    from bench_ar import run_llama_cpp
+    log(f"llama.cpp peer: {Path(args.gguf).name}, {len(questions)} first turns")
+    texts = [tok.apply_chat_template([{"role": "user", "content": q.turns[0]}]) for q in questions]
+    rate = statistics.fmean(run_llama_cpp(args.llama_cpp, args.gguf, t, args.max_new_tokens) for t in texts)
+    ours = {m.name: statistics.fmean(r["tokens_per_s"] for r in records if r["method"] == m.name and r["turn"] == 1)
+            for m in methods}
+    return dict(name=f"llama.cpp {Path(args.gguf).name}", tokens_per_s=rate, first_turns=len(texts), methods=ours)
 
 
 def print_summary(S, methods, tasks, mismatches, warnings, md_path, guarded=True):

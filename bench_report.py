@@ -197,6 +197,13 @@ def write_reports(out_dir: Path, tag: str, ctx: dict, S: dict, methods, tasks, r
     L.append("\nTokens/s (mean speed):\n\n")
     L.append(md_table(["method"] + [title(t) for t in cols],
                       [[n] + [_f((S[n].get(t) or {}).get("tokens_per_s")) for t in cols] for n in names]))
+    if ctx.get("peer"):
+        pr = ctx["peer"]
+        L.append(f"\nA peer, {pr['name']}: autoregressive, greedy, the {pr['first_turns']} questions' first turns, "
+                 f"{_f(pr['tokens_per_s'])} tok/s mean (prompt eval included). Each method's mean over its own first "
+                 "turns against it:\n\n")
+        L.append(md_table(["method", "tok/s, first turns", f"vs {pr['name']}"],
+                          [[n, _f(v), f"{v / pr['tokens_per_s']:.2f}x"] for n, v in pr["methods"].items()]))
     exact_cost = [(n, f) for n, f in (("ar", "ar-fast"), ("ar@compile", "ar-fast@compile"))
                   if n in S and f in S and S[n]["overall"] and S[f]["overall"]]
     if exact_cost:
@@ -330,7 +337,7 @@ def write_reports(out_dir: Path, tag: str, ctx: dict, S: dict, methods, tasks, r
     md = "".join(L)
     (out_dir / f"bench_{tag}.md").write_text(md)
     js = dict(settings=ctx["settings"], command=ctx["command"], warnings=ctx["warnings"], summary=S,
-              mismatches=mismatches, state_tables=ctx["state_tables"], figure1=fig1, targets=targets,
+              mismatches=mismatches, state_tables=ctx["state_tables"], figure1=fig1, targets=targets, peer=ctx.get("peer"),
               methods={m.name: dict(kind=m.kind, head=m.head, vocab=m.vocab, size=m.k, ablation=m.ablation,
                                     groups=sorted(m.groups)) for m in methods}, runs=records)
     (out_dir / f"bench_{tag}.json").write_text(json.dumps(js, indent=1, default=str))

@@ -166,3 +166,29 @@ def test_bench_partial_freq_file(tiny_bench, tmp_path, capsys):
     assert "ranks 100 token ids: sweep sizes 128 were left out" in (tmp_path / "bench_questions.md").read_text()
     rc = bench.main(argv(tiny_bench, tmp_path, "--methods", "main", "--freq-ks", "128", "--freq", str(freq)))
     assert rc == 2 and "ranks 100 token ids, fewer than --freq-ks 128" in capsys.readouterr().err
+
+
+def test_llama_cpp_peer(tiny_bench, tmp_path, capsys):
+    """--llama-cpp BIN --gguf F: llama.cpp decodes every question's first turn after the methods ran; the report
+    gives its mean tok/s and each method's mean over its own first turns against it; the flags go together."""
+    fake = tmp_path / "llama-completion"
+    fake.write_text("#!/bin/sh\necho 'Paris.'\n"
+                    "echo 'common_perf_print: prompt eval time =      50.00 ms /    16 tokens ( 3 ms per token)' >&2\n"
+                    "echo 'common_perf_print:        eval time =     150.00 ms /     9 runs   (16 ms per token)' >&2\n")
+    fake.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    rc = bench.main(argv(tiny_bench, tmp_path, "--methods", "ar,ngram", "--limit", "1", "--llama-cpp", str(fake),
+                         "--gguf", str(gguf)))
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    js = json.loads((tmp_path / "bench_questions.json").read_text())
+    peer = js["peer"]
+    assert peer["tokens_per_s"] == pytest.approx(50.0) and peer["first_turns"] == len({r["qid"] for r in js["runs"]}) == 3 and set(peer["methods"]) >= {"ar", "ngram"}
+    first = [r["tokens_per_s"] for r in js["runs"] if r["method"] == "ngram" and r["turn"] == 1]
+    assert peer["methods"]["ngram"] == pytest.approx(sum(first) / len(first))
+    md = (tmp_path / "bench_questions.md").read_text()
+    assert "A peer, llama.cpp m.gguf" in md and f"{peer['methods']['ar'] / 50:.2f}x" in md
+    assert "llama.cpp m.gguf (first turns, autoregressive): 50.00 tok/s" in out.out
+    assert bench.main(argv(tiny_bench, tmp_path, "--llama-cpp", str(fake))) == 2
+    assert "--llama-cpp and --gguf go together" in capsys.readouterr().err
