@@ -72,7 +72,8 @@ class BatchEngine:
         self.model, self.B, self.S, self.sampling, self.prefill_rows = model, batch, max_seq, sampling, prefill_rows
         self.device = model.norm.weight.device
         self.eos = set() if ignore_eos else set(model.args.eos_ids)
-        model.layers_from = None if exact else cpu_forward.layers_from(model)  # (timed before the caches)
+        # (timed before the caches; the model holds the setting of the engine stepping it: each step sets it)
+        self.layers_from = model.layers_from = None if exact else cpu_forward.layers_from(model)
         if drafters and budget:  # the pass's cost by rows, measured once per machine (before the caches: it
             cap = batch * drafters[0].nodes  # sets up its own): a budget that had to learn it drafted too little
             rows = sorted({min(1 << i, cap) for i in range(cap.bit_length() + 1)} | {batch})
@@ -126,6 +127,7 @@ class BatchEngine:
         riding along; else a verification (or a decode step) of every running one. -> the sequences that finished
         in it (eos or their token budget). Why ride along: a prefill step had stalled every running sequence, and
         with sequences finishing one by one (drafting), a batch of 64 ran twice as many prefill steps."""
+        self.model.layers_from = self.layers_from
         admit, rows = [], 0
         while self.waiting and self.free and (not admit or rows + len(self.waiting[0].prompt) <= self.prefill_rows):
             s = self.waiting.popleft()

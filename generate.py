@@ -55,7 +55,9 @@ class Engine:
         graphed = compile and self.device.type == "cuda"
         self.planner = Planner(model, exact, min(max_seq, model.args.max_position_embeddings) if graphed else None,
                                drafter)
-        model.layers_from = cpu_forward.layers_from(model) if exact is False else None  # --no-exact: per pass size
+        # --no-exact: passes from this size run the PyTorch layers (cpu_forward.layers_from); the model holds the
+        # setting of the engine running on it (engines may share a model), so each request sets it
+        self.layers_from = cpu_forward.layers_from(model) if exact is False else None
         self.R_dec = self.R_ver = PassRows(1, 1)  # rows of the decode and verify passes of the current request
         # compiled: the drafter's update and next draft run as one step (eager keeps them apart to time each)
         self.fused_steps = compile and drafter is not None and drafter.graphable
@@ -108,6 +110,7 @@ class Engine:
         T = len(prompt)
         if T == 0:
             raise UsageError("empty prompt")
+        self.model.layers_from = self.layers_from
         if self.drafter is not None:
             return self._generate_spec(prompt, max_new_tokens, on_tokens)
         m, dev = self.model, self.device

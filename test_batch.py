@@ -298,9 +298,9 @@ def test_no_exact_batches_run_large_passes_on_the_layers(target, monkeypatch):
     monkeypatch.setattr(cpu_forward, "layers_from", lambda model: 3)
     rows, real = [], M.Transformer._layers
     monkeypatch.setattr(M.Transformer, "_layers", lambda self, x, *a: rows.append(x.shape[1]) or real(self, x, *a))
-    BatchEngine(m, batch=3, max_seq=128).generate_batch(PROMPTS[:3], 12)
-    assert m.layers_from is None and rows == []
-    eng = BatchEngine(m, batch=3, max_seq=128, exact=False)
+    exact, eng = BatchEngine(m, batch=3, max_seq=128), BatchEngine(m, batch=3, max_seq=128, exact=False)
+    exact.generate_batch(PROMPTS[:3], 12)
+    assert m.layers_from is None and rows == []  # the later engine's setting does not reach this one's passes
     got = eng.generate_batch(PROMPTS[:3], 12)
     assert m.layers_from == 3 and min(rows) == 3 and max(rows) > 3  # decode steps of 3 and the prefill
     assert all(len(g) == 12 or (len(g) < 12 and g[-1] in m.args.eos_ids) for g in got)  # eos or budget

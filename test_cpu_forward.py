@@ -392,3 +392,21 @@ def test_large_passes_run_the_layers_when_asked(target, monkeypatch):
     for x, y in ((a, b), (c, d)):
         assert (x.float() - y.float()).norm() / x.float().norm() < 0.02
     assert c[0, -1].argmax() == d[0, -1].argmax()
+
+
+def test_engines_sharing_a_model_keep_their_own_pass_choice(target, monkeypatch):
+    """An exact engine and a --no-exact one on one model, requests alternating: only the --no-exact engine's large
+    passes (its prefill) run the PyTorch layers; the exact one's output is the fused pass's."""
+    m = load(target, True, monkeypatch)
+    monkeypatch.setattr(cpu_forward, "layers_from", lambda model: 8)
+    rows, real = [], M.Transformer._layers
+    monkeypatch.setattr(M.Transformer, "_layers", lambda self, x, *a: rows.append(x.shape[1]) or real(self, x, *a))
+    p = toks(20)[0].tolist()
+    ref = Engine(m).generate(p, 8)[0]
+    assert rows == []
+    exact, fast = Engine(m), Engine(m, exact=False)
+    for _ in range(2):
+        assert exact.generate(p, 8)[0] == ref and rows == []
+        fast.generate(p, 8)
+        assert rows == [20]
+        rows.clear()
