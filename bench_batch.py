@@ -60,6 +60,48 @@ def run_steady(model, prompts, max_new, batch, exact=True) -> tuple[int, float, 
     return eng.decode_tokens, eng.decode_s, dict(outs=None)
 
 
+def profile(model, prompts, max_new, sizes):
+    """--profile: where a full batch's decode step goes (run_steady's shape), per batch size: the fused pass's own
+    phases (its phase-timing build, the same arithmetic), the rest of the step's forward (embedding, LM head),
+    medians over the decode steps; the layers' GEMM rate against this CPU's peak (cpu_gemm.peak_gflops)."""
+    import cpu_forward
+    import cpu_gemm
+    if model.cpu_pass is None:
+        raise UsageError("--profile times the fused CPU pass's phases: this model runs without it here")
+    a = model.args
+    flop = 2 * a.n_layers * a.dim * (a.n_heads * a.head_dim + 2 * a.n_kv_heads * a.head_dim + 3 * a.intermediate_size) \
+        + 2 * a.n_layers * a.n_heads * a.head_dim * a.dim  # a row's multiply-adds in the layers' GEMMs, x2
+    peak = cpu_gemm.peak_gflops()
+    cpu_forward.timed(True)
+    try:
+        print(f"| batch | decode step ms | tok/s | GEMMs ms | attention ms | rest of the pass ms | outside the pass ms "
+              f"| GEMM GFLOP/s{f' (peak {peak:.0f})' if peak else ''} |\n|---|---|---|---|---|---|---|---|")
+        for b in sizes:
+            S = -(-(max(len(p) for p in prompts[:b]) + max_new) // 16) * 16
+            eng, steps, phases = BatchEngine(model, b, S, ignore_eos=True), [], []
+
+            def step(*x, f=eng.decode_fn):
+                cpu_forward.phase_times()  # (clears what earlier passes left)
+                t0 = time.perf_counter()
+                out = f(*x)
+                steps.append((time.perf_counter() - t0) * 1e3)
+                phases.append(cpu_forward.phase_times())
+                return out
+
+            eng.decode_fn = step
+            eng.generate_batch(prompts[:b], max_new)
+            med = lambda v: statistics.median(v)
+            ms, g, at = med(steps), med(p["GEMMs"] for p in phases), med(p["attention"] for p in phases)
+            rest = med(sum(v for k, v in p.items() if k not in ("GEMMs", "attention")) for p in phases)
+            inner = med(sum(p.values()) for p in phases)
+            print(f"| {b} | {ms:.2f} | {b / ms * 1e3:.1f} | {g:.2f} | {at:.2f} | {rest:.2f} | {ms - inner:.2f} "
+                  f"| {b * flop / g / 1e6:.0f} |")
+    finally:
+        cpu_forward.timed(False)
+    print(f"\n({max_new} tokens per sequence, EOS ignored; prompts of {statistics.mean(map(len, prompts)):.0f} "
+          "tokens on average; outside the pass: the embedding, the LM head and the call's host work)")
+
+
 def run_single(model, prompts, max_new, exact=True) -> tuple[int, float, dict]:
     eng, n, t0 = Engine(model, exact=None if exact else False), 0, time.perf_counter()
     outs = [eng.generate(p, max_new)[0] for p in prompts]
@@ -152,6 +194,8 @@ def main(argv=None) -> int:
     ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True,
                     help="--no-exact: passes from the size the machine's check picks run the PyTorch layers with torch's "
                          "GEMMs (AMX where the CPU has it); a sequence may then differ from its batch-1 output")
+    ap.add_argument("--profile", action="store_true", help="only profile a full batch's decode step per batch size "
+                    "(the fused pass's phases)")
     ap.add_argument("--steady", action=argparse.BooleanOptionalAction, default=True,
                     help="also time AR with the whole batch every step (batch prompts, no EOS: decode-only tok/s, the "
                          "shape of llama-batched-bench's S_TG)")
@@ -167,6 +211,8 @@ def main(argv=None) -> int:
         dc.DraftConfig("ngram")
     n_max = max(4, 2 * max(sizes))
     prompts = prompts_for(tok, args.questions, n_max)
+    if args.profile:
+        return profile(model, prompts, args.max_new_tokens, sizes) or 0
     drafters = dc.make_drafters(draft, model, max(sizes)) if {"auto", "forced"} & set(configs) else []
     jobs = [("one at a time", 1)] + [(c, b) for b in sizes for c in configs if c != "forced" or b <= args.forced_max]
     jobs += [(STEADY, b) for b in sizes if "AR" in configs and args.steady]

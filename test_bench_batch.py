@@ -26,3 +26,26 @@ def test_table(tmp_path, capsys, monkeypatch):
     assert [c.strip(" |") for c in rows[1].split(" | ")][col["vs its batch 1"]] == "1.00x"
     assert "tokens equal AR's at the same batch size: True" in out and "KV cache" in out
     assert png.stat().st_size > 1000 and json.loads(js.read_text())["same"] is True
+
+
+def test_profile(tmp_path, capsys, monkeypatch):
+    """--profile: a full batch's decode step per batch size, split into the fused pass's phases and the rest (they
+    add up to the step), with the GEMMs' rate; without the fused pass a one-line error."""
+    import cpu_forward
+    import pytest
+    from errors import UsageError
+    if cpu_forward.kernel() is None:
+        pytest.skip("needs x86-64 with AVX2+FMA and a C compiler")
+    monkeypatch.setenv("NANOSPEC_CPU_GEMM", "kernel")
+    path, _ = write_tiny_hf(tmp_path / "t", vocab_size=300, hidden_size=192, intermediate_size=256,
+                            num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=2048)
+    assert bench_batch.main(["--checkpoint", str(path), "--max-new-tokens", "6", "--batches", "1,3", "--profile"]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ") and "---" not in r][1:]
+    assert [r.split(" | ")[0] for r in rows] == ["| 1", "| 3"]
+    for r in rows:
+        step, tps, g, at, rest, outside, rate = (float(c.strip(" |")) for c in r.split(" | ")[1:])
+        assert step > 0 and g > 0 and at >= 0 and outside >= 0 and rate > 0
+        assert g + at + rest + outside == pytest.approx(step, abs=0.05)  # (each cell rounded to 0.01)
+    monkeypatch.setenv("NANOSPEC_CPU_GEMM", "torch")
+    with pytest.raises(UsageError, match="fused CPU pass"):
+        bench_batch.main(["--checkpoint", str(path), "--batches", "1", "--profile"])
