@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -152,70 +153,93 @@ def main():
                                          json.loads((path / "config.json").read_text()))
     rows, ok = [], True
     dev_name = torch.cuda.get_device_name(0)
-    print(f"GPU: {dev_name}, torch {torch.__version__}", flush=True)
-
-    ok &= check_kernel(rows)
-
-    n_new = 48 if args.quick else 96
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    cpu32 = run_all(path, "cpu", torch.float32, False, head, n_new)
-    gpu32 = run_all(path, "cuda", torch.float32, False, head, n_new)
-    gpu16 = run_all(path, "cuda", torch.bfloat16, False, head, n_new, repeats=2)
-    graph16 = run_all(path, "cuda", torch.bfloat16, True, head, n_new, repeats=2)
-    for name in cpu32:
-        same_graph = gpu16[name][0] == graph16[name][0]
-        same_dev = cpu32[name][0] == gpu32[name][0]
-        same_ar = graph16[name][0] == graph16["autoregressive"][0]
-        ok &= same_graph and same_ar
-        rows.append([f"greedy equality: {name}", "bf16 eager vs graphs / == AR",
-                     "PASS" if same_graph and same_ar else "FAIL",
-                     f"fp32 CPU vs CUDA: {'same' if same_dev else 'differs (fp32 rounding)'}"])
-    for name in graph16:
-        rows.append([f"tok/s default model: {name}", "bf16 CUDA graphs",
-                     f"{graph16[name][1]:.1f}", f"eager {gpu16[name][1]:.1f}, x{graph16[name][1] / graph16['autoregressive'][1]:.2f} vs AR"])
-
-    same32, _, _, spec32 = check_batch(path, "cuda", torch.float32, n_new)
-    _, tps, tps1, _ = check_batch(path, "cuda", torch.bfloat16, n_new, batch=16)
-    ok &= same32 and spec32
-    rows.append(["batched decoding (batch.py)", "fp32: batch 4 == one at a time, AR and prompt lookup",
-                 "PASS" if same32 and spec32 else "FAIL",
-                 f"bf16 batch 16: {tps:.1f} tok/s, x{tps / tps1:.2f} vs one at a time"])
-
-    qrows = check_quantized(path, n_new)
-    ok &= all(r[2] == "PASS" for r in qrows)
-    rows += qrows
-
-    # device-to-device copy bandwidth (the roofline for a decode step)
-    x = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    copy_bw = 2 * x.numel() * 10 / (time.perf_counter() - t0) / 1e9
-    del x, y
-    rows.append(["device-to-device copy bandwidth", "read + write", f"{copy_bw:.0f} GB/s", ""])
-
-    argv = ["--latency", "--shape", "llama3.1-8b", "--device", "cuda", "--out", args.out,
-            "--latency-iters", "20" if args.quick else "50"]
-    bargs = bench.parse_args(argv)
-    bench.latency_mode(bargs, lambda s: print(s, flush=True))
-    lat = json.loads((Path(args.out) / "latency_llama3.1-8b.json").read_text())
-    for r in lat["rows"]:
-        rows.append([f"8B: {r[0]}", f"eager {r[1]} ms", f"graph {r[2]} ms", r[3]])
-
-    hidden = gather_overlap(lat)
-    rows.append(["NanoSpec gather hidden behind backbone", "", hidden, ""])
-    md = "| check | setting | result | detail |\n|---|---|---|---|\n" + "\n".join("| " + " | ".join(r) + " |" for r in rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d")
-    (out / "gpu_check.md").write_text(f"# GPU check, {stamp}, {dev_name}\n\n{md}\n")
-    (out / "gpu_check.json").write_text(json.dumps(dict(date=stamp, gpu=dev_name, rows=rows, ok=ok), indent=1))
+    print(f"GPU: {dev_name}, torch {torch.__version__}", flush=True)
+    n_new = 48 if args.quick else 96
+
+    def kernel():
+        return check_kernel(rows)
+
+    def greedy_and_speed():
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        cpu32 = run_all(path, "cpu", torch.float32, False, head, n_new)
+        gpu32 = run_all(path, "cuda", torch.float32, False, head, n_new)
+        gpu16 = run_all(path, "cuda", torch.bfloat16, False, head, n_new, repeats=2)
+        graph16 = run_all(path, "cuda", torch.bfloat16, True, head, n_new, repeats=2)
+        good = True
+        for name in cpu32:
+            same_graph = gpu16[name][0] == graph16[name][0]
+            same_dev = cpu32[name][0] == gpu32[name][0]
+            same_ar = graph16[name][0] == graph16["autoregressive"][0]
+            good &= same_graph and same_ar
+            rows.append([f"greedy equality: {name}", "bf16 eager vs graphs / == AR",
+                         "PASS" if same_graph and same_ar else "FAIL",
+                         f"fp32 CPU vs CUDA: {'same' if same_dev else 'differs (fp32 rounding)'}"])
+        for name in graph16:
+            rows.append([f"tok/s default model: {name}", "bf16 CUDA graphs", f"{graph16[name][1]:.1f}",
+                         f"eager {gpu16[name][1]:.1f}, x{graph16[name][1] / graph16['autoregressive'][1]:.2f} vs AR"])
+        return good
+
+    def batch():
+        same32, _, _, spec32 = check_batch(path, "cuda", torch.float32, n_new)
+        _, tps, tps1, _ = check_batch(path, "cuda", torch.bfloat16, n_new, batch=16)
+        rows.append(["batched decoding (batch.py)", "fp32: batch 4 == one at a time, AR and prompt lookup",
+                     "PASS" if same32 and spec32 else "FAIL",
+                     f"bf16 batch 16: {tps:.1f} tok/s, x{tps / tps1:.2f} vs one at a time"])
+        return same32 and spec32
+
+    def quantized():
+        qrows = check_quantized(path, n_new)
+        rows.extend(qrows)
+        return all(r[2] == "PASS" for r in qrows)
+
+    def copy_bandwidth():  # device-to-device copy bandwidth (the roofline for a decode step)
+        x = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
+        y = torch.empty_like(x)
+        for _ in range(3):
+            y.copy_(x)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            y.copy_(x)
+        torch.cuda.synchronize()
+        copy_bw = 2 * x.numel() * 10 / (time.perf_counter() - t0) / 1e9
+        rows.append(["device-to-device copy bandwidth", "read + write", f"{copy_bw:.0f} GB/s", ""])
+        return True
+
+    def latency():
+        argv = ["--latency", "--shape", "llama3.1-8b", "--device", "cuda", "--out", str(out),
+                "--latency-iters", "20" if args.quick else "50"]
+        bench.latency_mode(bench.parse_args(argv), lambda s: print(s, flush=True))
+        lat = json.loads((out / "latency_llama3.1-8b.json").read_text())
+        for r in lat["rows"]:
+            rows.append([f"8B: {r[0]}", f"eager {r[1]} ms", f"graph {r[2]} ms", r[3]])
+        rows.append(["NanoSpec gather hidden behind backbone", "", gather_overlap(lat), ""])
+        return True
+
+    def write(final=False):
+        md = "| check | setting | result | detail |\n|---|---|---|---|\n" + "\n".join("| " + " | ".join(r) + " |" for r in rows)
+        (out / "gpu_check.md").write_text(f"# GPU check, {stamp}, {dev_name}, torch {torch.__version__}\n\n{md}\n")
+        (out / "gpu_check.json").write_text(json.dumps(dict(date=stamp, gpu=dev_name, torch=torch.__version__,
+                                                             rows=rows, ok=ok, done=final), indent=1))
+        return md
+
+    # each part's failure is a row of its own: one broken part must not lose the others' figures
+    for part in (kernel, greedy_and_speed, batch, quantized, copy_bandwidth, latency):
+        t0 = time.perf_counter()
+        try:
+            ok &= bool(part())
+        except Exception as e:
+            traceback.print_exc()
+            ok = False
+            rows.append([f"{part.__name__}", "raised", "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"])
+        torch.cuda.empty_cache()
+        print(f"[{part.__name__}: {time.perf_counter() - t0:.0f} s]", flush=True)
+        write()
+    md = write(final=True)
     print(f"\n# GPU check, {stamp}, {dev_name}, {time.perf_counter() - t_start:.0f} s\n{md}")
     print("ALL PASS" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
