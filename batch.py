@@ -248,7 +248,7 @@ class BatchEngine:
         logits = logits[0]
         nxt = self._sample(logits[:len(ar)], [seqs[i] for i in ar])
         pred = argmax(logits[len(ar):]).tolist() if trees else []
-        held = (hid, aux, cpu_draft.topk_rows(logits, torch.arange(len(ar)), self._top) if ar else None)
+        held = (hid, aux, cpu_draft.topk_rows(logits, torch.arange(len(ar), device=dev), self._top) if ar else None)
         nxt = nxt.tolist()  # the step's one host sync (of greedy sequences)
         t2 = time.perf_counter()
         out = [None] * len(seqs)

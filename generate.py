@@ -116,6 +116,7 @@ class Engine:
         m, dev = self.model, self.device
         S, self.R_dec = self.planner.plan(T, max_new_tokens, 1)
         m.setup_caches(1, S)
+        graphs.follow_buffers((self.decode_fn,), m, None)
         st = Stats(extra=dict(exact=self.planner.exact))
         tok, out, n = self._spec_prefill(prompt, st)
         if on_tokens:

@@ -36,12 +36,12 @@ class Graphed:
 
 
 def compile_steps(engine, backend: str):
-    """Rebinds the engine's decode step and its two speculative halves to compiled ones; on CUDA the halves are
-    captured explicitly (Graphed): robust with the copy-stream fork/join inside."""
+    """Rebinds the engine's decode step and its two speculative halves to compiled ones; on CUDA each is captured
+    explicitly (Graphed): robust with the copy-stream fork/join inside, and the decode loop feeds each step's output
+    token back in (inductor's own graphs reject an input their previous replay overwrote)."""
     cuda = engine.device.type == "cuda"
-    engine.decode_fn = torch.compile(engine._decode_one, mode="reduce-overhead" if cuda else None,
-                                     fullgraph=True, dynamic=False, backend=backend)
-    for name, fn in (("verify_step", engine._spec_verify), ("advance_step", engine._spec_advance)):
+    for name, fn in (("decode_fn", engine._decode_one), ("verify_step", engine._spec_verify),
+                     ("advance_step", engine._spec_advance)):
         setattr(engine, name, Graphed(fn) if cuda else
                 torch.compile(fn, fullgraph=True, dynamic=False, backend=backend))
 
@@ -50,7 +50,8 @@ def follow_buffers(steps, model, drafter):
     """Before a request: where another engine sharing this model or head resized its caches, capture again."""
     graphed = [s for s in steps if isinstance(s, Graphed)]
     if graphed:
-        mods = [model] + [v for v in vars(drafter).values() if isinstance(v, torch.nn.Module)]
+        mods = [model] + [v for v in (vars(drafter) if drafter is not None else {}).values()
+                          if isinstance(v, torch.nn.Module)]
         addresses = tuple(b.data_ptr() for mod in mods for b in mod.buffers())
         for step in graphed:
             if step.addresses != addresses:

@@ -86,6 +86,27 @@ def test_graph_capture_plumbing_on_cpu(tiny, monkeypatch):
         assert eng.verify_step.graphs and eng.advance_step.graphs  # replays really happened
 
 
+def test_graphed_decode_plumbing_on_cpu(tiny, monkeypatch):
+    """The autoregressive decode step as --compile runs it on CUDA (Graphed): each step's output token, the graph's
+    own buffer, is the next step's input; replays across requests; capture again after another engine on the model
+    resized the caches."""
+    m = target(tiny[0])
+    eng = Engine(m)
+
+    def capture(self, static, eng=eng):
+        graph = FakeGraph(self.fn, static, self.fn(*static), eng)
+        return graph, graph.out
+
+    monkeypatch.setattr(graphs.Graphed, "_capture", capture)
+    eng.planner.fixed, eng.decode_fn = 160, graphs.Graphed(eng._decode_one)
+    for i, p in enumerate(PROMPTS):
+        ref = autoregressive(m, p, 30)
+        assert eng.generate(p, 30)[0] == ref
+        assert eng.generate(p, 30)[0] == ref  # replays of the graph captured in the first request
+        m.setup_caches(1, 300 + 8 * i)
+    assert eng.decode_fn.graphs
+
+
 @pytest.mark.parametrize("kind,vocab_spec", [("eagle3", "nanospec"), ("eagle2", "full"), ("model", "nanospec"),
                                              ("ngram", "full")])
 def test_compiled_steps_equal_eager(tiny, kind, vocab_spec):
