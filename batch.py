@@ -25,6 +25,7 @@ from torch import Tensor
 
 import cpu_draft
 import cpu_forward
+import graphs
 from budget_batch import BatchBudget
 from budget_memory import pass_costs
 from draft import Accepted, Prefill, Tree, chain_tree, chained, stop_at
@@ -59,12 +60,14 @@ class BatchEngine:
 
     def __init__(self, model: Transformer, batch: int, max_seq: int, sampling: Sampling = Sampling(),
                  prefill_rows: int = 2048, drafters: list | None = None, budget: bool = True,
-                 ignore_eos: bool = False, exact: bool = True):
+                 ignore_eos: bool = False, exact: bool = True, cuda_graphs: bool = False):
         """drafters: one per sequence of the batch (draft_config.make_drafters), or None: autoregressive; max_seq
         bounds prompt + new tokens + a draft's nodes; budget=False: every step verifies every whole tree;
         ignore_eos: every sequence runs to its token budget (vLLM's ignore_eos, llama-batched-bench's shape);
         exact=False: passes from the size cpu_forward.layers_from measured run the PyTorch layers (torch's GEMMs,
-        AMX where the CPU has it), so a sequence's output may differ from its batch-1 output at near ties."""
+        AMX where the CPU has it), so a sequence's output may differ from its batch-1 output at near ties.
+        cuda_graphs: decode steps replay CUDA graphs, one per padded batch size (1, 2, 4, ... up to batch, as
+        nano-vllm pads to its captured sizes); pad rows decode in a scratch range of the cache past the batch's."""
         if batch < 1:
             raise UsageError(f"--batch must be >= 1, got {batch}")
         if drafters and len(drafters) != batch:
@@ -78,7 +81,7 @@ class BatchEngine:
             cap = batch * drafters[0].nodes  # sets up its own): a budget that had to learn it drafted too little
             rows = sorted({min(1 << i, cap) for i in range(cap.bit_length() + 1)} | {batch})
             measured = pass_costs(model, 1, rows) or {}
-        model.setup_caches(1, max_seq, slots=batch * max_seq)
+        model.setup_caches(1, max_seq, slots=(batch + cuda_graphs) * max_seq)
         self.drafters = drafters or None
         self.spare = 0 if not drafters else drafters[0].nodes  # slots past a sequence's tokens for its tree
         self.fixed = not budget
@@ -92,7 +95,8 @@ class BatchEngine:
             self._top = max(d.reads_top, 1)  # the target's top-k kept per accepted position (drafter.reads_top)
         self.free, self.waiting, self.running = list(range(batch)), deque(), []
         self.submitted = 0
-        self.decode_fn = self.decode_step  # graphs.py may compile it (one graph per batch size)
+        self.decode_fn = graphs.Graphed(self.decode_step) if cuda_graphs else self.decode_step
+        self.buckets = sorted({min(1 << i, batch) for i in range(batch.bit_length() + 1)}) if cuda_graphs else None
         self.steps = {"prefill": 0, "decode": 0}
         self.rows = 0  # sequences over every decode step (occupancy = rows / (decode steps * batch))
         self.decode_s, self.decode_tokens = 0.0, 0
@@ -213,7 +217,11 @@ class BatchEngine:
     def _decode(self, seqs: list[Seq]) -> Tensor:
         # each sequence's last token at its next position (the token is not in the cache yet)
         host = torch.tensor([[s.out[-1], len(s.prompt) + len(s.out) - 1, s.slot] for s in seqs])
-        return self.decode_fn(*host.to(self.device).unbind(1))
+        if self.buckets:  # pad rows: token 0 at position 0 of the scratch range (their KV lands there)
+            pad = next(b for b in self.buckets if b >= len(seqs)) - len(seqs)
+            host = torch.cat([host, torch.tensor([[0, 0, self.B * self.S]]).expand(pad, 3)])
+            graphs.follow_buffers((self.decode_fn,), self.model, None)  # another engine may have resized the caches
+        return self.decode_fn(*host.to(self.device).unbind(1))[:len(seqs)]
 
     def decode_step(self, toks: Tensor, pos: Tensor, slot: Tensor) -> Tensor:
         """[R] tokens, positions and range starts -> [R, V] logits: static shapes per batch size, no host sync."""
@@ -268,8 +276,9 @@ class BatchEngine:
             toks_i = t.tokens.tolist()
             if not self.fixed:
                 self.budget.observe_seq(s, b, path[:L])
-            a = Accepted(t, torch.tensor(path, device=dev), torch.tensor(L), torch.tensor(bonus), logits[r:r + N],
-                         hid[:, r:r + N], None if aux is None else aux[:, r:r + N], torch.tensor(s.n))
+            a = Accepted(t, torch.tensor(path, device=dev), torch.tensor(L, device=dev), torch.tensor(bonus, device=dev),
+                         logits[r:r + N], hid[:, r:r + N], None if aux is None else aux[:, r:r + N],
+                         torch.tensor(s.n, device=dev))
             s.pending.append(self._kept(a, s.drafter))
             out[i], s.n = [toks_i[j] for j in path[1:L]] + [bonus], s.n + L
             r += N
@@ -317,9 +326,10 @@ class BatchEngine:
         toks = torch.tensor([x[2] for x in run], device=hid.device)
         cat = lambda j: torch.cat([x[0][j][:, x[1]:x[1] + 1] for x in run], 1)
         K = len(run)
-        return Accepted(chain_tree(toks), torch.arange(K, device=hid.device), torch.tensor(K), torch.tensor(run[-1][3]),
-                        hid.new_zeros(0, 0), cat(0), None if aux is None else cat(1),
-                        torch.tensor(n), torch.cat([x[0][2][x[1]:x[1] + 1] for x in run]))
+        dev = hid.device
+        return Accepted(chain_tree(toks), torch.arange(K, device=dev), torch.tensor(K, device=dev),
+                        torch.tensor(run[-1][3], device=dev), hid.new_zeros(0, 0), cat(0), None if aux is None else cat(1),
+                        torch.tensor(n, device=dev), torch.cat([x[0][2][x[1]:x[1] + 1] for x in run]))
 
     def _kept(self, a: Accepted, d) -> Accepted:
         """a as the drafter will read it, steps later: the target's top-k on the path instead of its logits, and its
@@ -393,7 +403,7 @@ def run_prompts(model: Transformer, tok, args, sampling: Sampling, draft=None) -
     ok = [i for i in range(len(items)) if i not in errors]
     S = -(-max([len(ids[i]) + news[i] + spare for i in ok] or [1]) // 16) * 16  # every range fits the longest
     eng = BatchEngine(model, args.batch, min(S, limit), sampling, drafters=drafters, budget=args.budget == "auto",
-                      exact=args.exact is not False)
+                      exact=args.exact is not False, cuda_graphs=args.compile)
     for i in ok:
         it = items[i]
         s = Sampling(float(it["temperature"]), sampling.top_k, sampling.top_p) if "temperature" in it else sampling

@@ -8,7 +8,8 @@ copy, latency: the device-to-device copy bandwidth; the pieces of a step at the 
 eager, graphs: on the default model, every method's greedy tokens against its autoregressive ones (bf16 eager,
    then CUDA graphs, and graphs against eager), fp32 CPU against fp32 CUDA (TF32 off), and tokens/s: autoregressive,
    prompt lookup, EAGLE full vocabulary, FR-Spec, NanoSpec.
-batch: batch outputs against one prompt at a time (fp32), and batch 16's tokens/s (bf16).
+batch: batch outputs against one prompt at a time (fp32; eager, prompt lookup, and decode steps as CUDA graphs),
+   and batch 16's tokens/s (bf16, eager and graphs).
 quantized: quantize.py's int8 and int4 g32 through torch's kernels (as gpt-fast): prompt lookup's greedy output
    against the quantized target's own autoregressive output, and autoregressive tokens/s.
 Equal outputs pass, and so do outputs that part only at a near tie of the target's logits (compare: CUDA's kernels
@@ -83,7 +84,8 @@ def check_batch(path, device, dtype, n_new, batch=4) -> dict:
     """The batch engine against one prompt at a time (autoregressive) over PROMPTS repeated to 2 x batch sequences:
     the outputs of one at a time ("single"), of the batch ("batch") and of a speculative batch ("spec": prompt lookup
     per sequence, every tree verified), tok/s of the batch ("tps") and of one at a time ("tps1"), the target and
-    the prompts' ids."""
+    the prompts' ids; on CUDA also the batch's outputs and tok/s with its decode steps as CUDA graphs ("graphs",
+    "tps_graphs": the second run, the first captured)."""
     m, tok, _ = load_target(str(path), device, str(dtype).replace("torch.", ""))
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in (PROMPTS * (2 * batch))[:2 * batch]]
     eng, t0 = Engine(m), time.perf_counter()
@@ -92,11 +94,19 @@ def check_batch(path, device, dtype, n_new, batch=4) -> dict:
     outs = BatchEngine(m, batch, max(len(p) for p in prompts) + n_new).generate_batch(prompts, n_new)
     t2 = time.perf_counter()
     n = sum(len(o) for o in outs)
+    graphed = None
+    if m.lm_head.weight.is_cuda:  # the decode steps as CUDA graphs, one per padded batch size (the first use captures)
+        eng = BatchEngine(m, batch, max(len(p) for p in prompts) + n_new, cuda_graphs=True)
+        eng.generate_batch(prompts, n_new)
+        t3 = time.perf_counter()
+        graphed = eng.generate_batch(prompts, n_new)
+        tps_g = sum(len(o) for o in graphed) / (time.perf_counter() - t3)
     ds = dc.make_drafters(dc.DraftConfig("ngram"), m, batch)
     spec = BatchEngine(m, batch, max(len(p) for p in prompts) + n_new + ds[0].nodes, drafters=ds,
                        budget=False).generate_batch(prompts, n_new)
-    return dict(single=single, batch=outs, spec=spec, tps=n / (t2 - t1),
-                tps1=sum(len(o) for o in single) / (t1 - t0), model=m, prompts=prompts)
+    return dict(single=single, batch=outs, spec=spec, graphs=graphed, tps=n / (t2 - t1),
+                tps_graphs=tps_g if graphed else None, tps1=sum(len(o) for o in single) / (t1 - t0), model=m,
+                prompts=prompts)
 
 
 @torch.no_grad()
@@ -288,12 +298,13 @@ def main():
         r32 = check_batch(path, "cuda", torch.float32, n_new)
         same, d1 = compare(r32["model"], r32["prompts"], r32["batch"], r32["single"])
         spec, d2 = compare(r32["model"], r32["prompts"], r32["spec"], r32["single"])
+        graphed, d3 = compare(r32["model"], r32["prompts"], r32["graphs"], r32["single"])
         r16 = check_batch(path, "cuda", torch.bfloat16, n_new, batch=16)
-        rows.append(["batched decoding (batch.py)", "fp32, batch 4 vs one at a time: AR; prompt lookup",
-                     "PASS" if same and spec else "FAIL",
-                     f"AR {d1}; lookup {d2}; bf16 batch 16: {r16['tps']:.1f} tok/s, x{r16['tps'] / r16['tps1']:.2f} "
-                     f"vs one at a time"])
-        return same and spec
+        rows.append(["batched decoding (batch.py)", "fp32, batch 4 vs one at a time: AR; prompt lookup; AR, graphs",
+                     "PASS" if same and spec and graphed else "FAIL",
+                     f"AR {d1}; lookup {d2}; graphs {d3}; bf16 batch 16: {r16['tps']:.1f} tok/s eager, "
+                     f"{r16['tps_graphs']:.1f} graphs, one at a time {r16['tps1']:.1f}"])
+        return same and spec and graphed
 
     def quantized():
         qrows = check_quantized(model_and_head()[0], n_new)

@@ -218,6 +218,34 @@ def test_decode_step_traces_whole(target, monkeypatch):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_graph_buckets_plumbing_on_cpu(target, monkeypatch, fused):
+    """cuda_graphs=True as it runs on CUDA, only the capture faked (test_graphs.FakeGraph: a replay reruns the step on
+    its static inputs and fails if a persistent tensor moved): decode steps padded to 1, 2 or 4 rows give every
+    sequence its batch-1 output, so the pad rows' KV stays in the scratch range past the batch's."""
+    from types import SimpleNamespace
+
+    import graphs
+    from test_graphs import FakeGraph
+    if fused and cpu_forward.kernel() is None:
+        pytest.skip("needs x86-64 with AVX2+FMA and a C compiler")
+    m = load(target, fused, monkeypatch, torch.bfloat16 if fused else torch.float32)
+    ref = batch1(m, PROMPTS, 24)
+
+    def capture(self, static):
+        graph = FakeGraph(self.fn, static, self.fn(*static), SimpleNamespace(model=m, drafter=None))
+        return graph, graph.out
+
+    monkeypatch.setattr(graphs.Graphed, "_capture", capture)
+    eng = BatchEngine(m, batch=4, max_seq=128, cuda_graphs=True)
+    assert eng.buckets == [1, 2, 4] and m.slots == 5 * 128
+    assert eng.generate_batch(PROMPTS, 24) == ref
+    sizes = {key[1][0][0][0] for key in eng.decode_fn.graphs}  # the first input's length: the padded rows
+    assert 4 in sizes and sizes <= {1, 2, 4}  # graphs captured (a size's second call) at bucket sizes only
+    three = BatchEngine(m, batch=4, max_seq=128, cuda_graphs=True)  # a pad row beside live sequences every step
+    assert three.generate_batch(PROMPTS[1:4], 24) == ref[1:4]
+
+
 def test_bad_input(target, monkeypatch):
     m = load(target, False, monkeypatch, torch.float32)
     with pytest.raises(UsageError, match="--batch"):
