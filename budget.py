@@ -287,11 +287,12 @@ class StepBudget:
     def draft_size(self, b: int) -> int | None:
         return None if self.budgets is None else b
 
-    def hold(self, a: Accepted, b: int) -> bool:
-        """Keep an autoregressive step back from the drafter when the next one is too (one update for a run)."""
+    def hold(self, a: Accepted, b: int, keep=None) -> bool:
+        """Keep an autoregressive step back from the drafter when the next one is too (one update for a run);
+        keep(a): what is kept (graphs.owned where a is a CUDA graph's output)."""
         held = a.tree.tokens.shape[0] == 1 and b == 1 and len(self.pending) < self.MAX_PENDING
         if held:
-            self.pending.append(a)
+            self.pending.append(keep(a) if keep else a)
         return held
 
     def catch_up(self, a: Accepted) -> Accepted:

@@ -2,8 +2,9 @@
 `Drafter` holds the protocol's defaults. Batch 1; n: 0-dim, tokens in the target's KV cache; root: [1], the last
 emitted token, not yet cached.
     nodes, depth (most tokens one verification carries, root included; deepest level); graphable (False:
-    draft/update read host values); reads_states, reads_top (update reads the target's hidden/aux states; its
-    top-k per accepted position); prompt_logits (last prompt positions whose logits prefill reads, 0: the last)
+    draft/update read host values); keeps_steps (update keeps an Accepted past the step); reads_states, reads_top
+    (update reads the target's hidden/aux states; its top-k per accepted position); prompt_logits (last prompt
+    positions whose logits prefill reads, 0: the last)
     setup(max_seq), prefill(Prefill), update(Accepted), stats() -> dict, budget_key(hist) -> budget source
     draft(root, n, budget=None) -> Tree: static shapes, no host sync; only the first `budget` nodes are verified
     budget.py's hooks: budget_sizes(key), budget_start(key), budget_setup(key, b), setup_paid(), start_rate"""
@@ -156,6 +157,7 @@ class Drafter:
     nodes: int
     depth: int
     graphable = True
+    keeps_steps = False
     reads_states = True
     reads_top = 0
     prompt_logits = 0

@@ -68,6 +68,7 @@ class HybridDrafter(Drafter):
     the chain agrees with, the chain's rest, the other tree nodes. Smaller budgets draft one or the other."""
 
     graphable = False
+    keeps_steps = True  # LazyHead's pending steps
 
     def __init__(self, eagle: EagleDrafter, ngram: NgramDrafter):
         self.eagle, self.ngram, self.head, self.vocab = eagle, ngram, LazyHead(eagle), eagle.vocab

@@ -231,15 +231,19 @@ class Engine:
 
     def _advance(self, a: Accepted, b: int, fit: StepBudget, clock: Clock) -> Tree:
         """The next step's tree: update + draft (one step where fused); autoregressive runs catch up at once."""
-        if fit.hold(a, b):
-            return chain_tree(a.bonus.view(1))
+        # a CUDA graph's outputs are rewritten by its next replay: what outlives the step gets its own copy
+        own = graphs.owned if isinstance(self.verify_step, graphs.Graphed) else lambda x: x
+        if fit.hold(a, b, keep=own):
+            return chain_tree(own(a.bonus.view(1)))
         if self.fused_steps and b > 1 and not fit.pending:
+            if (vocab := getattr(self.drafter, "vocab", None)) is not None:
+                vocab.wait()  # an eager update still on the copy stream: the replay must not overtake it
             with clock("draft"):
                 return self.advance_step(a)
         a = fit.catch_up(a)
         with clock("update"):
-            self.drafter.update(a)
-        return self._draft(a.bonus.view(1), a.n + a.L, b, fit, clock)
+            self.drafter.update(own(a) if self.drafter.keeps_steps else a)
+        return self._draft(own(a.bonus.view(1)), a.n + a.L, b, fit, clock)
 
 
 def parse_args(argv=None):

@@ -18,7 +18,7 @@ class Graphed:
         if key not in self.graphs:
             if key not in self.seen:
                 self.seen.add(key)
-                return self.fn(*args)
+                return self._warm_up(args, leaves)
             static = [a.clone() if torch.is_tensor(a) else a for a in leaves]
             self.graphs[key] = (*self._capture(pytree.tree_unflatten(static, spec)), static)
         graph, out, static = self.graphs[key]
@@ -28,11 +28,29 @@ class Graphed:
         graph.replay()
         return out
 
+    def _warm_up(self, args, leaves):
+        """The eager first call, on a side stream where the inputs are CUDA tensors (as torch.cuda.graph's capture
+        runs): per-stream set-ups (cuBLAS workspaces) happen here, not inside the capture."""
+        if not any(torch.is_tensor(a) and a.is_cuda for a in leaves):
+            return self.fn(*args)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = self.fn(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        return out
+
     def _capture(self, static_args):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = self.fn(*static_args)
         return graph, out
+
+
+def owned(x):
+    """x with its tensors copied: what a Graphed step returns is the graph's own memory, rewritten by its next
+    replay, so a result kept past it (a held step, a drafter's pending steps) needs its own copy."""
+    return pytree.tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, x)
 
 
 def compile_steps(engine, backend: str):

@@ -94,7 +94,7 @@ def best_path(tree, correct: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """correct [N] bool (is node i the target's choice given its parent) -> (path [D+1] node ids, L 0-dim
     accepted nodes incl. the root, best node). Static shapes: entries of path past L are padding."""
     correct = correct & tree.valid
-    correct[0] = True
+    correct[:1].fill_(True)  # (not correct[0] = True: a host-to-device copy, illegal in a CUDA graph)
     ok = ~(tree.anc & ~correct[None, :]).any(-1)  # every node on the root path is correct
     best = torch.argmax(torch.where(ok, tree.depth, -1))
     levels = torch.arange(tree.max_depth + 1, device=correct.device)

@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 
+import budget
 import graphs
 from generate import Engine
 from test_generate import PROMPTS, autoregressive, make_drafter, target, tiny  # noqa: F401 (tiny: a fixture)
@@ -105,6 +106,39 @@ def test_graphed_decode_plumbing_on_cpu(tiny, monkeypatch):
         assert eng.generate(p, 30)[0] == ref  # replays of the graph captured in the first request
         m.setup_caches(1, 300 + 8 * i)
     assert eng.decode_fn.graphs
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "hybrid"])
+def test_held_steps_outlive_replays(tiny, monkeypatch, kind):
+    """A Graphed step's outputs are rewritten by its next replay (the fake capture's replays write the captured
+    outputs, as a real one does): the autoregressive steps held back for one later update, and the hybrid's pending
+    steps, must be copies. With a fixed pattern of sizes (two autoregressive steps, three of 3 nodes: the hybrid's
+    chain alone, its head waiting, then a whole tree) the drafter sees what it sees eagerly: the same trees, so the
+    same acceptance."""
+    m = target(tiny[0])
+    sizes = [1, 1, 3, 3, 3, None]
+
+    def run(graphed):
+        calls = iter(range(10 ** 6))
+        monkeypatch.setattr(budget.StepBudget, "pick", lambda self, out: sizes[next(calls) % 6] or self.d.nodes)
+        monkeypatch.setattr(budget.StepBudget, "draft_size", lambda self, b: b)
+        eng = Engine(m, drafter=make_drafter(kind, tiny, m, "nanospec"))
+        if graphed:
+            def capture(self, static, eng=eng):
+                graph = FakeGraph(self.fn, static, self.fn(*static), eng)
+                return graph, graph.out
+
+            monkeypatch.setattr(graphs.Graphed, "_capture", capture)
+            eng.planner.fixed = 160
+            eng.verify_step, eng.advance_step = graphs.Graphed(eng._spec_verify), graphs.Graphed(eng._spec_advance)
+        res = [eng.generate(p, 30) for p in PROMPTS]
+        monkeypatch.undo()
+        return [o for o, _ in res], [st.accept_hist for _, st in res]
+
+    eager, graphed = run(False), run(True)
+    assert graphed[0] == eager[0] == [autoregressive(m, p, 30) for p in PROMPTS]
+    assert graphed[1] == eager[1]
+    assert any(sum(h.values()) > 12 for h in eager[1])  # steps were verified (and held: 2 of every 6)
 
 
 @pytest.mark.parametrize("kind,vocab_spec", [("eagle3", "nanospec"), ("eagle2", "full"), ("model", "nanospec"),

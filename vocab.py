@@ -43,7 +43,7 @@ class StaticVocab:
         pass
 
     def active_size(self):
-        return torch.tensor(self.width, device=self.weight.device)
+        return torch.full((), self.width, dtype=torch.long, device=self.weight.device)  # no host copy (CUDA graphs)
 
 
 class FullVocab(StaticVocab):
@@ -206,7 +206,7 @@ class NanoSpecVocab:
         before = self.count_[cand]
         self.count_.scatter_add_(0, cand, delta)
         after = self.count_[cand]
-        self.count_[V] = 0                                            # keep the sink clean
+        self.count_[V:].zero_()                                      # keep the sink clean
         # De-duplicate: per token exactly one candidate (the highest index) decides.
         j = torch.arange(2 * n, device=new.device, dtype=torch.int32)
         self.winner.scatter_reduce_(0, cand, j, reduce="amax", include_self=False)
@@ -229,8 +229,8 @@ class NanoSpecVocab:
         slot = torch.where(born, free_list[born_rank], W)            # [2n], W = no slot
         self.token_of_.index_copy_(0, slot, torch.where(born, cand, -1))
         self.slot_of_.index_copy_(0, torch.where(born, cand, V), slot.to(torch.int32))
-        self.slot_of_[V] = -1
-        self.token_of_[W] = -1
+        self.slot_of_[V:].fill_(-1)  # (fill_, not x[V] = -1: that copies from the host, illegal in a CUDA graph)
+        self.token_of_[W:].fill_(-1)
         self._outputs()
         if self.rows is not None:  # only the newly active rows (born tokens are all in `new`)
             self._write_rows(new, slot[:n])
