@@ -7,7 +7,8 @@ copy, latency: the device-to-device copy bandwidth; the pieces of a step at the 
    weights (bench.py --latency), and whether the NanoSpec gather hides behind the draft backbone.
 eager, graphs: on the default model, every method's greedy tokens against its autoregressive ones (bf16 eager,
    then CUDA graphs, and graphs against eager), fp32 CPU against fp32 CUDA (TF32 off), and tokens/s: autoregressive,
-   prompt lookup, EAGLE full vocabulary, FR-Spec, NanoSpec.
+   prompt lookup, EAGLE full vocabulary, FR-Spec, NanoSpec, and the CLI's default (NanoSpec with prompt lookup, the
+   budget on: held autoregressive steps and the hybrid's pending ones outlive graph replays).
 batch: batch outputs against one prompt at a time (fp32; eager, prompt lookup, and decode steps as CUDA graphs),
    and batch 16's tokens/s (bf16, eager and graphs).
 quantized: quantize.py's int8 and int4 g32 through torch's kernels (as gpt-fast): prompt lookup's greedy output
@@ -71,12 +72,14 @@ def engines(path, device, dtype, compile, head_path):
         torch.save(list(range(m.args.vocab_size)), freq)
     methods = [("autoregressive", "none", "full"), ("ngram", "ngram", "full"), ("eagle3 full", head_path, "full"),
                ("fr-spec 8k", head_path, f"freq:{freq}:{min(8192, m.args.vocab_size // 2)}"),
-               ("nanospec", head_path, "nanospec")]
+               ("nanospec", head_path, "nanospec"), ("default: nanospec + lookup, budget", head_path, "nanospec")]
     out = []
     for name, draft, vocab in methods:
-        c = dc.DraftConfig(str(draft), vocab, *dc.TREE_GPU, w_max=min(3072, m.args.vocab_size // 2), static=compile)
+        auto = name.startswith("default")  # the CLI's default: held autoregressive steps, the hybrid's pending ones
+        c = dc.DraftConfig(str(draft), vocab, *dc.TREE_GPU, w_max=min(3072, m.args.vocab_size // 2), static=compile,
+                           ngram=auto)
         out.append((name, build_engine(m, tok, c, compile=compile, max_seq=1024, head=head if draft == head_path else None,
-                                        budget=False)))
+                                        budget=auto)))
     return out, tok, m
 
 

@@ -11,7 +11,8 @@ def test_gpu_check_methods_run_on_cpu(tmp_path):
     path, _ = write_tiny_hf(tmp_path / "t")
     head = write_eagle_head(tmp_path / "h", json.loads((path / "config.json").read_text()), version=3)
     res, m, prompts = gpu_check.run_all(path, "cpu", torch.float32, False, head, n_new=8)
-    assert set(res) == {"autoregressive", "ngram", "eagle3 full", "fr-spec 8k", "nanospec"}
+    assert set(res) == {"autoregressive", "ngram", "eagle3 full", "fr-spec 8k", "nanospec",
+                        "default: nanospec + lookup, budget"}
     assert len(prompts) == len(gpu_check.PROMPTS)
     for name, (outs, speed) in res.items():
         assert outs == res["autoregressive"][0], name  # every method is lossless
