@@ -110,11 +110,16 @@ def train(args) -> dict:
             dist.destroy_process_group()
 
 
+FIT_STEPS = 10  # --time-limit: steps timed (after the first) before the schedule is fitted
+
+
 def _train(args, device, rank, world) -> dict:
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     out = Path(args.out)
     ck_path = out / CKPT_NAME
+    if args.time_limit is not None and (args.time_limit <= 0 or args.resume or args.stop_after):
+        raise TrainError("--time-limit takes seconds > 0 and fits a fresh schedule: not with --resume or --stop-after")
     if not args.resume and ck_path.exists():
         raise TrainError(f"{out} already holds a checkpoint; pass --resume to continue it or choose another --out")
     if args.resume and not ck_path.exists():
@@ -180,6 +185,23 @@ def _train(args, device, rank, world) -> dict:
     t_start = time.perf_counter()
     ema, n_sup_seen = None, 0
     stop = min(total, args.stop_after) if args.stop_after else total
+    step0, t_first, fitted = step, None, args.time_limit is None
+
+    def fit_schedule(now: float) -> int:
+        """--time-limit: the schedule's length becomes the steps that fit, at the rate of the steps after the first
+        (one-time set-ups), so the learning rate anneals by the deadline; every rank takes rank 0's answer."""
+        nonlocal warmup
+        per = (now - t_first) / max(1, step - step0 - 1)
+        new = torch.tensor([max(step, step + int((args.time_limit - now) / per))], device=device)
+        if world > 1:
+            dist.broadcast(new, 0)
+        new = min(total, int(new))
+        warmup = min(warmup, max(1, int(args.warmup * new) if args.warmup < 1 else int(args.warmup)))
+        sched.lr_lambdas = [lr_lambda(warmup, new, args.min_lr_ratio)]
+        bar.total = new
+        if rank == 0:
+            log(f"--time-limit {args.time_limit:g} s: {new} steps at {per:.3f} s a step")
+        return new
     while step < stop:
         epoch, skip = divmod(step, per_epoch)
         sampler.set_epoch(epoch)
@@ -205,6 +227,14 @@ def _train(args, device, rank, world) -> dict:
             rate = n_sup_seen / (time.perf_counter() - t_start)
             bar.set_postfix_str(f"loss {ema:.3f} acc {' '.join(f'{a:.2f}' for a in accs)} {rate:.0f} supervised tok/s")
             bar.update(1)
+            if not fitted:
+                now = time.perf_counter() - t_start
+                t_first = now if t_first is None else t_first
+                if step - step0 > 1 and (step - step0 > FIT_STEPS or now >= 0.1 * args.time_limit):
+                    total = stop = fit_schedule(now)
+                    fitted = True
+            if args.time_limit and world == 1 and time.perf_counter() - t_start >= args.time_limit:
+                stop = step  # a slower stretch than the fitted rate: the deadline holds anyway
             if args.save_every and step % args.save_every == 0:
                 save()
                 if rank == 0:  # with the checkpoint: an invocation stopped between checkpoints keeps its history
@@ -219,7 +249,7 @@ def _train(args, device, rank, world) -> dict:
         log(f"step {step}: {n_sup_seen} supervised tokens in {elapsed:.0f} s "
             f"({n_sup_seen / max(elapsed, 1e-9):.0f} supervised tok/s)")
         hist_path.write_text(json.dumps(history))
-        if args.export and step >= total:
+        if args.export and (step >= total or args.time_limit):
             export_head(head, args.export, getattr(torch, args.export_dtype), with_lm_head=not args.no_lm_head)
             log(f"exported {args.export}")
     return res
@@ -426,6 +456,9 @@ def parse_args(argv=None):
     t.add_argument("--max-steps", type=int, default=None, help="schedule length: at most this many optimizer steps")
     t.add_argument("--stop-after", type=int, default=None,
                    help="end this invocation after step N (checkpointed; continue with --resume), schedule unchanged")
+    t.add_argument("--time-limit", type=float, default=None,
+                   help="train for this many seconds: the schedule's length becomes the steps that fit (timed over "
+                        "the first steps), the learning rate anneals by then, and the run saves and exports at it")
     t.add_argument("--batch-tokens", type=int, default=2048 if cpu else 16384, help="padded tokens per batch (per rank)")
     t.add_argument("--max-len", type=int, default=2048, help="truncate records to this many tokens")
     t.add_argument("--lr", type=float, default=5e-4 if cpu else 1e-4)

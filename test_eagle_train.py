@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -83,6 +84,25 @@ def test_resume_continues_exactly(tiny, tmp_path):
     assert a["step"] == b["step"] == 16
     for k in a["model"]:
         torch.testing.assert_close(a["model"][k], b["model"][k], atol=0, rtol=0)
+
+
+def test_time_limit_fits_the_schedule(tiny, tmp_path, monkeypatch, capsys):
+    """--time-limit: after the first steps the schedule's length becomes the steps that fit, so the learning rate
+    anneals to its end by the deadline and the head is exported then (the trainer's clock faked: 0.5 s a reading,
+    so a 60 s limit fits some dozens of steps of a 10,000-step schedule); with --resume or --stop-after, or a limit
+    that is not positive, a one-line error."""
+    clock = iter(range(10 ** 6))
+    monkeypatch.setattr(et, "time", SimpleNamespace(perf_counter=lambda: 0.5 * next(clock)))
+    assert train_cli(tiny, tmp_path / "run", "--max-steps", "10000", "--time-limit", "60", "--warmup", "2",
+                     "--export", str(tmp_path / "head"), "--export-dtype", "float32") == 0
+    hist = json.loads((tmp_path / "run" / "history.json").read_text())
+    assert 20 < len(hist) < 100, len(hist)
+    assert hist[-1]["lr"] < 0.01 * 2e-3 < hist[len(hist) // 2]["lr"]  # annealed by the deadline, not before
+    assert (tmp_path / "head" / "config.json").is_file()
+    assert f"{len(hist)} steps at" in capsys.readouterr().err
+    for extra in (["--time-limit", "0"], ["--time-limit", "9", "--stop-after", "3"], ["--time-limit", "9", "--resume"]):
+        rc = train_cli(tiny, tmp_path / "run", "--max-steps", "10", *extra)
+        one_line_error(capsys, rc, "--time-limit")
 
 
 def test_campaign_restarts_from_its_exported_head(tiny, tmp_path, capsys):
