@@ -221,7 +221,7 @@ def _train(args, device, rank, world) -> dict:
             step += 1
             lv = float(loss.detach())
             ema = lv if ema is None else 0.95 * ema + 0.05 * lv
-            accs = [round(float(a), 3) for a in acc]
+            accs = [round(a, 3) for a in acc.tolist()]  # (one host sync, not one per TTT step)
             history.append(dict(step=step, loss=lv, acc=accs, grad_norm=float(gnorm), lr=sched.get_last_lr()[0]))
             n_sup_seen += int(sup[:, 2:].sum()) * world
             rate = n_sup_seen / (time.perf_counter() - t_start)
@@ -394,6 +394,8 @@ def cmd_train(args):
         raise TrainError("--start-step continues a schedule from an exported head: it needs --init and no --resume")
     if args.held_out:
         check_held_out(args.held_out, args.data)
+    # CUDA: each batch's shapes differ (the target's cache is set up per batch); growable segments, not fragments
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     train(args)
     return 0
 
