@@ -194,6 +194,31 @@ def error_line(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
+def copy_bandwidth() -> float:
+    """GB/s of a 2 GiB device-to-device copy, bytes read and written (the roofline for a decode step)."""
+    x = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - t0) / 1e9
+
+
+def latency_rows(out: Path, quick: bool) -> list[list[str]]:
+    """The Llama-3.1-8B-shape latency table (bench.py --latency) as rows, and whether the gather hides."""
+    argv = ["--latency", "--shape", "llama3.1-8b", "--device", "cuda", "--out", str(out),
+            "--latency-iters", "20" if quick else "50"]
+    if rc := bench.main(argv):
+        raise RuntimeError(f"bench.py {' '.join(argv)} exited with {rc}")
+    lat = json.loads((out / "latency_llama3.1-8b.json").read_text())
+    return ([[f"8B: {r[0]}", f"eager {r[1]} ms", f"graph {r[2]} ms", r[3]] for r in lat["rows"]]
+            + [["NanoSpec gather hidden behind backbone", "", gather_overlap(lat), ""]])
+
+
 PARTS = ("kernel", "copy", "latency", "eager", "graphs", "batch", "quantized")
 
 
@@ -231,29 +256,12 @@ def main():
     def kernel():
         return check_kernel(rows)
 
-    def copy():  # device-to-device copy bandwidth (the roofline for a decode step)
-        x = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
-        y = torch.empty_like(x)
-        for _ in range(3):
-            y.copy_(x)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(10):
-            y.copy_(x)
-        torch.cuda.synchronize()
-        rows.append(["device-to-device copy bandwidth", "read + write",
-                     f"{2 * x.numel() * 10 / (time.perf_counter() - t0) / 1e9:.0f} GB/s", ""])
+    def copy():
+        rows.append(["device-to-device copy bandwidth", "read + write", f"{copy_bandwidth():.0f} GB/s", ""])
         return True
 
     def latency():
-        argv = ["--latency", "--shape", "llama3.1-8b", "--device", "cuda", "--out", str(out),
-                "--latency-iters", "20" if args.quick else "50"]
-        if rc := bench.main(argv):
-            raise RuntimeError(f"bench.py {' '.join(argv)} exited with {rc}")
-        lat = json.loads((out / "latency_llama3.1-8b.json").read_text())
-        for r in lat["rows"]:
-            rows.append([f"8B: {r[0]}", f"eager {r[1]} ms", f"graph {r[2]} ms", r[3]])
-        rows.append(["NanoSpec gather hidden behind backbone", "", gather_overlap(lat), ""])
+        rows.extend(latency_rows(out, args.quick))
         return True
 
     def eager():  # every method == AR in bf16 on CUDA; fp32 CPU against fp32 CUDA (TF32 off)

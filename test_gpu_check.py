@@ -58,3 +58,50 @@ def test_compare_passes_equal_outputs_and_near_ties_only(tmp_path):
         m.lm_head.weight[worst] = m.lm_head.weight[best]
     ok, detail = gpu_check.compare(m, [prompt], [[worst]], [[best]])
     assert ok and "near tie" in detail
+
+
+def test_main_runs_every_part_on_fakes(tmp_path, monkeypatch, capsys):
+    """main()'s glue (the parts, their rows, the tables written) with the CUDA work faked: GPU time is scarce, so
+    a slip in it must show here, not on the GPU. A part that raises is a FAIL row and the others still run."""
+    path, _ = write_tiny_hf(tmp_path / "t")
+    m, _, _ = gpu_check.load_target(str(path), "cpu", "float32")
+    names = ["autoregressive", "ngram", "eagle3 full", "fr-spec 8k", "nanospec", "default: nanospec + lookup, budget"]
+    outs, prompts = [[1, 2, 3], [4, 5]], [[7, 8], [9]]
+
+    def fake_run_all(path, device, dtype, compile, head, n_new, repeats=1):
+        return {n: (outs, 100.0 + i) for i, n in enumerate(names)}, m, prompts
+
+    def fake_batch(path, device, dtype, n_new, batch=4):
+        return dict(single=outs, batch=outs, spec=outs, graphs=outs, tps=50.0, tps_graphs=80.0, tps1=10.0,
+                    model=m, prompts=prompts)
+
+    def fake_kernel(rows):
+        rows.append(["gather kernel == fallback", "bfloat16", "PASS", ""])
+        return True
+
+    def broken(out, quick):
+        raise RuntimeError("no 8B shape here\nsecond line")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake GPU")
+    monkeypatch.setattr(gpu_check, "resolve_checkpoint", lambda arg: path)
+    monkeypatch.setattr(gpu_check, "run_all", fake_run_all)
+    monkeypatch.setattr(gpu_check, "check_batch", fake_batch)
+    monkeypatch.setattr(gpu_check, "check_kernel", fake_kernel)
+    monkeypatch.setattr(gpu_check, "check_quantized", lambda path, n: [["quantized target: int8", "", "PASS", ""]])
+    monkeypatch.setattr(gpu_check, "copy_bandwidth", lambda: 3000.0)
+    monkeypatch.setattr(gpu_check, "latency_rows", broken)
+    monkeypatch.setattr("sys.argv", ["gpu_check.py", "--quick", "--out", str(tmp_path / "out")])
+    assert gpu_check.main() == 1  # the broken part fails the run
+    md = (tmp_path / "out" / "gpu_check.md").read_text()
+    res = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert res["done"] and not res["ok"] and res["gpu"] == "Fake GPU"
+    assert "| latency | raised | FAIL | RuntimeError: no 8B shape here |" in md
+    assert "| device-to-device copy bandwidth | read + write | 3000 GB/s |  |" in md
+    for n in names:
+        assert f"| greedy, eager: {n} | bf16 CUDA vs its AR | PASS | 2/2 same" in md
+        assert f"| CUDA graphs: {n} | bf16, vs its AR | PASS | 2/2 same" in md
+    assert "bf16 batch 16: 50.0 tok/s eager, 80.0 graphs, one at a time 10.0" in md
+    assert "| quantized target: int8 |" in md
+    monkeypatch.setattr("sys.argv", ["gpu_check.py", "--parts", "kernel,nope"])
+    assert gpu_check.main() == 2 and "unknown part(s) nope" in capsys.readouterr().err
