@@ -11,7 +11,6 @@ emitted token, not yet cached.
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor
 
@@ -95,8 +94,9 @@ for _cls in (Tree, Prefill, Accepted):
 def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
     """[N] parents (parents before children) -> [N, N] ancestor-or-self closure, in max_depth static steps."""
     N = parents.shape[0]
-    # P[i, j] = j is the parent of i; ancestors = I + P + P^2 + ...; fp32 matmul keeps it static and sync-free.
-    P = F.one_hot(parents.clamp(min=0), N).float() * (parents >= 0).float()[:, None]
+    # P[i, j] = j is the parent of i (the root's -1 matches none); ancestors = I + P + P^2 + ...; fp32 matmul keeps
+    # it static and sync-free (F.one_hot checks its indices on the host, on CPU)
+    P = (parents[:, None] == torch.arange(N, device=parents.device)).float()
     anc = step = torch.eye(N, dtype=torch.float32, device=parents.device)
     for _ in range(max_depth):
         step = step @ P

@@ -2,7 +2,6 @@
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 import cpu_draft
@@ -183,7 +182,8 @@ class EagleDrafter(VocabDrafter):
         cand_tok, cand_score, cand_parent = [self.tokens_of(ids[idx])], [s], [torch.full((k,), -1, device=dev)]
         fr_tok, fr_score, fr_cand = cand_tok[0], s, torch.arange(k, device=dev)
         fr_feat = self.last_out[None].expand(k, -1)  # [k, d]
-        fr_anc = F.one_hot(torch.arange(k, device=dev), D * k).bool()  # frontier ancestors among draft slots
+        cols = torch.arange(D * k, device=dev)  # (a comparison, not F.one_hot: it reads its indices on the host)
+        fr_anc = torch.arange(k, device=dev)[:, None] == cols  # frontier ancestors among draft slots
         no_slots = torch.zeros(k, h.seq_range.shape[0], dtype=torch.bool, device=dev)
         base = 0  # index of the first candidate of the current level
         for lvl in range(1, D):
@@ -200,7 +200,7 @@ class EagleDrafter(VocabDrafter):
             top = torch.topk(sc, k).indices  # next frontier: best k of the k*k
             prow = top // k
             fr_tok, fr_score, fr_cand, fr_feat = tok[top], sc[top], base + top, out[0, prow]
-            fr_anc = fr_anc[prow] | F.one_hot(lvl * k + torch.arange(k, device=dev), D * k).bool()
+            fr_anc = fr_anc[prow] | ((lvl * k + torch.arange(k, device=dev))[:, None] == cols)
         return self._rerank(torch.cat(cand_tok), torch.cat(cand_score), torch.cat(cand_parent), root, k, D, N)
 
     def _rerank(self, tok, score, parent, root, k, D, N) -> Tree:

@@ -246,6 +246,23 @@ def test_cuda_graph_buckets_plumbing_on_cpu(target, monkeypatch, fused):
     assert three.generate_batch(PROMPTS[1:4], 24) == ref[1:4]
 
 
+def test_decode_step_is_capture_safe(target, monkeypatch):
+    """The decode step cuda_graphs captures, on the PyTorch layers (CUDA's path), runs none of the ops a CUDA graph
+    capture rejects (test_graphs.CaptureSafety: tensors from Python data, host reads, data-dependent shapes)."""
+    from test_graphs import CaptureSafety
+    m = load(target, False, monkeypatch, torch.float32)
+    eng, bad = BatchEngine(m, batch=3, max_seq=128), []
+
+    def step(*args):
+        with CaptureSafety() as mode:
+            out = eng.decode_step(*args)
+        bad.extend(mode.bad)
+        return out
+
+    eng.decode_fn = step
+    assert eng.generate_batch(PROMPTS, 12) == batch1(m, PROMPTS, 12) and not bad
+
+
 def test_bad_input(target, monkeypatch):
     m = load(target, False, monkeypatch, torch.float32)
     with pytest.raises(UsageError, match="--batch"):

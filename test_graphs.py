@@ -2,6 +2,7 @@
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import budget
 import graphs
@@ -139,6 +140,54 @@ def test_held_steps_outlive_replays(tiny, monkeypatch, kind):
     assert graphed[0] == eager[0] == [autoregressive(m, p, 30) for p in PROMPTS]
     assert graphed[1] == eager[1]
     assert any(sum(h.values()) > 12 for h in eager[1])  # steps were verified (and held: 2 of every 6)
+
+
+class CaptureSafety(TorchDispatchMode):
+    """Records what a CUDA graph cannot capture: tensors made from Python data (a host-to-device copy on CUDA:
+    torch.tensor, x[i] = value), host reads of a value (item, int(), bool()), data-dependent shapes (nonzero,
+    boolean-mask indexing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bad = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name in ("aten.lift_fresh.default", "aten._local_scalar_dense.default", "aten.nonzero.default") or (
+                name == "aten.index.Tensor" and any(i is not None and i.dtype == torch.bool for i in args[1])):
+            self.bad.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind,vocab_spec", [("none", "full"), ("eagle3", "nanospec"), ("eagle3", "freq"),
+                                             ("eagle2", "full"), ("model", "nanospec")])
+def test_captured_steps_are_capture_safe(tiny, monkeypatch, kind, vocab_spec):
+    """The steps CUDA graphs capture (the decode step, verify, the fused advance) take their traced paths here
+    (is_compiling: the CPU shortcuts off) under a dispatch mode that records every op a capture rejects: none
+    may run (torch.compile's fullgraph tests cannot see a host-to-device copy; a real capture fails on one)."""
+    m = target(tiny[0])
+    if vocab_spec == "freq":
+        torch.save(list(range(m.args.vocab_size))[::-1], tiny[3] / "freq.pt")
+        vocab_spec = f"freq:{tiny[3] / 'freq.pt'}:64"
+    eng = Engine(m, drafter=None if kind == "none" else make_drafter(kind, tiny, m, vocab_spec))
+    eng.fused_steps, eng.planner.fixed = kind != "none", 160
+    seen = []
+
+    def guarded(fn):
+        def step(*args):
+            with monkeypatch.context() as mp, CaptureSafety() as mode:
+                mp.setattr(torch.compiler, "is_compiling", lambda: True)
+                out = fn(*args)
+            seen.append(fn.__name__)
+            assert not mode.bad, (fn.__name__, mode.bad)
+            return out
+        return step
+
+    eng.decode_fn, eng.verify_step, eng.advance_step = (guarded(eng._decode_one), guarded(eng._spec_verify),
+                                                        guarded(eng._spec_advance))
+    for p in PROMPTS:
+        assert eng.generate(p, 20)[0] == autoregressive(m, p, 20)
+    assert set(seen) == ({"_decode_one"} if kind == "none" else {"_spec_verify", "_spec_advance"})
 
 
 @pytest.mark.parametrize("kind,vocab_spec", [("eagle3", "nanospec"), ("eagle2", "full"), ("model", "nanospec"),
