@@ -1,6 +1,6 @@
 """GPU checks in one command (a few minutes on an H100/H200); the compact table is printed last.
 
-    python gpu_check.py [--quick] [--out results] [--parts kernel,copy,latency,eager,graphs,batch,quantized]
+    python gpu_check.py [--quick] [--out results] [--parts kernel,copy,latency,eager,graphs,batch,quantized,train]
 
 kernel: the CUDA gather kernel == the pure-torch fallback (bf16, fp16; V=128256, d=4096, W_max=3072).
 copy, latency: the device-to-device copy bandwidth; the pieces of a step at the Llama-3.1-8B shape with random
@@ -13,6 +13,8 @@ batch: batch outputs against one prompt at a time (fp32; eager, prompt lookup, a
    and batch 16's tokens/s (bf16, eager and graphs).
 quantized: quantize.py's int8 and int4 g32 through torch's kernels (as gpt-fast): prompt lookup's greedy output
    against the quantized target's own autoregressive output, and autoregressive tokens/s.
+train: eagle_train.py on CUDA, briefly (the target's answers to a few prompts, a --time-limit run from the shipped
+   head, its export drafting losslessly): seconds a step before a real run is sized.
 Equal outputs pass, and so do outputs that part only at a near tie of the target's logits (compare: CUDA's kernels
 are not batch invariant). Writes OUT/gpu_check.json and OUT/gpu_check.md after every part.
 """
@@ -194,6 +196,39 @@ def error_line(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
+def check_training(path, head, seconds: float, device="cuda", dtype="bfloat16",
+                   work=REPO / "results" / "cache" / "gpu_train") -> tuple[bool, str]:
+    """The trainer on this device, briefly: the target's answers to PROMPTS (the batch engine), `seconds` of TTT
+    steps from `head` (--time-limit), an export without lm_head -> (ok: it trained and its head drafts losslessly,
+    a detail: steps, seconds a step, the loss first and last, the drafting check)."""
+    import shutil
+
+    import eagle_data
+    import eagle_train
+    work = Path(work)
+    shutil.rmtree(work, ignore_errors=True)
+    m, tok, _ = load_target(str(path), device, dtype)
+    convs = [[{"role": "user", "content": p}] for p in PROMPTS * 8]
+    eagle_data.write_records(work / "data.jsonl", eagle_data.answer_conversations(
+        m, tok, convs, batch_size=len(convs), max_new_tokens=96, desc="answers (gpu_check)"), {})
+    rc = eagle_train.main(["train", "--checkpoint", str(path), "--device", device, "--target-dtype", dtype,
+                           "--data", str(work / "data.jsonl"), "--out", str(work / "run"), "--init", str(head),
+                           "--freeze-lm-head", "--no-lm-head", "--export", str(work / "head"), "--time-limit",
+                           str(seconds), "--epochs", "1000", "--batch-tokens", "2048", "--lr", "1e-4",
+                           "--save-every", "0"])
+    if rc:
+        return False, f"eagle_train.py train exited with {rc}"
+    hist = json.loads((work / "run" / "history.json").read_text())
+    per = seconds / max(1, len(hist))
+    eng = build_engine(m, tok, dc.DraftConfig(str(work / "head"), "nanospec", *dc.TREE_GPU,
+                                              w_max=min(3072, m.args.vocab_size // 2)), budget=False)
+    prompts = [tok.encode_chat(c) for c in convs[:len(PROMPTS)]]
+    ar = Engine(m)
+    same, detail = compare(m, prompts, [eng.generate(p, 48)[0] for p in prompts], [ar.generate(p, 48)[0] for p in prompts])
+    return same, (f"{len(hist)} steps in {seconds:g} s (~{per:.2f} s a step), loss {hist[0]['loss']:.3f} -> "
+                  f"{hist[-1]['loss']:.3f}; the exported head drafts: {detail}")
+
+
 def copy_bandwidth() -> float:
     """GB/s of a 2 GiB device-to-device copy, bytes read and written (the roofline for a decode step)."""
     x = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
@@ -219,7 +254,7 @@ def latency_rows(out: Path, quick: bool) -> list[list[str]]:
             + [["NanoSpec gather hidden behind backbone", "", gather_overlap(lat), ""]])
 
 
-PARTS = ("kernel", "copy", "latency", "eager", "graphs", "batch", "quantized")
+PARTS = ("kernel", "copy", "latency", "eager", "graphs", "batch", "quantized", "train")
 
 
 def main():
@@ -322,6 +357,13 @@ def main():
         rows.extend(qrows)
         return all(r[2] == "PASS" for r in qrows)
 
+    def train():  # the trainer on CUDA: a few of the target's answers, a short --time-limit run, its head drafting
+        path, head = model_and_head()
+        ok, detail = check_training(path, head, 30 if args.quick else 90)
+        rows.append(["EAGLE-3 training (eagle_train.py)", "bf16, from the shipped head", "PASS" if ok else "FAIL",
+                     detail])
+        return ok
+
     def write(final=False):
         md = "| check | setting | result | detail |\n|---|---|---|---|\n" + "\n".join("| " + " | ".join(r) + " |" for r in rows)
         (out / "gpu_check.md").write_text(f"# GPU check, {stamp}, {dev_name}, torch {torch.__version__}\n\n"
@@ -330,7 +372,8 @@ def main():
                                                              parts=parts, rows=rows, ok=ok, done=final), indent=1))
         return md
 
-    fns = dict(kernel=kernel, copy=copy, latency=latency, eager=eager, graphs=graphs, batch=batch, quantized=quantized)
+    fns = dict(kernel=kernel, copy=copy, latency=latency, eager=eager, graphs=graphs, batch=batch, quantized=quantized,
+               train=train)
     for name in parts:  # each part's failure is a row of its own: one broken part must not lose the others' figures
         t0 = time.perf_counter()
         try:

@@ -90,6 +90,7 @@ def test_main_runs_every_part_on_fakes(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(gpu_check, "check_kernel", fake_kernel)
     monkeypatch.setattr(gpu_check, "check_quantized", lambda path, n: [["quantized target: int8", "", "PASS", ""]])
     monkeypatch.setattr(gpu_check, "copy_bandwidth", lambda: 3000.0)
+    monkeypatch.setattr(gpu_check, "check_training", lambda path, head, seconds: (True, f"trained {seconds} s"))
     monkeypatch.setattr(gpu_check, "latency_rows", broken)
     monkeypatch.setattr("sys.argv", ["gpu_check.py", "--quick", "--out", str(tmp_path / "out")])
     assert gpu_check.main() == 1  # the broken part fails the run
@@ -103,5 +104,21 @@ def test_main_runs_every_part_on_fakes(tmp_path, monkeypatch, capsys):
         assert f"| CUDA graphs: {n} | bf16, vs its AR | PASS | 2/2 same" in md
     assert "bf16 batch 16: 50.0 tok/s eager, 80.0 graphs, one at a time 10.0" in md
     assert "| quantized target: int8 |" in md
+    assert "| EAGLE-3 training (eagle_train.py) | bf16, from the shipped head | PASS | trained 30 s |" in md
     monkeypatch.setattr("sys.argv", ["gpu_check.py", "--parts", "kernel,nope"])
     assert gpu_check.main() == 2 and "unknown part(s) nope" in capsys.readouterr().err
+
+
+def test_training_check_runs_on_cpu(tmp_path, monkeypatch):
+    """check_training (gpu_check's train part) on the CPU with a tiny model: data from the batch engine, a
+    --time-limit run from a head, the export, and its lossless drafting."""
+    monkeypatch.setenv("EAGLE_TRAIN_QUIET", "1")
+    path, _ = write_tiny_hf(tmp_path / "t")
+    import eagle_ckpt
+    import eagle_ttt
+    m, _, _ = gpu_check.load_target(str(path), "cpu", "float32")
+    head = eagle_ckpt.export_head(eagle_ttt.new_head(m, m.eagle3_aux_layers(), seed=0), tmp_path / "h", torch.float32,
+                                  with_lm_head=False)  # as the shipped heads: no embedding, no lm_head
+    ok, detail = gpu_check.check_training(path, head, 3, device="cpu", dtype="float32", work=tmp_path / "w")
+    assert ok, detail
+    assert (tmp_path / "w" / "head" / "config.json").is_file() and " steps in 3 s" in detail and "3/3 same" in detail
