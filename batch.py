@@ -276,9 +276,9 @@ class BatchEngine:
             toks_i = t.tokens.tolist()
             if not self.fixed:
                 self.budget.observe_seq(s, b, path[:L])
-            a = Accepted(t, torch.tensor(path, device=dev), torch.tensor(L, device=dev), torch.tensor(bonus, device=dev),
-                         logits[r:r + N], hid[:, r:r + N], None if aux is None else aux[:, r:r + N],
-                         torch.tensor(s.n, device=dev))
+            a = Accepted(t, torch.tensor(path, device=dev), torch.tensor(L, device=dev),
+                         torch.tensor(bonus, device=dev), logits[r:r + N], hid[:, r:r + N],
+                         None if aux is None else aux[:, r:r + N], torch.tensor(s.n, device=dev))
             s.pending.append(self._kept(a, s.drafter))
             out[i], s.n = [toks_i[j] for j in path[1:L]] + [bonus], s.n + L
             r += N
@@ -328,8 +328,9 @@ class BatchEngine:
         K = len(run)
         dev = hid.device
         return Accepted(chain_tree(toks), torch.arange(K, device=dev), torch.tensor(K, device=dev),
-                        torch.tensor(run[-1][3], device=dev), hid.new_zeros(0, 0), cat(0), None if aux is None else cat(1),
-                        torch.tensor(n, device=dev), torch.cat([x[0][2][x[1]:x[1] + 1] for x in run]))
+                        torch.tensor(run[-1][3], device=dev), hid.new_zeros(0, 0), cat(0),
+                        None if aux is None else cat(1), torch.tensor(n, device=dev),
+                        torch.cat([x[0][2][x[1]:x[1] + 1] for x in run]))
 
     def _kept(self, a: Accepted, d) -> Accepted:
         """a as the drafter will read it, steps later: the target's top-k on the path instead of its logits, and its

@@ -214,7 +214,8 @@ class EagleDrafter(VocabDrafter):
         sel = sel[torch.sort(key[sel], descending=True, stable=True).indices]
         pos_of = torch.full((C,), -1, dtype=torch.long, device=dev).index_copy(0, sel, torch.arange(N - 1, device=dev))
         cp = parent[sel]
-        parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=dev), torch.where(cp < 0, 0, pos_of[cp.clamp(min=0)] + 1)])
+        parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=dev),
+                             torch.where(cp < 0, 0, pos_of[cp.clamp(min=0)] + 1)])
         depth = torch.cat([torch.zeros(1, device=dev), level[sel] + 1]).long()
         return Tree(torch.cat([root.view(1), tok[sel]]), parents, depth, ancestor_mask(parents, D),
                     torch.ones(N, dtype=torch.bool, device=dev), None, D)

@@ -260,8 +260,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile decode/verify/draft steps (inductor on CPU; CUDA graphs on CUDA); with --prompts (CUDA "
-                        "only): the batch's decode steps as CUDA graphs, one per padded batch size")
+                   help="torch.compile decode/verify/draft steps (inductor on CPU; CUDA graphs on CUDA); with "
+                        "--prompts (CUDA only): the batch's decode steps as CUDA graphs, one per padded batch size")
     p.add_argument("--max-seq", type=int, default=4096, help="KV cache slots when CUDA graphs are captured")
     p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU: greedy output bit-identical to autoregressive decoding (an error where this CPU's "
@@ -346,7 +346,8 @@ def run(args) -> int:
     if args.prompts is not None and (args.chat or args.prompt is not None):
         raise UsageError("--prompts decodes its own prompts: drop --chat and --prompt")
     if args.prompts is not None and args.compile and torch.device(args.device).type != "cuda":
-        raise UsageError("--compile with --prompts replays the batch's decode steps as CUDA graphs: it needs --device cuda")
+        raise UsageError("--compile with --prompts replays the batch's decode steps as CUDA graphs: "
+                         "it needs --device cuda")
     model, tok, _ = load_target(args.checkpoint, args.device, args.dtype)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     if args.prompts is not None:

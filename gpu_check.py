@@ -224,7 +224,8 @@ def check_training(path, head, seconds: float, device="cuda", dtype="bfloat16",
                                               w_max=min(3072, m.args.vocab_size // 2)), budget=False)
     prompts = [tok.encode_chat(c) for c in convs[:len(PROMPTS)]]
     ar = Engine(m)
-    same, detail = compare(m, prompts, [eng.generate(p, 48)[0] for p in prompts], [ar.generate(p, 48)[0] for p in prompts])
+    same, detail = compare(m, prompts, [eng.generate(p, 48)[0] for p in prompts],
+                           [ar.generate(p, 48)[0] for p in prompts])
     return same, (f"{len(hist)} steps in {seconds:g} s (~{per:.2f} s a step), loss {hist[0]['loss']:.3f} -> "
                   f"{hist[-1]['loss']:.3f}; the exported head drafts: {detail}")
 
@@ -311,7 +312,8 @@ def main():
         for name in gpu16:
             if isinstance(gpu16[name], str) or isinstance(ar, str):
                 good = False
-                rows.append([f"greedy, eager: {name}", "bf16 CUDA", "FAIL", gpu16[name] if isinstance(gpu16[name], str) else ar])
+                rows.append([f"greedy, eager: {name}", "bf16 CUDA", "FAIL",
+                             gpu16[name] if isinstance(gpu16[name], str) else ar])
                 continue
             same, detail = compare(m16, prompts, gpu16[name][0], ar[0])
             good &= same
@@ -365,7 +367,8 @@ def main():
         return ok
 
     def write(final=False):
-        md = "| check | setting | result | detail |\n|---|---|---|---|\n" + "\n".join("| " + " | ".join(r) + " |" for r in rows)
+        md = ("| check | setting | result | detail |\n|---|---|---|---|\n"
+              + "\n".join("| " + " | ".join(r) + " |" for r in rows))
         (out / "gpu_check.md").write_text(f"# GPU check, {stamp}, {dev_name}, torch {torch.__version__}\n\n"
                                           f"Command: `python gpu_check.py {' '.join(sys.argv[1:])}`\n\n{md}\n")
         (out / "gpu_check.json").write_text(json.dumps(dict(date=stamp, gpu=dev_name, torch=torch.__version__,
