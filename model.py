@@ -372,7 +372,7 @@ class Transformer(nn.Module):
             pairs = [(s, d0 + i) for i, s in enumerate(src.tolist() if torch.is_tensor(src) else src) if s != d0 + i]
             if not pairs or cpu_forward.compact(self.kv, self.kt, [a for a, _ in pairs], [b for _, b in pairs]):
                 return
-        dev = self.kv.device if self.kv is not None else self.layers[0].self_attn.kv_cache.k.device
+        dev = self.norm.weight.device  # (the caches' device: a list of slots would land on the CPU)
         src, dst_start = torch.as_tensor(src, device=dev), torch.as_tensor(dst_start, device=dev)
         dst = dst_start + torch.arange(src.shape[0], device=src.device)
         if self.kv is not None:  # one tensor: one gather and one scatter for every layer
