@@ -41,9 +41,14 @@ def prompts_for(tok, questions: str | None, n: int) -> list[list[int]]:
     return [tok.encode_chat([{"role": "user", "content": mixed[i % len(mixed)].turns[0]}]) for i in range(n)]
 
 
+def range_len(prompts, max_new, drafters=None) -> int:
+    """Slots a sequence's range needs: the longest prompt, its new tokens and a tree, in 16s (attention blocks)."""
+    return -(-(max(len(p) for p in prompts) + max_new + (drafters[0].nodes if drafters else 0)) // 16) * 16
+
+
 def run_batch(model, prompts, max_new, batch, drafters=None, budget=True, exact=True) -> tuple[int, float, dict]:
-    S = -(-(max(len(p) for p in prompts) + max_new + (drafters[0].nodes if drafters else 0)) // 16) * 16
-    eng = BatchEngine(model, batch, S, drafters=drafters, budget=budget, exact=exact)
+    eng = BatchEngine(model, batch, range_len(prompts, max_new, drafters), drafters=drafters, budget=budget,
+                      exact=exact)
     t0 = time.perf_counter()
     outs = eng.generate_batch(prompts, max_new)
     dt = time.perf_counter() - t0
@@ -54,8 +59,7 @@ def run_batch(model, prompts, max_new, batch, drafters=None, budget=True, exact=
 def run_steady(model, prompts, max_new, batch, exact=True) -> tuple[int, float, dict]:
     """llama-batched-bench's shape: `batch` prompts at once, each decoding max_new tokens (no EOS), so every decode
     step carries the whole batch -> (decode steps' tokens, their seconds): the batch's steady decode rate."""
-    S = -(-(max(len(p) for p in prompts) + max_new) // 16) * 16
-    eng = BatchEngine(model, batch, S, ignore_eos=True, exact=exact)
+    eng = BatchEngine(model, batch, range_len(prompts, max_new), ignore_eos=True, exact=exact)
     eng.generate_batch(prompts[:batch], max_new)
     return eng.decode_tokens, eng.decode_s, dict(outs=None)
 
@@ -77,8 +81,7 @@ def profile(model, prompts, max_new, sizes):
         print(f"| batch | decode step ms | tok/s | GEMMs ms | attention ms | rest of the pass ms | outside the pass ms "
               f"| GEMM GFLOP/s{f' (peak {peak:.0f})' if peak else ''} |\n|---|---|---|---|---|---|---|---|")
         for b in sizes:
-            S = -(-(max(len(p) for p in prompts[:b]) + max_new) // 16) * 16
-            eng, steps, phases = BatchEngine(model, b, S, ignore_eos=True), [], []
+            eng, steps, phases = BatchEngine(model, b, range_len(prompts[:b], max_new), ignore_eos=True), [], []
 
             def step(*x, f=eng.decode_fn):
                 cpu_forward.phase_times()  # (clears what earlier passes left)
@@ -270,7 +273,7 @@ def main(argv=None) -> int:
               f"{sizes[0]})")
     same = all(outs[c, b] == outs["AR", b] for c, b in outs if c != "one at a time" and ("AR", b) in outs)
     print(f"\nevery configuration's tokens equal AR's at the same batch size: {same}")
-    S = -(-(max(len(p) for p in prompts) + args.max_new_tokens + (drafters[0].nodes if drafters else 0)) // 16) * 16
+    S = range_len(prompts, args.max_new_tokens, drafters)
     mem = memory_per_sequence(model, drafters[0] if drafters else None, S)
     print(f"memory per sequence at {S} positions: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in mem.items()))
     if args.png:
