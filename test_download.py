@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import download
+import gguf_model
 from download import CheckpointError
 
 
@@ -28,8 +29,8 @@ def test_unpermute_inverts_llama_cpp_permute(n_head, head_dim, rest):
     w = np.random.default_rng(0).standard_normal((n_head * head_dim, *rest))
     g = llama_cpp_permute(w, n_head)
     assert not np.array_equal(g, w) or head_dim == 2 and n_head == 1
-    np.testing.assert_array_equal(download.unpermute_qk(g, n_head), w)
-    np.testing.assert_array_equal(llama_cpp_permute(download.unpermute_qk(w, n_head), n_head), w)
+    np.testing.assert_array_equal(gguf_model.unpermute_qk(g, n_head), w)
+    np.testing.assert_array_equal(llama_cpp_permute(gguf_model.unpermute_qk(w, n_head), n_head), w)
 
 
 def _rope_half(x, pos, theta=10000.0):  # HF: rotate (i, i + d/2) pairs
@@ -63,12 +64,12 @@ def test_permutation_matches_rope_conventions():
         return np.einsum("hd,hd->h", q, np.repeat(k, n_head // n_kv, axis=0))
 
     np.testing.assert_allclose(scores(wq, wk, _rope_half), scores(gq, gk, _rope_interleaved))
-    np.testing.assert_array_equal(download.unpermute_qk(gq, n_head), wq)
-    np.testing.assert_array_equal(download.unpermute_qk(gk, n_kv), wk)
+    np.testing.assert_array_equal(gguf_model.unpermute_qk(gq, n_head), wq)
+    np.testing.assert_array_equal(gguf_model.unpermute_qk(gk, n_kv), wk)
 
 
 def test_gguf_to_hf_name():
-    m = download.gguf_to_hf_name
+    m = gguf_model.gguf_to_hf_name
     assert m("token_embd.weight") == "model.embed_tokens.weight"
     assert m("output_norm.weight") == "model.norm.weight"
     assert m("output.weight") == "lm_head.weight"
@@ -140,7 +141,7 @@ def _write_tiny_gguf(path, q8_names=("blk.0.attn_q.weight", "token_embd.weight")
     w.add_chat_template(TEMPLATE)
     for name, shape in shapes.items():
         x = rng.standard_normal(shape).astype(np.float32)
-        hf[download.gguf_to_hf_name(name)] = x
+        hf[gguf_model.gguf_to_hf_name(name)] = x
         if ".attn_q." in name:
             x = llama_cpp_permute(x, N_HEAD)
         elif ".attn_k." in name:
@@ -189,7 +190,7 @@ def test_convert_tiny_gguf(tmp_path):
     hf = _write_tiny_gguf(tmp_path / "tiny.gguf")
     out = tmp_path / "out"
     out.mkdir()
-    download.convert_gguf(tmp_path / "tiny.gguf", out)
+    gguf_model.convert_gguf(tmp_path / "tiny.gguf", out)
     _check_tiny_folder(out, hf)
 
 
@@ -224,7 +225,7 @@ def test_gguf_runs_as_it_is(tmp_path, monkeypatch):
     assert sd["model.embed_tokens.weight"].dtype == torch.bfloat16 and "model.norm.weight" in sd
     wide = tmp_path / "wide"
     wide.mkdir()
-    download.convert_gguf(f, wide)
+    gguf_model.convert_gguf(f, wide)
     ws = load_file(str(wide / "model.safetensors"))
     for k in sd:
         if k.endswith(".qweight"):
