@@ -19,7 +19,7 @@ import draft_config as dc
 import graphs
 from budget import StepBudget
 from budget_memory import BudgetMemory, pass_costs
-from download import CheckpointError, resolve_checkpoint
+from download import CheckpointError, models_table, resolve_checkpoint
 from draft import Accepted, Prefill, Tree, chain_tree, stop_at
 from errors import UsageError
 from exact import PassRows, Planner
@@ -249,6 +249,7 @@ class Engine:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="NanoSpec engine: generate text with speculative decoding")
     p.add_argument("--checkpoint", default=None, help="HF folder or hub id (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--list-models", action="store_true", help="print the named models (--checkpoint NAME) and exit")
     p.add_argument("--prompt", default=None, help="prompt text, or @file to read it from a file")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template to --prompt")
     p.add_argument("--chat", action="store_true", help="interactive multi-turn chat")
@@ -339,6 +340,9 @@ def stats_line(st: Stats, model: Transformer) -> str:
 
 
 def run(args) -> int:
+    if args.list_models:
+        print(models_table())
+        return 0
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.prompts is None and (args.batch is not None or args.ordered):

