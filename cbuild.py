@@ -25,7 +25,11 @@ class RowsDst(ctypes.Structure):
 
 
 class Packed(ctypes.Structure):
-    _fields_ = [("w", P), ("s", P), ("m", P), ("bits", L), ("group", L)]
+    pass
+
+
+Packed._fields_ = [("w", P), ("s", P), ("m", P), ("bits", L), ("group", L), ("h", P), ("sc", P), ("mn", P),
+                   ("sup", L), ("zero", L), ("p0", L), ("next", ctypes.POINTER(Packed))]
 
 
 class StackArgs(ctypes.Structure):

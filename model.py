@@ -129,6 +129,8 @@ def rope_cache(max_seq: int, head_dim: int, base: float, scaling: dict | None) -
         inv_freq = torch.where(is_mid, mid, scaled)
     elif kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
+    elif kind == "freq_factors":  # a GGUF's rope_freqs (Llama 3.1's llama3 scaling, as llama.cpp stores it)
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     elif kind not in (None, "default"):
         raise ModelError(f"unsupported rope_scaling type {kind!r}")
     freqs = torch.outer(torch.arange(max_seq, dtype=torch.float32), inv_freq)
@@ -402,7 +404,7 @@ def safetensor_files(path: Path) -> list[Path]:
 
 def load_state_dict(files, dtype, device, strip_prefix: str = "") -> dict:
     """Read safetensors tensors one by one, casting each straight to (dtype, device): no fp32 copy of the model.
-    Quantized weights' scales and offsets (quant.py) keep their fp16."""
+    Quantized weights' scales and offsets (quant.py) keep their fp16, their codes their integer types."""
     sd = {}
     for f in files:
         try:
@@ -447,6 +449,10 @@ def load_model(path, dtype=torch.bfloat16, device="cpu") -> Transformer:
     with torch.device("meta"):
         model = Transformer(args)
     sd = load_state_dict(safetensor_files(path), dtype, device, strip_prefix="model.")
+    tied = args.tie_word_embeddings or not any(k.startswith("lm_head.") for k in sd)
+    if tied and "embed_tokens.qweight" in sd:  # a quantized tied embedding: the LM head reads the same codes
+        sd.update({"lm_head" + k.removeprefix("embed_tokens"): v for k, v in list(sd.items())
+                   if k.startswith("embed_tokens.")})
     if qrec is not None:  # quantized linears (quant.py): their codes, scales and offsets as stored
         if torch.device(device).type == "cpu":  # this machine picks the C kernel or torch's for them
             quant.choose(quant.schemes_of(sd))
@@ -455,7 +461,7 @@ def load_model(path, dtype=torch.bfloat16, device="cpu") -> Transformer:
         except quant.QuantError as e:
             raise ModelError(str(e)) from None
         sd.update({k: v for k, v in model.state_dict().items() if v.device.type != "meta"})  # theirs now
-    tied = not isinstance(model.lm_head, quant.QLinear) and (args.tie_word_embeddings or "lm_head.weight" not in sd)
+    tied = tied and not isinstance(model.lm_head, quant.QLinear)
     if tied and "embed_tokens.weight" in sd:
         sd["lm_head.weight"] = sd["embed_tokens.weight"]  # tied: one tensor, two names
     expected = dict(model.state_dict())

@@ -1,19 +1,22 @@
-"""Weight-only quantization: int8 and int4 codes with fp16 scales (and offsets) per group of `group` consecutive k,
-gpt-fast's int8 / int4 schemes and llama.cpp's Q8_0 / Q4_0 / Q4_1 in one form. A weight is
+"""Weight-only quantization: gpt-fast's int8 / int4 schemes and llama.cpp's GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1 and the K-quants Q4_K, Q5_K, Q6_K) in one form, `QWeight`. A weight is
 
-    bf16(code * scale + offset)      (fp32 products and sums, rounded to bf16 once, as torch's float -> bfloat16)
+    bf16((q - zero) * scale + offset)      (fp32 arithmetic, rounded to bf16 once, as torch's float -> bfloat16)
 
-so a quantized model is the bf16 model whose weights are these values, and the CPU kernels (csrc/gemm*.h) widen
-the codes in registers to exactly them: the GEMM stays row-invariant and its bits are the bf16 GEMM's on the
-dequantized matrix. int8 is symmetric (no offsets: scale = max |w| / 127); int4 is asymmetric (codes 0..15,
-scale = (max - min) / 15, offset = min), as Q4_1; Q4_0's w = d * (q - 8) is scale d, offset -8 d (exact in fp16).
+with q an unsigned 4-, 5-, 6- or signed 8-bit code, and per group of k either one fp16 scale (and offset) or, for
+the K-quants, two levels: scale = d * sc and offset = -(dmin * m), d and dmin fp16 per super-block of 256 k, sc and m
+small integers per group. Every product in that formula is exact in fp32 (at most 24 significant bits), so the only
+rounding is the final add's (then bf16's): these are gguf's `dequantize` values exactly. A quantized model is the
+bf16 model whose weights are these values, and the CPU kernels (csrc/gemm*.h) widen the codes in registers to
+exactly them: the GEMM stays row-invariant and its bits are the bf16 GEMM's on the dequantized matrix.
 
-Layouts. In memory and in a checkpoint (quantize.py writes `<linear>.qweight`, `.scales`, `.offsets`): codes int8
-[N, K] (bits 8) or uint8 [N, K / 2] (bits 4: k = 2 j in byte j's low nibble, 2 j + 1 in its high one); scales
-and offsets fp16 [N, K / group]. For the CPU kernel (pack_codes, pack_groups): codes in panels of cpu_gemm.PANEL
-rows, per group of cpu_gemm.KB consecutive k the panel's rows in order (a row's KB codes side by side), int4 two
-a byte (code j and j + QC of each run of 2 QC in byte j), scales [panels][K / group][PANEL] (csrc/nanospec.h's
-Packed documents the same).
+Layouts. In memory and in a checkpoint (`<linear>.qweight`, `.qhigh`, `.scales`, `.offsets`, `.subscales`,
+`.submins`, `.qzero`): codes int8 [N, K] (8 bits) or uint8 [N, K / 2] (k = 2 j in byte j's low nibble, 2 j + 1 in
+its high one), 5- and 6-bit codes' high bits uint8 [N, K (bits - 4) / 8] (a row's as one little-endian bit string);
+scales and offsets fp16 [N, K / group] (two levels: [N, K / 256], subscales and submins int8 [N, K / group]). For the
+CPU kernel (KernelWeight): panels of cpu_gemm.PANEL rows, per group of cpu_gemm.KB consecutive k the panel's rows in
+order (a row's KB codes side by side), the low nibbles two a byte (code j and j + QC of each run of 2 QC in byte j),
+the high bits as one bit string per k group, scales and the rest [panels][groups][PANEL] (csrc/nanospec.h's Packed).
 """
 import ctypes
 import time
@@ -28,6 +31,7 @@ import cpu_gemm
 
 CONFIG_KEY = "quantization_config"  # config.json's record of the scheme (Hugging Face's key)
 METHOD = "nanospec"
+SUPER = 256  # the K-quants' super-block
 
 
 class QuantError(ValueError):
@@ -47,21 +51,124 @@ class Scheme:
                              f"into even groups")
 
 
-def quantize(w: Tensor, s: Scheme) -> tuple[Tensor, Tensor, Tensor | None]:
-    """w [N, K] -> (codes, scales, offsets or None) in the memory layout; each code minimises its own error against
-    the fp16 scale and offset it will be read with."""
+@dataclass
+class QWeight:
+    """A quantized matrix [N, K] in the memory layout (module docstring)."""
+    codes: Tensor
+    scales: Tensor
+    offsets: Tensor | None = None
+    bits: int = 4
+    high: Tensor | None = None  # 5 and 6 bits: the codes' high bits
+    subscales: Tensor | None = None  # two levels (K-quants): int8 per group
+    submins: Tensor | None = None
+    zero: int = 0
+
+    @property
+    def N(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def K(self) -> int:
+        return self.codes.shape[1] * (1 if self.bits == 8 else 2)
+
+    @property
+    def group(self) -> int:
+        return self.K // (self.scales if self.subscales is None else self.subscales).shape[1]
+
+    @property
+    def sup(self) -> int:
+        """k per super-block (two levels), 0 for one level."""
+        return 0 if self.subscales is None else self.K // self.scales.shape[1]
+
+    def values(self) -> Tensor:
+        """The codes q [N, K] (before the zero point): int8 (8 bits) or uint8."""
+        if self.bits == 8:
+            return self.codes
+        q = unpack_nibbles(self.codes)
+        return q if self.high is None else q | (unpack_bits(self.high, self.bits - 4) << 4)
+
+    def scale_offset(self) -> tuple[Tensor, Tensor | None]:
+        """Per-weight fp32 scale and offset [N, K] (exact: fp16 times a small integer)."""
+        rep = lambda t, n: t.float().repeat_interleave(n, 1)
+        if self.subscales is None:
+            return rep(self.scales, self.group), None if self.offsets is None else rep(self.offsets, self.group)
+        s = rep(self.scales, self.sup) * rep(self.subscales, self.group)
+        o = None if self.offsets is None else -(rep(self.offsets, self.sup) * rep(self.submins, self.group))
+        return s, o
+
+    def dequantize(self) -> Tensor:
+        """The bf16 weights [N, K] the codes stand for."""
+        s, o = self.scale_offset()
+        w = (self.values().float() - self.zero) * s
+        return (w if o is None else w + o).bfloat16()
+
+    def take(self, rows: Tensor) -> "QWeight":
+        """The rows' QWeight (an embedding's lookups)."""
+        pick = lambda t: None if t is None else t.index_select(0, rows)
+        return QWeight(pick(self.codes), pick(self.scales), pick(self.offsets), self.bits, pick(self.high),
+                       pick(self.subscales), pick(self.submins), self.zero)
+
+    def tensors(self, base: str) -> dict:
+        """The checkpoint's tensors of this matrix, named after `base`."""
+        out = {".qweight": self.codes, ".scales": self.scales, ".offsets": self.offsets, ".qhigh": self.high,
+               ".subscales": self.subscales, ".submins": self.submins,
+               ".qzero": torch.tensor([self.zero], dtype=torch.int16) if self.zero else None}
+        return {base + k: v.contiguous() for k, v in out.items() if v is not None}
+
+    @classmethod
+    def pop(cls, sd: dict, base: str, where: str, N: int, K: int) -> "QWeight":
+        """The matrix `base` of checkpoint tensors sd (popped), checked against its module's [N, K]."""
+        t = {k: sd.pop(base + k, None) for k in (".qweight", ".scales", ".offsets", ".qhigh", ".subscales",
+                                                  ".submins", ".qzero")}
+        codes, scales, high = t[".qweight"], t[".scales"], t[".qhigh"]
+        if scales is None:
+            raise QuantError(f"{where}: {base} has quantized weights but no {base}.scales")
+        bits = 8 if codes.dtype == torch.int8 else 4 + (0 if high is None else high.shape[1] * 8 // max(K, 1))
+        zero = 0 if t[".qzero"] is None else int(t[".qzero"].reshape(-1)[0])
+        qw = cls(codes, scales.half(), None if t[".offsets"] is None else t[".offsets"].half(), bits, high,
+                 t[".subscales"], t[".submins"], zero)
+        qw.check(where, base, N, K)
+        return qw
+
+    def check(self, where: str, base: str, N: int, K: int):
+        sub, G = self.subscales, self.scales.shape[1] if self.scales.dim() == 2 else 0
+        ok = (self.codes.shape == (N, K if self.bits == 8 else K // 2) and self.scales.dim() == 2
+              and self.scales.shape[0] == N and G and K % G == 0 and self.bits in (4, 5, 6, 8)
+              and (self.offsets is None or self.offsets.shape == self.scales.shape)
+              and (self.high is None or self.high.shape == (N, K * (self.bits - 4) // 8))
+              and (sub is None or (sub.dim() == 2 and sub.shape[0] == N and sub.shape[1] % G == 0
+                                   and K % sub.shape[1] == 0 and (self.offsets is None) == (self.submins is None)
+                                   and (self.submins is None or self.submins.shape == sub.shape))))
+        if not ok:
+            raise QuantError(f"{where}: {base}'s quantized tensors have shapes "
+                             f"{[tuple(x.shape) for x in (self.codes, self.scales) if x is not None]}, "
+                             f"not those of a [{N}, {K}] weight")
+        if self.bits == 4 and self.offsets is None and not self.zero and self.subscales is None:
+            raise QuantError(f"{where}: {base} has int4 weights but no {base}.offsets")
+
+    def torch_fits(self) -> bool:
+        """Whether torch has a kernel for this scheme (gpt-fast's): int8 per output channel, int4 in groups of 32-256
+        with offsets (tinygemm; its CUDA layout wants K in 32s and N in 8s)."""
+        if self.subscales is not None or self.zero or self.high is not None:
+            return False
+        return torch_kernel_fits(self.bits, self.group, self.offsets is not None, self.N, self.K)
+
+
+def quantize(w: Tensor, s: Scheme) -> QWeight:
+    """w [N, K] -> its QWeight under gpt-fast's scheme s; each code minimises its own error against the fp16 scale
+    and offset it will be read with. int8 is symmetric (scale = max |w| / 127); int4 asymmetric (codes 0..15, scale =
+    (max - min) / 15, offset = min), as Q4_1."""
     N, K = w.shape
     g = w.detach().float().reshape(N, K // s.group, s.group)
     if s.bits == 8:
         scale = (g.abs().amax(-1) / 127).half()
         sf = torch.where(scale == 0, 1.0, scale.float())
-        codes = torch.round(g / sf[..., None]).clamp(-127, 127).to(torch.int8).reshape(N, K)
-        return codes, scale, None
+        return QWeight(torch.round(g / sf[..., None]).clamp(-127, 127).to(torch.int8).reshape(N, K), scale, bits=8)
     lo, hi = g.amin(-1), g.amax(-1)
     scale, off = ((hi - lo) / 15).half(), lo.half()
     sf = torch.where(scale == 0, 1.0, scale.float())
     codes = torch.round((g - off.float()[..., None]) / sf[..., None]).clamp(0, 15).to(torch.uint8).reshape(N, K)
-    return pack_nibbles(codes), scale, off
+    return QWeight(pack_nibbles(codes), scale, off, 4)
 
 
 def pack_nibbles(codes: Tensor) -> Tensor:
@@ -74,19 +181,78 @@ def unpack_nibbles(b: Tensor) -> Tensor:
     return torch.stack([b & 15, b >> 4], dim=-1).reshape(b.shape[0], -1)
 
 
-def codes_of(codes: Tensor, bits: int) -> Tensor:
-    """The memory layout's codes as one value per weight [N, K] (int16: room for both ranges)."""
-    return (unpack_nibbles(codes) if bits == 4 else codes).to(torch.int16)
+def pack_bits(v: Tensor, b: int) -> Tensor:
+    """[..., E] values below 2^b -> [..., E b / 8] bytes: one little-endian bit string, value j at bits b j."""
+    per = 8 // b
+    v = v.to(torch.uint8).reshape(*v.shape[:-1], -1, per)
+    out = v[..., 0].clone()
+    for j in range(1, per):
+        out |= v[..., j] << (b * j)
+    return out
 
 
-def dequantize(codes: Tensor, scales: Tensor, offsets: Tensor | None, bits: int) -> Tensor:
-    """The bf16 weights [N, K] the codes stand for: bf16(code * scale + offset), each op in fp32."""
-    c = codes_of(codes, bits).float()
-    G = c.shape[1] // scales.shape[1]
-    w = c * scales.float().repeat_interleave(G, 1)
-    if offsets is not None:
-        w = w + offsets.float().repeat_interleave(G, 1)
-    return w.bfloat16()
+def unpack_bits(p: Tensor, b: int) -> Tensor:
+    mask = (1 << b) - 1
+    return torch.stack([(p >> (b * j)) & mask for j in range(8 // b)], -1).reshape(*p.shape[:-1], -1)
+
+
+# ---------------------------------------------------------------- GGUF blocks as they are
+
+# bytes per block, weights per block
+GGUF_TYPES = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32),
+              "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
+
+
+def _f16(b: Tensor) -> Tensor:
+    return b.contiguous().view(torch.float16)[..., 0]
+
+
+def _k_scales(s: Tensor) -> tuple[Tensor, Tensor]:
+    """Q4_K / Q5_K's 12 bytes of 6-bit scales and mins -> (sc, m) [..., 8] (llama.cpp's get_scale_min_k4)."""
+    d, m, md = s[..., 0:4].int(), s[..., 4:8].int(), s[..., 8:12].int()
+    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], -1)
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], -1)
+    return sc.to(torch.int8), mn.to(torch.int8)
+
+
+def from_gguf(raw, kind: str, K: int) -> QWeight:
+    """A GGUF tensor's blocks as they are (raw [N, K / block * block bytes] uint8) -> its QWeight (groups of 32, or
+    the K-quants' 16 / 32 under super-blocks of 256). Q8_0: w = d q; Q4_0: d (q - 8); Q4_1: d q + m; Q5_0: d (q -
+    16); Q5_1: d q + m, a fifth bit per weight in 4 bytes; Q4_K: d sc q - dmin m per 32, scales and mins 6 bits in 12
+    bytes; Q5_K: the same with a fifth bit plane; Q6_K: d sc (q - 32) per 16, low 4 and high 2 bits in two planes."""
+    nbytes, per = GGUF_TYPES[kind]
+    b = torch.from_numpy(raw.copy()).view(torch.uint8)
+    N, nb = b.shape[0], K // per
+    b = b.reshape(N, nb, nbytes)
+    flat = lambda t: t.reshape(N, -1)
+    if kind == "Q8_0":
+        return QWeight(flat(b[..., 2:].contiguous().view(torch.int8)), flat(_f16(b[..., 0:2])), bits=8)
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4]) if kind.endswith("_1") else None
+        qs, qh = b[..., nbytes - 16:], b[..., nbytes - 20:nbytes - 16] if kind.startswith("Q5") else None
+        low = torch.cat([qs & 15, qs >> 4], -1)  # weight j low, j + 16 high, per block
+        high = None if qh is None else pack_bits(flat(unpack_bits(qh, 1)), 1)  # bit j of the 32-bit qh: weight j
+        zero = {"Q4_0": 8, "Q5_0": 16}.get(kind, 0)
+        return QWeight(pack_nibbles(flat(low)), flat(d), None if m is None else flat(m), 4 + (qh is not None), high,
+                       zero=zero)
+    d = _f16(b[..., 0:2]) if kind != "Q6_K" else _f16(b[..., 208:210])
+    if kind == "Q6_K":  # ql 128, qh 64, scales 16 (int8), d; weight 128 h + 32 i + j of half h: ql's nibble, qh bits
+        ql, qh, sc = b[..., 0:128].reshape(N, nb, 2, 64), b[..., 128:192].reshape(N, nb, 2, 32), b[..., 192:208]
+        low = torch.cat([ql & 15, ql >> 4], -1)  # [N, nb, 2, 128]: j < 64 low nibbles, 64.. high ones
+        hi = torch.stack([(qh >> (2 * i)) & 3 for i in range(4)], 3).reshape(N, nb, 2, 128)
+        return QWeight(pack_nibbles(flat(low)), flat(d), None, 6, pack_bits(flat(hi), 2),
+                       flat(sc.contiguous().view(torch.int8)), None, 32)
+    dmin, (sc, mn) = _f16(b[..., 2:4]), _k_scales(b[..., 4:16])
+    qs = b[..., nbytes - 128:].reshape(N, nb, 4, 32)  # 4 chunks of 64 weights: 32 low nibbles, then 32 high ones
+    low = torch.stack([qs & 15, qs >> 4], 3).reshape(N, nb, 256)
+    high = None
+    if kind == "Q5_K":  # qh 32 bytes: weight 32 s + j's fifth bit is bit s of byte j
+        qh = b[..., 16:48]
+        high = pack_bits(flat(torch.stack([(qh >> s) & 1 for s in range(8)], 2)), 1)
+    return QWeight(pack_nibbles(flat(low)), flat(d), flat(dmin), 4 + (kind == "Q5_K"), high, flat(sc), flat(mn))
+
+
+# ---------------------------------------------------------------- the CPU kernel's layout
 
 
 def qc() -> int:
@@ -94,32 +260,50 @@ def qc() -> int:
     return 8 if cpu_gemm.ISA == "avx2" else 16
 
 
-def pack_codes(codes: Tensor, bits: int) -> Tensor:
-    """Memory-layout codes [N, K] (or [N, K / 2]) -> the kernel's bytes [panels, K / KB, PANEL * KB * bits / 8]."""
-    c = codes_of(codes, bits)
+def _panels(c: Tensor) -> Tensor:
+    """[N, K] -> [panels, K / KB, PANEL KB]: per group of KB k, the panel's rows in order, zero rows padding."""
     N, K = c.shape
     P, PN, KB = -(-N // cpu_gemm.PANEL), cpu_gemm.PANEL, cpu_gemm.KB
     c = torch.cat([c, c.new_zeros(P * PN - N, K)]) if P * PN > N else c
-    c = c.reshape(P, PN, K // KB, KB).permute(0, 2, 1, 3).reshape(P, K // KB, PN * KB)
-    if bits == 8:
-        return c.to(torch.int8).contiguous()
-    q = qc()
-    runs = c.to(torch.uint8).reshape(P, K // KB, PN * KB // (2 * q), 2, q)
-    return (runs[..., 0, :] | (runs[..., 1, :] << 4)).reshape(P, K // KB, PN * KB // 2).contiguous()
+    return c.reshape(P, PN, K // KB, KB).permute(0, 2, 1, 3).reshape(P, K // KB, PN * KB)
 
 
-def unpack_codes(packed: Tensor, N: int, bits: int) -> Tensor:
-    """pack_codes' inverse: the checkpoint layout's codes of the N rows a packed copy holds."""
-    P, G, B = packed.shape
+def _unpanels(e: Tensor, N: int) -> Tensor:
+    P, G, E = e.shape
     PN, KB = cpu_gemm.PANEL, cpu_gemm.KB
-    if bits == 4:
-        q = qc()
-        b = packed.reshape(P, G, PN * KB // (2 * q), q)
-        c = torch.stack([b & 15, b >> 4], dim=3).reshape(P, G, PN * KB)
-    else:
-        c = packed
-    c = c.reshape(P, G, PN, KB).permute(0, 2, 1, 3).reshape(P * PN, G * KB)[:N]
-    return pack_nibbles(c) if bits == 4 else c.contiguous()
+    return e.reshape(P, G, PN, KB).permute(0, 2, 1, 3).reshape(P * PN, G * KB)[:N]
+
+
+def pack_planes(q: Tensor, bits: int) -> tuple[Tensor, Tensor | None]:
+    """Codes [N, K] -> the kernel's code bytes [panels, K / KB, PANEL KB bits / 8] (8 bits; else the low nibbles)
+    and, for 5 and 6 bits, the high bits' bytes [panels, K / KB, PANEL KB (bits - 4) / 8]."""
+    e = _panels(q)
+    if bits == 8:
+        return e.to(torch.int8).contiguous(), None
+    P, G, E = e.shape
+    runs = (e & 15).to(torch.uint8).reshape(P, G, E // (2 * qc()), 2, qc())
+    low = (runs[..., 0, :] | (runs[..., 1, :] << 4)).reshape(P, G, E // 2).contiguous()
+    return low, None if bits == 4 else pack_bits(e >> 4, bits - 4).contiguous()
+
+
+def unpack_planes(low: Tensor, high: Tensor | None, N: int, bits: int) -> Tensor:
+    """pack_planes' inverse: the codes [N, K]."""
+    if bits == 8:
+        return _unpanels(low, N)
+    P, G, B = low.shape
+    b = low.reshape(P, G, B // qc(), qc())
+    e = torch.stack([b & 15, b >> 4], dim=3).reshape(P, G, 2 * B)
+    if high is not None:
+        e = e | (unpack_bits(high, bits - 4) << 4)
+    return _unpanels(e, N)
+
+
+def pack_groups(t: Tensor) -> Tensor:
+    """Per-group values [N, groups] -> [panels, groups, PANEL], zero rows padding the last panel."""
+    N, NG = t.shape
+    P = -(-N // cpu_gemm.PANEL)
+    t = torch.cat([t, t.new_zeros(P * cpu_gemm.PANEL - N, NG)]) if P * cpu_gemm.PANEL > N else t
+    return t.reshape(P, cpu_gemm.PANEL, NG).transpose(1, 2).contiguous()
 
 
 def unpack_groups(t: Tensor, N: int) -> Tensor:
@@ -127,32 +311,63 @@ def unpack_groups(t: Tensor, N: int) -> Tensor:
     return t.transpose(1, 2).reshape(P * PN, NG)[:N].contiguous()
 
 
-def pack_groups(t: Tensor) -> Tensor:
-    """Scales or offsets [N, K / group] fp16 -> [panels, K / group, PANEL], zero rows padding the last panel."""
-    N, NG = t.shape
-    P = -(-N // cpu_gemm.PANEL)
-    t = torch.cat([t, t.new_zeros(P * cpu_gemm.PANEL - N, NG)]) if P * cpu_gemm.PANEL > N else t
-    return t.reshape(P, cpu_gemm.PANEL, NG).transpose(1, 2).contiguous()
+def to_kernel(qw: QWeight) -> QWeight:
+    """qw's tensors in the kernel's layout (a QWeight of packed tensors: codes, high, and per-group ones)."""
+    low, high = pack_planes(qw.values(), qw.bits)
+    g = lambda t: None if t is None else pack_groups(t)
+    return QWeight(low, g(qw.scales), g(qw.offsets), qw.bits, high, g(qw.subscales), g(qw.submins), qw.zero)
+
+
+def from_kernel(kq: QWeight, N: int) -> QWeight:
+    """to_kernel's inverse (the checkpoint layout of a kernel-layout QWeight's N rows)."""
+    q = unpack_planes(kq.codes, kq.high, N, kq.bits)
+    g = lambda t: None if t is None else unpack_groups(t, N)
+    if kq.bits == 8:
+        codes, high = q.contiguous(), None
+    else:
+        codes, high = pack_nibbles(q & 15), None if kq.bits == 4 else pack_bits(q >> 4, kq.bits - 4)
+    return QWeight(codes, g(kq.scales), g(kq.offsets), kq.bits, high, g(kq.subscales), g(kq.submins), kq.zero)
 
 
 class KernelWeight:
     """A matrix as the C GEMM reads it: the packed tensors and the Packed struct pointing at them (csrc/nanospec.h).
-    bf16: KernelWeight(cpu_gemm.pack(W)); quantized: KernelWeight(pack_codes(..), pack_groups(s), pack_groups(m))."""
+    bf16: KernelWeight(cpu_gemm.pack(W)); quantized: KernelWeight.of(to_kernel(qw), K); several matrices' rows
+    stacked: KernelWeight.stack(parts), each part's rows whole panels (q | k | v of different formats)."""
 
-    def __init__(self, w: Tensor, s: Tensor | None = None, m: Tensor | None = None, bits: int = 16, group: int = 0):
-        self.tensors = (w, s, m)  # the struct points into them: kept alive here
+    def __init__(self, w: Tensor, s: Tensor | None = None, m: Tensor | None = None, bits: int = 16, group: int = 0,
+                 *, high: Tensor | None = None, sc: Tensor | None = None, mn: Tensor | None = None, sup: int = 0,
+                 zero: int = 0, keep: tuple = ()):
+        self.tensors = (w, s, m, high, sc, mn, *keep)  # the struct points into them: kept alive here
         self.bits, self.group = bits, group
-        self.c = cbuild.Packed(w.data_ptr(), 0 if s is None else s.data_ptr(), 0 if m is None else m.data_ptr(),
-                               bits, group)
+        ad = lambda t: 0 if t is None else t.data_ptr()
+        self.c = cbuild.Packed(ad(w), ad(s), ad(m), bits, group, ad(high), ad(sc), ad(mn), sup, zero, 0, None)
+
+    @classmethod
+    def of(cls, kq: QWeight, K: int) -> "KernelWeight":
+        """kq: to_kernel()'s layout of a [N, K] matrix."""
+        group = K // (kq.scales if kq.subscales is None else kq.subscales).shape[1]
+        sup = 0 if kq.subscales is None else K // kq.scales.shape[1]
+        return cls(kq.codes, kq.scales, kq.offsets, kq.bits, group, high=kq.high, sc=kq.subscales, mn=kq.submins,
+                   sup=sup, zero=kq.zero)
+
+    @classmethod
+    def stack(cls, parts: list["KernelWeight"], rows: list[int]) -> "KernelWeight":
+        """One matrix of the parts' rows in order (rows[i]: part i's, whole panels but the last part's): copies of
+        their structs chained (Packed.next), each with its first panel (p0)."""
+        out = cls.__new__(cls)
+        out.tensors, out.bits, out.group = tuple(parts), parts[0].bits, parts[0].group
+        structs, p0 = [], 0
+        for kw, n in zip(parts, rows):
+            structs.append(cbuild.Packed.from_buffer_copy(kw.c))
+            structs[-1].p0 = p0
+            p0 += n // cpu_gemm.PANEL
+        for a, b in zip(structs, structs[1:]):
+            a.next = ctypes.pointer(b)
+        out.chain, out.c = structs, structs[0]
+        return out
 
     def address(self) -> int:
         return ctypes.addressof(self.c)
-
-
-def kernel_weight(codes: Tensor, scales: Tensor, offsets: Tensor | None, bits: int) -> KernelWeight:
-    group = codes.shape[1] * 8 // bits // scales.shape[1]
-    return KernelWeight(pack_codes(codes, bits), pack_groups(scales),
-                        None if offsets is None else pack_groups(offsets), bits, group)
 
 
 def kernel_linear(x: Tensor, kw: KernelWeight, N: int, b: Tensor | None = None) -> Tensor:
@@ -206,8 +421,8 @@ def _c_faster(counts: dict, rows, reps: int) -> bool:
     for r in rows:
         total = {"c": 0.0, "torch": 0.0}
         for (bits, group, _, N, K), c in counts.items():
-            codes, s, m = quantize(torch.randn(N, K, generator=g), Scheme(bits, group))
-            kw, tq = kernel_weight(codes, s, m, bits), to_torch_kernel(codes, s, m, bits)
+            qw = quantize(torch.randn(N, K, generator=g), Scheme(bits, group))
+            kw, tq = KernelWeight.of(to_kernel(qw), K), to_torch_kernel(qw)
             x = torch.randn(r, K, generator=g).bfloat16()
             fns = {"c": lambda: kernel_linear(x, kw, N), "torch": lambda: torch_kernel_linear(x, tq, bits, group)}
             ts = {k: [] for k in fns}
@@ -224,11 +439,14 @@ def _c_faster(counts: dict, rows, reps: int) -> bool:
 
 
 def schemes_of(sd: dict) -> list[tuple[int, int, bool, int, int]]:
-    """(bits, group, offsets, N, K) of every quantized matrix in a checkpoint's tensors."""
+    """(bits, group, offsets, N, K) of every quantized matrix in a checkpoint's tensors that torch has a kernel for
+    (the others take the C kernel whatever choose() finds)."""
     out = []
     for k, codes in sd.items():
         if k.endswith(".qweight"):
             base = k.removesuffix(".qweight")
+            if any(base + s in sd for s in (".qhigh", ".subscales", ".qzero")):
+                continue
             bits = 8 if codes.dtype == torch.int8 else 4
             K = codes.shape[1] * (2 if bits == 4 else 1)
             scales = sd.get(base + ".scales")
@@ -240,49 +458,52 @@ def schemes_of(sd: dict) -> list[tuple[int, int, bool, int, int]]:
 class QLinear(nn.Module):
     """A linear layer with quantized weights, held once: on a CPU with the C kernels in the kernel's layout (packed
     at load; its products row-invariant, the bf16 GEMM's bits on the dequantized weights), elsewhere (CUDA, no C
-    compiler) in the checkpoint's, multiplied through the dequantized weights."""
+    compiler) in the checkpoint's, multiplied through torch's kernel for the scheme or the dequantized weights."""
 
-    def __init__(self, codes: Tensor, scales: Tensor, offsets: Tensor | None, bits: int, bias: Tensor | None = None):
+    def __init__(self, qw: QWeight, bias: Tensor | None = None):
         super().__init__()
-        self.bits = bits
-        self.out_features, self.in_features = codes.shape[0], codes.shape[1] * (2 if bits == 4 else 1)
-        self.group = self.in_features // scales.shape[1]
+        self.bits, self.zero = qw.bits, qw.zero
+        self.out_features, self.in_features, self.group = qw.N, qw.K, qw.group
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.kw: KernelWeight | None = None  # the C GEMM's view of the buffers, in the kernel's layout
         self.tq: tuple | None = None  # torch's packed weights and scales for its kernels, where it has one
-        if (codes.device.type == "cpu" and _C[0] and cpu_gemm.mode() != "torch"
+        self.wide: Tensor | None = None  # the dequantized weights, where neither kernel serves (CUDA K-quants)
+        if (qw.codes.device.type == "cpu" and _C[0] and cpu_gemm.mode() != "torch"
                 and cpu_gemm.c_function("linear_packed") is not None):
-            codes, scales = pack_codes(codes, bits), pack_groups(scales)
-            offsets = None if offsets is None else pack_groups(offsets)
-        elif torch_kernel_fits(bits, self.group, offsets is not None, self.out_features, self.in_features):
-            self.tq = to_torch_kernel(codes, scales, offsets, bits)
-            codes, scales, offsets = self.tq[0], self.tq[1], None  # (held once: the buffers are torch's tensors)
-        self.register_buffer("codes", codes)
-        self.register_buffer("scales", scales)
-        self.register_buffer("offsets", offsets)
-        if codes.dim() == 3:
+            qw = to_kernel(qw)
+        elif qw.torch_fits():
+            self.tq = to_torch_kernel(qw)
+            qw = QWeight(self.tq[0], self.tq[1], bits=qw.bits)  # (held once: the buffers are torch's tensors)
+        else:
+            self.wide = qw.dequantize()
+        for name in ("codes", "scales", "offsets", "high", "subscales", "submins"):
+            self.register_buffer(name, getattr(qw, name))
+        if self.codes.dim() == 3:
             self.point()
+
+    def qweight(self) -> QWeight:
+        """The buffers as a QWeight (the kernel's layout where packed)."""
+        return QWeight(self.codes, self.scales, self.offsets, self.bits, self.high, self.subscales, self.submins,
+                       self.zero)
 
     def point(self):
         """(Re)point the kernel at the buffers (after they were replaced by views of a fused copy)."""
-        self.kw = KernelWeight(self.codes, self.scales, self.offsets, self.bits, self.group)
+        self.kw = KernelWeight.of(self.qweight(), self.in_features)
 
-    def rows(self) -> tuple[Tensor, Tensor, Tensor | None]:
-        """(codes, scales, offsets) in the checkpoint's layout (not for torch's kernels' layouts)."""
-        if self.kw is None:
-            return self.codes, self.scales, self.offsets
-        N = self.out_features
-        return (unpack_codes(self.codes, N, self.bits), unpack_groups(self.scales, N),
-                None if self.offsets is None else unpack_groups(self.offsets, N))
+    def rows(self) -> QWeight:
+        """The matrix in the checkpoint's layout (not for torch's kernels' layouts)."""
+        return self.qweight() if self.kw is None else from_kernel(self.qweight(), self.out_features)
 
     @property
     def weight(self) -> Tensor:
         """The dequantized bf16 weights (a new [N, K] tensor each call: for checks, not for the forward); with torch's
         kernels, theirs: its product with the identity, one term per output."""
+        if self.wide is not None:
+            return self.wide
         if self.tq is not None:
             eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.codes.device)
             return torch_kernel_linear(eye, self.tq, self.bits, self.group).T.contiguous()
-        return dequantize(*self.rows(), self.bits)
+        return self.rows().dequantize()
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kw is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16:
@@ -296,30 +517,54 @@ class QLinear(nn.Module):
         return F.linear(x, self.weight.to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, int{self.bits}, group {self.group}"
+        levels = f", super-blocks of {self.in_features // self.scales.shape[-2 if self.kw else 1]}" \
+            if self.subscales is not None else ""
+        return f"{self.in_features}, {self.out_features}, {self.bits} bits, group {self.group}{levels}"
+
+
+class QEmbedding(nn.Module):
+    """An embedding whose rows stay quantized (a GGUF's token_embd as it is): a lookup dequantizes the rows it
+    reads, the same values as the widened matrix's (a 151,936 x 1,536 Q4_K table: 131 MB, against 467 MB in bf16)."""
+
+    def __init__(self, qw: QWeight, dtype=torch.bfloat16):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.dtype, self.bits, self.zero = qw.N, qw.K, dtype, qw.bits, qw.zero
+        for name in ("codes", "scales", "offsets", "high", "subscales", "submins"):
+            self.register_buffer(name, getattr(qw, name))
+
+    def qweight(self) -> QWeight:
+        return QWeight(self.codes, self.scales, self.offsets, self.bits, self.high, self.subscales, self.submins,
+                       self.zero)
+
+    @property
+    def weight(self) -> Tensor:
+        """The whole dequantized table (a new tensor each call: for checks and rare whole-table readers)."""
+        return self.qweight().dequantize().to(self.dtype)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        rows = self.qweight().take(tokens.reshape(-1)).dequantize().to(self.dtype)
+        return rows.view(*tokens.shape, self.embedding_dim)
 
 
 def torch_kernel_fits(bits: int, group: int, offsets: bool, N: int, K: int) -> bool:
-    """Whether torch has a kernel for this scheme (gpt-fast's): int8 per output channel, int4 in groups of 32-256
-    with offsets (tinygemm; its CUDA layout wants K in 32s and N in 8s)."""
     if bits == 8:
         return group == K and not offsets
-    return offsets and group in (32, 64, 128, 256) and K % group == 0 and K % 32 == 0 and N % 8 == 0
+    return bits == 4 and offsets and group in (32, 64, 128, 256) and K % group == 0 and K % 32 == 0 and N % 8 == 0
 
 
-def to_torch_kernel(codes: Tensor, scales: Tensor, offsets: Tensor | None, bits: int) -> tuple:
+def to_torch_kernel(qw: QWeight) -> tuple:
     """(weights, scales) in torch's layouts: int8 codes [N, K] and bf16 scales [N]; int4, tinygemm's packed
     codes and scales_and_zeros [K / group, N, 2] bf16, whose weight is (q - 8) scale + zero: zero = offset + 8 scale
     (rounded to bf16: torch's path is its own arithmetic, not the C kernel's bits)."""
-    if bits == 8:  # (a fresh, aligned copy: torch's int8 kernel crashed on a safetensors buffer at offset 40 of 64)
-        return codes.clone(), scales.view(-1).bfloat16()
-    q = codes_of(codes, 4)
-    sz = torch.stack([scales.float().T, (offsets.float() + 8 * scales.float()).T], dim=-1).bfloat16().contiguous()
-    if codes.device.type == "cuda":  # gpt-fast's call: even k in the high nibble; inner k tiles as K allows
+    if qw.bits == 8:  # (a fresh, aligned copy: torch's int8 kernel crashed on a safetensors buffer at offset 40 of 64)
+        return qw.codes.clone(), qw.scales.view(-1).bfloat16()
+    q, s, o = unpack_nibbles(qw.codes).to(torch.int32), qw.scales.float(), qw.offsets.float()
+    sz = torch.stack([s.T, (o + 8 * s).T], dim=-1).bfloat16().contiguous()
+    if qw.codes.device.type == "cuda":  # gpt-fast's call: even k in the high nibble; inner k tiles as K allows
         tiles = next(t for t in (8, 4, 2) if q.shape[1] % (t * 16) == 0)
         packed = torch.ops.aten._convert_weight_to_int4pack(((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8), tiles)
     else:
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
     return packed, sz
 
 
@@ -340,49 +585,21 @@ def torch_kernel_linear(x: Tensor, tq: tuple, bits: int, group: int) -> Tensor:
 
 def fuse(layers: list[QLinear]) -> KernelWeight:
     """One kernel matrix of several quantized linears' rows stacked (the fused pass's q | k | v, gate | up). Where
-    every one fills whole panels, the panels are concatenated and each linear's buffers become views of them (one
-    copy in memory); else the rows are packed again into a copy of their own."""
-    if len({(m.bits, m.group, m.offsets is None) for m in layers}) != 1:
-        raise QuantError("fused linears must share one quantization scheme: " + ", ".join(map(repr, layers)))
-    m0 = layers[0]
-    if any(m.tq is not None for m in layers):
+    every one but the last fills whole panels, their structs are chained (no copy; the formats may differ, as a
+    Q4_K_M file's Q4_K q and k with a Q6_K v); else, in one scheme, the rows are packed again into a copy."""
+    if any(m.kw is None for m in layers):
         raise QuantError("the fused CPU pass reads the C kernel's layouts, not torch's")
-    if all(m.kw is not None and m.out_features % cpu_gemm.PANEL == 0 for m in layers):
-        c, s = torch.cat([m.codes for m in layers]), torch.cat([m.scales for m in layers])
-        o = None if m0.offsets is None else torch.cat([m.offsets for m in layers])
-        p = 0
-        for m in layers:
-            n = m.codes.shape[0]
-            m.codes, m.scales = c[p:p + n], s[p:p + n]
-            m.offsets = None if o is None else o[p:p + n]
-            m.point()
-            p += n
-        return KernelWeight(c, s, o, m0.bits, m0.group)
+    if all(m.out_features % cpu_gemm.PANEL == 0 for m in layers[:-1]):
+        return KernelWeight.stack([m.kw for m in layers], [m.out_features for m in layers])
+    m0 = layers[0]
+    if len({(m.bits, m.group, m.zero, m.offsets is None, m.subscales is None) for m in layers}) != 1:
+        raise QuantError("fused linears whose rows fill no whole panels must share one quantization scheme: "
+                         + ", ".join(map(repr, layers)))
     rows = [m.rows() for m in layers]
-    return kernel_weight(torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]),
-                         None if m0.offsets is None else torch.cat([r[2] for r in rows]), m0.bits)
-
-
-GGUF_TYPES = {"Q8_0": (34, 8), "Q4_0": (18, 4), "Q4_1": (20, 4)}  # bytes per block of 32 weights, bits
-
-
-def from_gguf_blocks(raw, kind: str, K: int) -> tuple[Tensor, Tensor, Tensor | None]:
-    """A GGUF tensor's blocks as they are (raw [N, K / 32 * block bytes] uint8) -> (codes, scales, offsets) in the
-    memory layout, group 32. Q8_0: fp16 d, 32 int8 q (w = d q). Q4_0: fp16 d, 16 bytes (w = d (q - 8), q of weight
-    j and j + 16 in byte j's low and high nibble): scale d, offset -8 d (exact). Q4_1: fp16 d, fp16 m, 16 bytes
-    (w = d q + m). The fp32 values are llama.cpp's and gguf's dequantization's exactly; dequantize() rounds them
-    to bf16 once."""
-    nbytes, bits = GGUF_TYPES[kind]
-    b = torch.from_numpy(raw.copy()).view(torch.uint8)
-    N = b.shape[0]
-    b = b.reshape(N, K // 32, nbytes)
-    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
-    if kind == "Q8_0":
-        return b[..., 2:].contiguous().view(torch.int8).reshape(N, K), d.contiguous(), None
-    m = b[..., 2:4].contiguous().view(torch.float16)[..., 0] if kind == "Q4_1" else (d.float() * -8).half()
-    qs = b[..., nbytes - 16:]
-    codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(N, K)  # weight j low, j + 16 high, per block
-    return pack_nibbles(codes), d.contiguous(), m.contiguous()
+    cat = lambda name: None if getattr(rows[0], name) is None else torch.cat([getattr(r, name) for r in rows])
+    qw = QWeight(cat("codes"), cat("scales"), cat("offsets"), m0.bits, cat("high"), cat("subscales"), cat("submins"),
+                 m0.zero)
+    return KernelWeight.of(to_kernel(qw), m0.in_features)
 
 
 def config_record(mode: str, bits: int, group: int, lm_head: dict) -> dict:
@@ -401,27 +618,19 @@ def read_record(cfg: dict) -> dict | None:
 
 
 def swap_linears(model: nn.Module, sd: dict, where: str) -> int:
-    """Replace each Linear whose `<name>.qweight` is in sd by a QLinear of sd's tensors (popped); how many."""
+    """Replace each Linear whose `<name>.qweight` is in sd by a QLinear of sd's tensors (popped), and an embedding
+    with quantized rows by a QEmbedding; how many."""
     n = 0
     for name, mod in list(model.named_modules()):
         if f"{name}.qweight" not in sd:
             continue
-        codes, scales = sd.pop(f"{name}.qweight"), sd.pop(f"{name}.scales", None)
-        offsets = sd.pop(f"{name}.offsets", None)
-        if scales is None:
-            raise QuantError(f"{where}: {name} has quantized weights but no {name}.scales")
-        bits = 8 if codes.dtype == torch.int8 else 4
-        N, K = mod.out_features, mod.in_features
-        if bits == 4 and offsets is None:
-            raise QuantError(f"{where}: {name} has int4 weights but no {name}.offsets")
-        if codes.shape != (N, K if bits == 8 else K // 2) or scales.dim() != 2 or scales.shape[0] != N \
-                or K % scales.shape[1] or (offsets is not None and offsets.shape != scales.shape):
-            raise QuantError(f"{where}: {name}'s quantized tensors have shapes {tuple(codes.shape)}, "
-                             f"{tuple(scales.shape)}, not those of a [{N}, {K}] weight")
-        bias = sd.pop(f"{name}.bias", None)
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        setattr(parent, name.rpartition(".")[2], QLinear(codes, scales.half(), None if offsets is None else
-                                                         offsets.half(), bits, bias))
+        if isinstance(mod, nn.Embedding):
+            new = QEmbedding(QWeight.pop(sd, name, where, mod.num_embeddings, mod.embedding_dim))
+        else:
+            qw = QWeight.pop(sd, name, where, mod.out_features, mod.in_features)
+            new = QLinear(qw, sd.pop(f"{name}.bias", None))
+        setattr(parent, name.rpartition(".")[2], new)
         n += 1
     return n
 
@@ -430,8 +639,8 @@ def weight_bytes(model: nn.Module) -> int:
     """Resident bytes of the model's weights (parameters and quantized buffers; storage shared by ties and views
     counted once)."""
     seen, n = set(), 0
-    for t in list(model.parameters()) + [b for m in model.modules() if isinstance(m, QLinear)
-                                          for b in (m.codes, m.scales, m.offsets) if b is not None]:
+    qt = [b for m in model.modules() if isinstance(m, (QLinear, QEmbedding)) for b in m.buffers(recurse=False)]
+    for t in list(model.parameters()) + qt:
         st = t.untyped_storage()
         if t.device.type != "meta" and st.data_ptr() not in seen:
             seen.add(st.data_ptr())

@@ -72,10 +72,7 @@ def quantize_folder(src: Path, out: Path, mode: str, groupsize: int | None) -> d
             s.check(base, K)
         except quant.QuantError as e:
             raise UsageError(str(e)) from None
-        codes, scales, offsets = quant.quantize(t, s)
-        out_sd[f"{base}.qweight"], out_sd[f"{base}.scales"] = codes, scales
-        if offsets is not None:
-            out_sd[f"{base}.offsets"] = offsets
+        out_sd.update(quant.quantize(t, s).tensors(base))
         label = f"int{s.bits} group {'row' if s.group == K else s.group}"
         counts[label] = counts.get(label, 0) + 1
     after = sum(t.numel() * t.element_size() for t in out_sd.values())

@@ -34,15 +34,15 @@ def test_codes_are_within_half_a_step(bits, group):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(40, 192, generator=g) * torch.rand(40, 1, generator=g)
     w[3, :group] = 0.25  # a constant group: scale 0, every code exact
-    codes, s, m = quant.quantize(w, quant.Scheme(bits, group))
-    c = quant.codes_of(codes, bits)
+    qw = quant.quantize(w, quant.Scheme(bits, group))
+    s, m, c = qw.scales, qw.offsets, qw.values().to(torch.int16)
     assert c.shape == w.shape and (c.min() >= (0 if bits == 4 else -127)) and c.max() <= (15 if bits == 4 else 127)
     assert (m is None) == (bits == 8) and s.dtype == torch.float16 and s.shape == (40, 192 // group)
     step = s.float().repeat_interleave(group, 1)
-    err = (quant.dequantize(codes, s, m, bits).float() - w).abs()
+    err = (qw.dequantize().float() - w).abs()
     # half a step, plus fp16's rounding of the scale and offset, plus bf16's of the weight
     assert (err <= step * 0.5 + w.abs() * 2 ** -8 + step * 16 * 2 ** -10 + 2 ** -20).all()
-    assert torch.equal(quant.dequantize(codes, s, m, bits)[3, :group].float(), torch.full((group,), 0.25))
+    assert torch.equal(qw.dequantize()[3, :group].float(), torch.full((group,), 0.25))
     assert (err.mean() < step.mean() * 0.3)  # codes are rounded, not truncated
 
 
@@ -55,9 +55,11 @@ def test_nibbles_round_trip():
 @pytest.mark.parametrize("bits", [8, 4])
 def test_kernel_layout_round_trips(bits):
     for N, K, group in SHAPES:
-        codes, s, m = quant.quantize(torch.randn(N, K), quant.Scheme(bits, group))
-        assert torch.equal(quant.unpack_codes(quant.pack_codes(codes, bits), N, bits), codes)
-        assert torch.equal(quant.unpack_groups(quant.pack_groups(s), N), s)
+        qw = quant.quantize(torch.randn(N, K), quant.Scheme(bits, group))
+        assert torch.equal(quant.unpack_planes(*quant.pack_planes(qw.values(), bits), N, bits), qw.values())
+        back = quant.from_kernel(quant.to_kernel(qw), N)
+        assert torch.equal(back.codes, qw.codes) and torch.equal(back.scales, qw.scales)
+        assert torch.equal(quant.unpack_groups(quant.pack_groups(qw.scales), N), qw.scales)
 
 
 def test_scheme_errors():
@@ -78,9 +80,9 @@ def test_kernel_is_the_bf16_kernel_on_dequantized_weights(bits):
     g = torch.Generator().manual_seed(bits)
     for N, K, group in SHAPES:
         w = torch.randn(N, K, generator=g) * 0.05
-        codes, s, m = quant.quantize(w, quant.Scheme(bits, group))
-        dq = quant.dequantize(codes, s, m, bits)
-        kw, ref_p = quant.kernel_weight(codes, s, m, bits), cpu_gemm.pack(dq)
+        qw = quant.quantize(w, quant.Scheme(bits, group))
+        dq = qw.dequantize()
+        kw, ref_p = quant.KernelWeight.of(quant.to_kernel(qw), K), cpu_gemm.pack(dq)
         b = torch.randn(N, generator=g).bfloat16()
         x = torch.randn(61, K, generator=g).bfloat16()
         for r in (1, 2, 5, 7, 13, 61):
@@ -98,10 +100,10 @@ def test_torch_kernels_where_the_c_kernel_is_off(monkeypatch, bits, group, torch
     monkeypatch.setenv(cpu_gemm.ENV, "torch")
     g = torch.Generator().manual_seed(bits + group)
     w = torch.randn(96, 192, generator=g) * 0.05
-    codes, s, m = quant.quantize(w, quant.Scheme(bits, group))
-    lin = quant.QLinear(codes, s, m, bits, bias=torch.randn(96, generator=g).bfloat16())
+    qw = quant.quantize(w, quant.Scheme(bits, group))
+    lin = quant.QLinear(qw, bias=torch.randn(96, generator=g).bfloat16())
     assert lin.kw is None and (lin.tq is not None) == torch_kernel
-    dq = quant.dequantize(codes, s, m, bits).float()
+    dq = qw.dequantize().float()
     x = torch.randn(5, 192, generator=g).bfloat16()
     assert torch.allclose(lin(x).float(), x.float() @ dq.T + lin.bias.float(), atol=0.02, rtol=0.02)
     assert torch.allclose(lin.weight.float(), dq, atol=2e-3)
@@ -138,8 +140,8 @@ def folders(tmp_path_factory):
         for k, t in sd.items():
             if k.endswith(".qweight"):
                 base = k.removesuffix(".qweight")
-                twin[base + ".weight"] = quant.dequantize(t, sd[base + ".scales"], sd.get(base + ".offsets"),
-                                                          8 if t.dtype == torch.int8 else 4)
+                twin[base + ".weight"] = quant.QWeight(t, sd[base + ".scales"], sd.get(base + ".offsets"),
+                                                       8 if t.dtype == torch.int8 else 4).dequantize()
             elif not k.endswith((".scales", ".offsets")):
                 twin[k] = t
         d = root / f"{mode}_twin"
@@ -166,9 +168,11 @@ def test_quantized_pass_is_the_bf16_pass_on_its_dequantized_weights(folders, mod
         m.setup_caches(1, 256)
     a, b = q(p, torch.arange(37), return_hidden=True), twin(p, torch.arange(37), return_hidden=True)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
-    # one copy of the codes: the fused pass's q | k | v and gate | up are the linears' own buffers
+    # one copy of the codes: the fused pass's q | k | v and gate | up chain the linears' own buffers
     at = q.layers[0].self_attn
-    assert (at.k_proj.codes.untyped_storage().data_ptr() == at.q_proj.codes.untyped_storage().data_ptr()) == fused
+    if fused:
+        qkv = q.cpu_pass.keep[0]
+        assert [c.w for c in qkv.chain] == [m.codes.data_ptr() for m in (at.q_proj, at.k_proj, at.v_proj)]
     assert quant.weight_bytes(q) < quant.weight_bytes(twin) * (0.7 if mode == "int8" else 0.6)
 
 

@@ -32,17 +32,50 @@ static inline void store16(const float* out, const uint16_t* b, uint16_t* y, flo
     }
 }
 
-/* a register tile: rows m.. m + height of x (row stride kx, in the kernel's units) times panel p of W; where pf is
-   not 0 it prefetches the next panel's 64-byte lines [l0, l1) (tiles[fmt(bits)][height] for height 1..mtmax) */
+/* a register tile: rows m.. m + height of x (row stride kx, in the kernel's units) times panel p of W (p counts the
+   whole matrix's panels; W is the part of a chain that holds p); where pf is not 0 it prefetches the next panel's
+   64-byte lines [l0, l1) (tiles[fmt(bits)][height] for height 1..mtmax) */
 typedef void (*tile_fn)(const void* x, long kx, const Packed* W, const uint16_t* wide, const uint16_t* b, uint16_t* y,
                         float* yf, long N, long m, long p, const char* pf, long l0, long l1);
 /* (bf16 tiles: wide, where not 0, holds panel p as pack() lays it out, to read instead of W's) */
 
-/* panel p of quantized W widened to pack()'s bf16 layout, into dst [panel x K] (each ISA's header) */
-static void widen_panel(const Packed* W, long p, long K, uint16_t* dst);
+/* panel pd of a quantized part W widened to pack()'s bf16 layout, into dst [panel x K] (each ISA's header) */
+static void widen_panel(const Packed* W, long pd, long K, uint16_t* dst);
 
-static inline int fmt(long bits) { return bits == 16 ? 0 : bits == 8 ? 1 : 2; }  /* bf16, int8, int4 */
+#define NFMT 5  /* bf16, int8, and 4, 5, 6-bit codes */
+static inline int fmt(long bits) { return bits == 16 ? 0 : bits == 8 ? 1 : bits == 4 ? 2 : bits == 5 ? 3 : 4; }
+static inline long wbits(long bits) { return bits == 5 || bits == 6 ? 4 : bits; }  /* bits a code in w */
+static inline long hbits(long bits) { return bits == 5 || bits == 6 ? bits - 4 : 0; }  /* bits a code in h */
 
+/* the part of a chain of formats that holds panel p */
+static inline const Packed* part_of(const Packed* W, long p) {
+    while (W->next && p >= W->next->p0) W = W->next;
+    return W;
+}
+
+#ifdef __AVX512F__
+/* rows r .. r + 15 of part W's panel pd (of 64 rows), group g: fp32 scales s and offsets m, each exact (fp16 d
+   times a small integer; a zero point as the offset -zero * s) */
+static inline __attribute__((always_inline)) void group_sm(const Packed* W, long K, long pd, long g, long r, __m512* s,
+                                                           __m512* m) {
+    const long NG = K / W->group;
+    const __m512i neg = _mm512_set1_epi32((int)0x80000000u);  /* (AVX-512F has no float xor) */
+#define H16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p)))
+#define I16(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p))))
+    if (W->sup) {
+        const long o = (pd * (K / W->sup) + g * W->group / W->sup) * 64 + r, oc = (pd * NG + g) * 64 + r;
+        *s = _mm512_mul_ps(H16(W->s + o), I16(W->sc + oc));
+        if (W->m)  /* -(dmin * mn) */
+            *m = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(H16(W->m + o), I16(W->mn + oc))), neg));
+    } else {
+        *s = H16(W->s + (pd * NG + g) * 64 + r);
+        if (W->m) *m = H16(W->m + (pd * NG + g) * 64 + r);
+    }
+#undef H16
+#undef I16
+    if (!W->m) *m = W->zero ? _mm512_mul_ps(*s, _mm512_set1_ps((float)-W->zero)) : _mm512_setzero_ps();
+}
+#endif
 
 /* y[M, N] (bf16; or yf, fp32 holding bf16 values) = x[M, K] @ W[N, K]^T (+ b[N]) through a kernel's tiles, over
    packed panels of `panel` weight rows (panel x K bf16 each). Work-shared over the threads of the enclosing parallel
@@ -57,15 +90,15 @@ static inline int fmt(long bits) { return bits == 16 ? 0 : bits == 8 ? 1 : 2; } 
    or, where the row block has several tiles, a share by each (spread = 1: a lone tile streams its panel with
    the hardware prefetcher; spread = 2: a lone tile prefetches all of it, as with 0). The later tiles find their
    panel in cache and give the hardware prefetcher no misses to follow. Row-invariant by construction when each
-   tile computes every output the same way whatever its height or width. */
+   tile computes every output the same way whatever its height or width; a chain's parts (W->next) each keep their
+   own format, panel by panel. */
 static __thread uint16_t* widen_buf;  /* each thread's widened panel (tiled()), grown as needed, kept */
 static __thread long widen_cap;
 
 static void tiled(const tile_fn (*tiles)[7], const tile_fn (*halves)[7], long mtmax, long panel, int spread,
                   const void* x, long kx, long M, long K, const Packed* W, const uint16_t* b, long N, uint16_t* y,
                   float* yf) {
-    const long pb = panel * K * W->bits / 8, NP = (N + panel - 1) / panel, L = pb / 64;  /* 64-byte lines per panel */
-    const int f = fmt(W->bits);
+    const long NP = (N + panel - 1) / panel;
     /* the blocks are of nearly equal height (60 rows: 30 + 30, not 48 + 12), as a thread may take a whole block;
        one run over all (row block, panel) pairs, not a loop per row block: with many blocks (a prefill) the
        pairs divide evenly */
@@ -75,8 +108,16 @@ static void tiled(const tile_fn (*tiles)[7], const tile_fn (*halves)[7], long mt
     for (long i = NI * me / nth; i < i1;) {
         const long q = i / S, e = (q + 1) * S < i1 ? (q + 1) * S : i1;  /* this thread's part of pair q: [i, e) */
         const long mb = M * (q / NP) / NB, mend = M * (q / NP + 1) / NB, p = q % NP;
+        const Packed* Wp = part_of(W, p);
+        const int f = fmt(Wp->bits);
         long rows = mend - mb, nt = (rows + mtmax - 1) / mtmax;
-        const char* next = p + 1 < NP && (q + 1) * S < i1 ? (const char*)W->w + (p + 1) * pb : 0;
+        const char* next = 0;
+        long L = 0;  /* 64-byte lines of the next panel */
+        if (p + 1 < NP && (q + 1) * S < i1) {
+            const Packed* Wn = part_of(W, p + 1);
+            const long pb = panel * K * wbits(Wn->bits) / 8;
+            next = (const char*)Wn->w + (p + 1 - Wn->p0) * pb, L = pb / 64;
+        }
         /* quantized, with several tiles to a panel: widen it once into this thread's buffer (L2) and run bf16
            tiles over it, not every tile widening every code (the same bits: a quantized tile widens in registers
            to these bf16 values). Measured on Zen 5, a pass of the default model's int4 GEMMs: 16 rows 7.3 ms
@@ -89,7 +130,7 @@ static void tiled(const tile_fn (*tiles)[7], const tile_fn (*halves)[7], long mt
                 widen_cap = panel * K;
                 widen_buf = aligned_alloc(64, (widen_cap * 2 + 63) / 64 * 64);
             }
-            widen_panel(W, p, K, widen_buf);
+            widen_panel(Wp, p - Wp->p0, K, widen_buf);
             wide = widen_buf;
         }
         long m = mb;
@@ -97,8 +138,8 @@ static void tiled(const tile_fn (*tiles)[7], const tile_fn (*halves)[7], long mt
             long h = (mend - m) / (nt - t) + ((mend - m) % (nt - t) != 0);
             long l0 = spread && nt > 1 ? L * t / nt : 0,
                  l1 = spread && nt > 1 ? L * (t + 1) / nt : (t == 0 && spread != 1 ? L : 0);
-            if (e - i == S) tiles[fw][h](x, kx, W, wide, b, y, yf, N, m, p, l1 > l0 ? next : 0, l0, l1);
-            else halves[fw][h](x, kx, W, wide, b, y, yf, N, m, 2 * p + i % 2, l1 > l0 ? next : 0, l0, l1);
+            if (e - i == S) tiles[fw][h](x, kx, Wp, wide, b, y, yf, N, m, p, l1 > l0 ? next : 0, l0, l1);
+            else halves[fw][h](x, kx, Wp, wide, b, y, yf, N, m, 2 * p + i % 2, l1 > l0 ? next : 0, l0, l1);
             m += h;
         }
         i = e;

@@ -7,10 +7,11 @@
    k's 16 bf16 values sit interleaved [n0, n8, n1, n9, ...], so one 32-byte load becomes the two fp32 vectors
    of n0-7 and n8-15 with one shift and one mask (bf16 = the high half of fp32), and every x value is one
    broadcast: 2 * MT FMAs per load of weights, so extra rows cost FMAs, not weight traffic. */
-/* the fp32 (bf16-valued) weights of rows 0-7 (w0) and 8-15 (w1) at k from codes q (a k's 16 rows in order; int4:
-   rows j and 8 + j in byte j), s / o their group's scales and offsets */
-static inline __attribute__((always_inline)) void widen(const uint8_t* q, long k, __m256 s0, __m256 s1, __m256 o0,
-                                                         __m256 o1, int has_m, __m256* w0, __m256* w1, const int BITS) {
+/* the fp32 (bf16-valued) weights of rows 0-7 (w0) and 8-15 (w1) at k from codes q (a k's 16 rows in order; 4 to 6
+   bits: low nibbles, rows j and 8 + j in byte j, and the k's high bits at hp, row j's at bits (bits - 4) j), s / o
+   their group's scales and offsets: one exact FMA, as the AVX-512 kernels */
+static inline __attribute__((always_inline)) void widen(const uint8_t* q, const uint8_t* hp, long k, __m256 s0,
+        __m256 s1, __m256 o0, __m256 o1, __m256* w0, __m256* w1, const int BITS) {
     __m256i c0, c1;
     if (BITS == 8) {
         c0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + k * 16)));
@@ -19,32 +20,59 @@ static inline __attribute__((always_inline)) void widen(const uint8_t* q, long k
         __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + k * 8)));
         c0 = _mm256_and_si256(c, _mm256_set1_epi32(15));
         c1 = _mm256_srli_epi32(c, 4);
+        if (BITS == 6 || BITS == 5) {
+            const int hb = BITS - 4;
+            const __m256i x = _mm256_set1_epi32(hb == 2 ? ((const int*)hp)[k] : ((const uint16_t*)hp)[k]);
+            const __m256i r = _mm256_set_epi32(7 * hb, 6 * hb, 5 * hb, 4 * hb, 3 * hb, 2 * hb, hb, 0);
+            const __m256i f = _mm256_set1_epi32((1 << hb) - 1), r8 = _mm256_set1_epi32(8 * hb);
+            c0 = _mm256_or_si256(c0, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(x, r), f), 4));
+            c1 = _mm256_or_si256(c1, _mm256_slli_epi32(_mm256_and_si256(
+                _mm256_srlv_epi32(x, _mm256_add_epi32(r, r8)), f), 4));
+        }
     }
-    __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(c0), s0), b = _mm256_mul_ps(_mm256_cvtepi32_ps(c1), s1);
-    if (has_m) { a = _mm256_add_ps(a, o0); b = _mm256_add_ps(b, o1); }
-    *w0 = rbf8(a), *w1 = rbf8(b);
+    *w0 = rbf8(_mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), s0, o0));
+    *w1 = rbf8(_mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), s1, o1));
 }
 
-/* a group's 16 scales (and offsets) as two vectors of 8 rows */
-static inline void expand(const uint16_t* sp, const uint16_t* mp, __m256* s0, __m256* s1, __m256* o0, __m256* o1) {
-    *s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sp));
-    *s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + 8)));
-    *o0 = mp ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)mp)) : _mm256_setzero_ps();
-    *o1 = mp ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mp + 8))) : _mm256_setzero_ps();
-}
-
-/* panel p of a quantized W as pack()'s bf16 panel, into dst [K][16] ([n0, n8, n1, n9, ...]) */
-static void widen_panel(const Packed* W, long p, long K, uint16_t* dst) {
+/* a group's 16 scales and offsets (rows 0-7, 8-15) of part W's panel pd: exact, as gemm.h's group_sm */
+static inline void expand(const Packed* W, long K, long pd, long g, __m256* s0, __m256* s1, __m256* o0, __m256* o1) {
     const long NG = K / W->group;
-    const uint8_t* q = (const uint8_t*)W->w + p * 16 * K * W->bits / 8;
-    const uint16_t *sp = W->s + p * NG * 16, *mp = W->m ? W->m + p * NG * 16 : 0;
+    const __m256 neg = _mm256_set1_ps(-0.f);
+#define H8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
+#define I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p))))
+    if (W->sup) {
+        const long o = (pd * (K / W->sup) + g * W->group / W->sup) * 16, oc = (pd * NG + g) * 16;
+        *s0 = _mm256_mul_ps(H8(W->s + o), I8(W->sc + oc)), *s1 = _mm256_mul_ps(H8(W->s + o + 8), I8(W->sc + oc + 8));
+        if (W->m) {
+            *o0 = _mm256_xor_ps(_mm256_mul_ps(H8(W->m + o), I8(W->mn + oc)), neg);
+            *o1 = _mm256_xor_ps(_mm256_mul_ps(H8(W->m + o + 8), I8(W->mn + oc + 8)), neg);
+        }
+    } else {
+        *s0 = H8(W->s + (pd * NG + g) * 16), *s1 = H8(W->s + (pd * NG + g) * 16 + 8);
+        if (W->m) *o0 = H8(W->m + (pd * NG + g) * 16), *o1 = H8(W->m + (pd * NG + g) * 16 + 8);
+    }
+#undef H8
+#undef I8
+    if (!W->m) {
+        const __m256 z = _mm256_set1_ps((float)-W->zero);
+        *o0 = _mm256_mul_ps(*s0, z), *o1 = _mm256_mul_ps(*s1, z);
+    }
+}
+
+/* panel pd of (part) W's codes as pack()'s bf16 panel, into dst [K][16] ([n0, n8, n1, n9, ...]) */
+static void widen_panel(const Packed* W, long pd, long K, uint16_t* dst) {
+    const long NG = K / W->group;
+    const uint8_t* q = (const uint8_t*)W->w + pd * 16 * K * wbits(W->bits) / 8;
+    const uint8_t* hp = W->h ? W->h + pd * 16 * K * hbits(W->bits) / 8 : 0;
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
     for (long g = 0; g < NG; g++) {
         __m256 s0, s1, o0, o1, w0, w1;
-        expand(sp + g * 16, mp ? mp + g * 16 : 0, &s0, &s1, &o0, &o1);
+        expand(W, K, pd, g, &s0, &s1, &o0, &o1);
         for (long k = g * W->group; k < (g + 1) * W->group; k++) {
-            if (W->bits == 8) widen(q, k, s0, s1, o0, o1, mp != 0, &w0, &w1, 8);
-            else widen(q, k, s0, s1, o0, o1, mp != 0, &w0, &w1, 4);
+            if (W->bits == 8) widen(q, hp, k, s0, s1, o0, o1, &w0, &w1, 8);
+            else if (W->bits == 6) widen(q, hp, k, s0, s1, o0, o1, &w0, &w1, 6);
+            else if (W->bits == 5) widen(q, hp, k, s0, s1, o0, o1, &w0, &w1, 5);
+            else widen(q, hp, k, s0, s1, o0, o1, &w0, &w1, 4);
             __m256i u = _mm256_or_si256(_mm256_srli_epi32(_mm256_castps_si256(w0), 16),
                                         _mm256_and_si256(_mm256_castps_si256(w1), hi));
             _mm256_storeu_si256((__m256i*)(dst + k * 16), u);
@@ -58,23 +86,25 @@ static inline __attribute__((always_inline)) void tile(const float* x, long K, c
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
            a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
     const float* x0 = x + m0 * K;
-    const __m256i* w = (const __m256i*)(wide ? wide : (const uint16_t*)W->w + p * 16 * K);
+    /* p counts the whole matrix's panels (its outputs), pd this part's (its data) */
+    const long pd = p - W->p0;
+    const __m256i* w = (const __m256i*)(wide ? wide : (const uint16_t*)W->w + pd * 16 * K);
     /* quantized: a group's scales and offsets widened once per group */
-    const uint8_t* q = (const uint8_t*)W->w + p * 16 * K * BITS / 8;
+    const uint8_t* q = (const uint8_t*)W->w + pd * 16 * K * wbits(BITS) / 8;
+    const uint8_t* hp = BITS == 5 || BITS == 6 ? W->h + pd * 16 * K * hbits(BITS) / 8 : 0;
     const long GK = BITS == 16 ? K : W->group, NG = K / GK;
-    const uint16_t *sp = BITS == 16 ? 0 : W->s + p * NG * 16, *mp = BITS != 16 && W->m ? W->m + p * NG * 16 : 0;
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
     for (long g = 0; g < NG; g++) {
         __m256 s0 = a00, s1 = a00, o0 = a00, o1 = a00;
-        if (BITS != 16) expand(sp + g * 16, mp ? mp + g * 16 : 0, &s0, &s1, &o0, &o1);
+        if (BITS != 16) expand(W, K, pd, g, &s0, &s1, &o0, &o1);
         #pragma GCC unroll 4
         for (long k = g * GK; k < (g + 1) * GK; k++) {  /* unrolled: the loop's own instructions cost 15% of the FMAs' issue slots */
-            if (pf && !(k & 1)) _mm_prefetch(pf + k * 32 * BITS / 16, _MM_HINT_T1);  /* the next panel, a 64-byte line per 2 k (bf16) */
+            if (pf && !(k & 1)) _mm_prefetch(pf + k * 32 * wbits(BITS) / 16, _MM_HINT_T1);  /* the next panel, a 64-byte line per 2 k (bf16) */
             __m256 w0, w1;
             if (BITS == 16) {
                 __m256i v = _mm256_loadu_si256(w + k);
                 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), w1 = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
-            } else widen(q, k, s0, s1, o0, o1, mp != 0, &w0, &w1, BITS);
+            } else widen(q, hp, k, s0, s1, o0, o1, &w0, &w1, BITS);
             __m256 xv;
 #define ROW(i) if (MT > i) { xv = _mm256_broadcast_ss(x0 + i * K + k); \
             a##i##0 = _mm256_fmadd_ps(xv, w0, a##i##0); a##i##1 = _mm256_fmadd_ps(xv, w1, a##i##1); }
@@ -91,9 +121,10 @@ static inline __attribute__((always_inline)) void tile(const float* x, long K, c
         const uint16_t* b, uint16_t* y, float* yf, long N, long m, long p, const char* pf, long l0, long l1) { \
         (void)l0; (void)l1; tile((const float*)x, K, W, wide, b, y, yf, N, m, p, pf, MT, BITS); }
 #define TILES(BITS) TILE(1, BITS) TILE(2, BITS) TILE(3, BITS) TILE(4, BITS) TILE(5, BITS) TILE(6, BITS)
-TILES(16) TILES(8) TILES(4)
-static const tile_fn tiles[3][7] = {{0, t1_16, t2_16, t3_16, t4_16, t5_16, t6_16},
-                                    {0, t1_8, t2_8, t3_8, t4_8, t5_8, t6_8}, {0, t1_4, t2_4, t3_4, t4_4, t5_4, t6_4}};
+TILES(16) TILES(8) TILES(4) TILES(5) TILES(6)
+static const tile_fn tiles[NFMT][7] = {{0, t1_16, t2_16, t3_16, t4_16, t5_16, t6_16},
+    {0, t1_8, t2_8, t3_8, t4_8, t5_8, t6_8}, {0, t1_4, t2_4, t3_4, t4_4, t5_4, t6_4},
+    {0, t1_5, t2_5, t3_5, t4_5, t5_5, t6_5}, {0, t1_6, t2_6, t3_6, t4_6, t5_6, t6_6}};
 #define FMA_HALVES 0  /* panels of 16: the products' panel counts are even */
 #define FMA_PANEL 16
 #define FMA_SPREAD 0  /* the first tile prefetches the whole next panel */

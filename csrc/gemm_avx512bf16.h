@@ -17,19 +17,27 @@
    26 and 48 rows, where prefetching the whole next panel from the one-row tile was 7-12% slower. 16-row tiles
    of 16-row panels, which read each panel once per 16 rows, were 5-15% slower at 1-4 rows and between 20%
    faster and 15% slower at 16, as this shared machine's memory speed moved. */
-/* a quantized group's scales (and offsets) in each lane's row order: row c twice, for its k pair */
-static inline __attribute__((always_inline)) void expand(const uint16_t* sp, const uint16_t* mp, __m512* sx, __m512* mx) {
-    const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    for (int j = 0; j < 2 * NV; j++) {
-        sx[j] = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + 8 * j)))));
-        mx[j] = mp ? _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mp + 8 * j)))))
-                   : _mm512_setzero_ps();
+/* a quantized group's scales and offsets in each lane's row order, for k pairs: row c twice (sx[2 v], sx[2 v + 1]:
+   rows 16 v .. 16 v + 7 and 16 v + 8 .. 16 v + 15, each twice) */
+static inline __attribute__((always_inline)) void expand(const Packed* W, long K, long pd, long g, __m512* sx,
+                                                         __m512* mx) {
+    const __m512i dlo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i dhi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+    for (int v = 0; v < NV; v++) {
+        __m512 s, m;
+        group_sm(W, K, pd, g, 16 * v, &s, &m);
+        sx[2 * v] = _mm512_permutexvar_ps(dlo, s), sx[2 * v + 1] = _mm512_permutexvar_ps(dhi, s);
+        mx[2 * v] = _mm512_permutexvar_ps(dlo, m), mx[2 * v + 1] = _mm512_permutexvar_ps(dhi, m);
     }
 }
 
-/* the bf16 weights of vector v of k pair k from a panel's codes q: 32 values, rows 8 v .. 8 v + 15's pairs */
-static inline __attribute__((always_inline)) __m512bh widen(const uint8_t* q, long k, int v, const __m512* sx,
-                                                             const __m512* mx, int has_m, const int BITS) {
+/* the bf16 weights of vector v of k pair k from a panel's codes q (and high bits hp): 32 values, rows 16 v .. 16 v +
+   15's pairs; 8 bits: 32 bytes; else 16 bytes of low nibbles (values j and j + 16 in byte j) and, 6 bits, two
+   32-bit words of 2-bit fields (value j at bits 2 j of word j / 16), 5 bits, one of 1-bit fields (value j at bit j),
+   each moved to bit 4 by a rotate and merged with one ternary-logic op. One exact FMA each: (code - zero) * s + m is
+   q * s + (m - zero * s), its product exact in fp32 */
+static inline __attribute__((always_inline)) __m512bh widen(const uint8_t* q, const uint8_t* hp, long k, int v,
+                                                             const __m512* sx, const __m512* mx, const int BITS) {
     __m512i lo, hi;  /* the codes of 8 rows' pairs and of the next 8 rows' */
     if (BITS == 8) {
         lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + (NV * k + v) * 32)));
@@ -38,24 +46,39 @@ static inline __attribute__((always_inline)) __m512bh widen(const uint8_t* q, lo
         __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + (NV * k + v) * 16)));
         lo = _mm512_and_si512(c, _mm512_set1_epi32(15));
         hi = _mm512_srli_epi32(c, 4);
+        if (BITS == 6) {
+            const uint32_t* w = (const uint32_t*)(hp + (NV * k + v) * 8);
+            const __m512i r = _mm512_set_epi32(26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0, 30, 28);
+            const __m512i f = _mm512_set1_epi32(0x30);
+            lo = _mm512_ternarylogic_epi32(lo, _mm512_rorv_epi32(_mm512_set1_epi32((int)w[0]), r), f, 0xF8);
+            hi = _mm512_ternarylogic_epi32(hi, _mm512_rorv_epi32(_mm512_set1_epi32((int)w[1]), r), f, 0xF8);
+        } else if (BITS == 5) {
+            const __m512i w = _mm512_set1_epi32(*(const int*)(hp + (NV * k + v) * 4)), f = _mm512_set1_epi32(0x10);
+            const __m512i rl = _mm512_set_epi32(11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 31, 30, 29, 28);
+            const __m512i rh = _mm512_set_epi32(27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12);
+            lo = _mm512_ternarylogic_epi32(lo, _mm512_rorv_epi32(w, rl), f, 0xF8);
+            hi = _mm512_ternarylogic_epi32(hi, _mm512_rorv_epi32(w, rh), f, 0xF8);
+        }
     }
-    __m512 fl = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), sx[2 * v]), fh = _mm512_mul_ps(_mm512_cvtepi32_ps(hi), sx[2 * v + 1]);
-    if (has_m) { fl = _mm512_add_ps(fl, mx[2 * v]); fh = _mm512_add_ps(fh, mx[2 * v + 1]); }
+    __m512 fl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), sx[2 * v], mx[2 * v]);
+    __m512 fh = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), sx[2 * v + 1], mx[2 * v + 1]);
     return _mm512_cvtne2ps_pbh(fh, fl);  /* round to nearest even, as torch (weights are not subnormal) */
 }
 
-/* panel p of a quantized W as pack()'s bf16 panel, into dst [K / 2][64][2] */
-static void widen_panel(const Packed* W, long p, long K, uint16_t* dst) {
-    const long K2 = K / 2, GK = W->group / 2, NG = K2 / GK;
-    const uint8_t* q = (const uint8_t*)W->w + p * 16 * NV * K2 * W->bits / 4;
-    const uint16_t *sp = W->s + p * NG * 16 * NV, *mp = W->m ? W->m + p * NG * 16 * NV : 0;
+/* panel pd of (part) W's codes as pack()'s bf16 panel, into dst [K / 2][64][2] */
+static void widen_panel(const Packed* W, long pd, long K, uint16_t* dst) {
+    const long K2 = K / 2, GK = W->group / 2, NG = K2 / GK, hb = 16 * NV * K * hbits(W->bits) / 8;
+    const uint8_t* q = (const uint8_t*)W->w + pd * 16 * NV * K * wbits(W->bits) / 8;
+    const uint8_t* hp = W->h ? W->h + pd * hb : 0;
     for (long g = 0; g < NG; g++) {
         __m512 sx[2 * NV], mx[2 * NV];
-        expand(sp + g * 16 * NV, mp ? mp + g * 16 * NV : 0, sx, mx);
+        expand(W, K, pd, g, sx, mx);
         for (long k = g * GK; k < (g + 1) * GK; k++)
-            for (int v = 0; v < NV; v++)
-                _mm512_storeu_si512((__m512i*)(dst + (NV * k + v) * 32),
-                                    (__m512i)(W->bits == 8 ? widen(q, k, v, sx, mx, mp != 0, 8) : widen(q, k, v, sx, mx, mp != 0, 4)));
+            for (int v = 0; v < NV; v++) {
+                __m512bh w = W->bits == 8 ? widen(q, hp, k, v, sx, mx, 8) : W->bits == 6 ? widen(q, hp, k, v, sx, mx, 6)
+                             : W->bits == 5 ? widen(q, hp, k, v, sx, mx, 5) : widen(q, hp, k, v, sx, mx, 4);
+                _mm512_storeu_si512((__m512i*)(dst + (NV * k + v) * 32), (__m512i)w);
+            }
     }
 }
 
@@ -65,16 +88,17 @@ static inline __attribute__((always_inline)) void tile(const uint32_t* x, long K
     __m512 acc[6][NV];  /* in registers: the loops over it are unrolled (MT and NV are constants) */
     for (int i = 0; i < MT; i++) for (int v = 0; v < NV; v++) acc[i][v] = _mm512_setzero_ps();
     const uint32_t* x0 = x + m0 * K2;
-    /* this panel's bf16 values (W's, or wide: widened once for several tiles) or codes */
-    const uint8_t* q = wide ? (const uint8_t*)wide : (const uint8_t*)W->w + p * 16 * NV * K2 * BITS / 4;
-    /* quantized: a group's scales and offsets, widened once per group, so a code's weight is one multiply and one
-       add from memory operands */
+    /* this panel's bf16 values (W's, or wide: widened once for several tiles) or codes; p counts the whole matrix's
+       panels (its outputs), pd this part's (its data) */
+    const long pd = p - W->p0;
+    const uint8_t* q = wide ? (const uint8_t*)wide : (const uint8_t*)W->w + pd * 16 * NV * K2 * wbits(BITS) / 4;
+    const uint8_t* hp = BITS == 5 || BITS == 6 ? W->h + pd * 16 * NV * K2 * hbits(BITS) / 4 : 0;
+    /* quantized: a group's scales and offsets, widened once per group, so a code's weight is one FMA */
     const long GK = BITS == 16 ? K2 : W->group / 2, NG = K2 / GK;
-    const uint16_t *sp = BITS == 16 ? 0 : W->s + p * NG * 16 * NV, *mp = BITS != 16 && W->m ? W->m + p * NG * 16 * NV : 0;
     long due = 0, l = l0;
     for (long g = 0; g < NG; g++) {
         __m512 sx[2 * NV], mx[2 * NV];
-        if (BITS != 16) expand(sp + g * 16 * NV, mp ? mp + g * 16 * NV : 0, sx, mx);
+        if (BITS != 16) expand(W, 2 * K2, pd, g, sx, mx);
         #pragma GCC unroll 2
         for (long k = g * GK; k < (g + 1) * GK; k++) {
             /* this tile's share of the next panel, spread evenly over its k loop by a running remainder (two integer
@@ -85,7 +109,7 @@ static inline __attribute__((always_inline)) void tile(const uint32_t* x, long K
             __m512bh wv[NV];
             for (int v = 0; v < NV; v++)
                 wv[v] = BITS == 16 ? (__m512bh)_mm512_loadu_si512((const __m512i*)q + NV * k + v)
-                                   : widen(q, k, v, sx, mx, mp != 0, BITS);
+                                   : widen(q, hp, k, v, sx, mx, BITS);
             for (int i = 0; i < MT; i++) {
                 __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x0[i * K2 + k]);
                 for (int v = 0; v < NV; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], xb, wv[v]);
@@ -102,9 +126,10 @@ static inline __attribute__((always_inline)) void tile(const uint32_t* x, long K
         const uint16_t* b, uint16_t* y, float* yf, long N, long m, long p, const char* pf, long l0, long l1) { \
         tile((const uint32_t*)x, K2, W, wide, b, y, yf, N, m, p, pf, l0, l1, MT, BITS); }
 #define TILES(BITS) TILE(1, BITS) TILE(2, BITS) TILE(3, BITS) TILE(4, BITS) TILE(5, BITS) TILE(6, BITS)
-TILES(16) TILES(8) TILES(4)
-static const tile_fn tiles[3][7] = {{0, t1_16, t2_16, t3_16, t4_16, t5_16, t6_16},
-                                    {0, t1_8, t2_8, t3_8, t4_8, t5_8, t6_8}, {0, t1_4, t2_4, t3_4, t4_4, t5_4, t6_4}};
+TILES(16) TILES(8) TILES(4) TILES(5) TILES(6)
+static const tile_fn tiles[NFMT][7] = {{0, t1_16, t2_16, t3_16, t4_16, t5_16, t6_16},
+    {0, t1_8, t2_8, t3_8, t4_8, t5_8, t6_8}, {0, t1_4, t2_4, t3_4, t4_4, t5_4, t6_4},
+    {0, t1_5, t2_5, t3_5, t4_5, t5_5, t6_5}, {0, t1_6, t2_6, t3_6, t4_6, t5_6, t6_6}};
 
 /* y[M, N] = x[M, K] @ W[N, K]^T (+ b), x as bf16 pairs, in tiles of up to 6 rows over panels of 64. Row-invariant
    by construction: every output is one chain of vdpbf16ps over the k pairs in order, plus the bias, rounded

@@ -10,12 +10,20 @@ typedef struct {
     uint16_t* rows; uint16_t* P; const uint16_t* W; long V, nslots, K, panel, kb; const int64_t* place;
 } RowsDst;
 
-/* A weight matrix W [N, K] packed for the GEMM. bits 16: w holds pack()'s bf16 panels. bits 8 or 4: w holds
-   quant.pack_codes()'s codes: per panel, per group of KB consecutive k, the panel's rows in order, a row's KB codes
-   side by side (int8 one a byte; int4 0..15 two a byte, in each run of 2 QC codes code j and j + QC in byte j's
-   low and high nibble, QC the lanes one widening fills: 16 with AVX-512, 8 with AVX2); s and m fp16 [panels][K /
-   group][PANEL], a panel's rows in order: the weight is bf16(code * s + m) (m 0: no offsets) */
-typedef struct { const void* w; const uint16_t *s, *m; long bits, group; } Packed;
+/* A weight matrix W [N, K] packed for the GEMM (quant.py's module docstring has the layouts). bits 16: w holds
+   pack()'s bf16 panels. bits 8: w holds quant.pack_planes()'s int8 codes: per panel, per group of KB consecutive k,
+   the panel's rows in order, a row's KB codes side by side. bits 4, 5, 6: w holds the codes' low nibbles in that
+   order, two a byte (in each run of 2 QC codes, code j and j + QC in byte j's low and high nibble; QC the lanes one
+   widening fills: 16 with AVX-512, 8 with AVX2), h (bits 5, 6) their high bits, per k group one little-endian bit
+   string, (bits - 4) bits a code in the same order. One level (sup 0): s and m fp16 [panels][K / group][PANEL], a
+   panel's rows in order: the weight is bf16((code - zero) * s + m) (m 0: no offsets). Two levels (the K-quants, sup
+   k per super-block): s and m fp16 [panels][K / sup][PANEL] (d, dmin), sc and mn int8 [panels][K / group][PANEL]:
+   the weight is bf16((code - zero) * (d * sc) - dmin * mn). A matrix of several formats' rows (the fused q | k | v
+   of a Q4_K_M file) is a chain of these (next), each from its first panel p0 on. */
+typedef struct Packed {
+    const void* w; const uint16_t *s, *m; long bits, group; const uint8_t* h; const int8_t *sc, *mn;
+    long sup, zero, p0; const struct Packed* next;
+} Packed;
 
 void write_rows(const RowsDst* d, const int64_t* tok, const int64_t* slot, long n);
 void linear_bf16(const uint16_t* x, float* xf, long M, long K, const uint16_t* P, const uint16_t* b, long N,
