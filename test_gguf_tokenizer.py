@@ -15,6 +15,7 @@ import sys
 import pytest
 
 import gguf_tokenizer
+from conftest import gguf_byte_chars
 from errors import CheckpointError
 from tokenizer import Tokenizer
 
@@ -52,21 +53,10 @@ MERGES = [m for ch in "é\u0301中文😀👍🏽١٢٣…\u0897\U00013460" for 
     ("p", "R"), (";", "y"), ("+", "="), ("~", "8"), (",", "b"), ("…", "f"), ("<", "3"), ("$", "5"), ("=", "`")]]
 
 
-def _byte_chars():  # GPT-2's printable stand-ins for the 256 bytes
-    bs = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for _, c in sorted(zip(bs, cs))]
-
-
 def write_tiny_gguf(path, pre, model="gpt2", **keys):
     """The tiny vocabulary: FIRST_TOKENS, the 256 byte tokens, then each merge's result (deterministic bytes)."""
     import gguf
-    chars = _byte_chars()
+    chars = gguf_byte_chars()
     enc = lambda b: "".join(chars[x] for x in b)
     merged = list(dict.fromkeys(enc(a + b) for a, b in MERGES))
     tokens = [t for t, _ in FIRST_TOKENS] + chars + merged
