@@ -30,7 +30,7 @@ def detect_draft_kind(path: Path) -> str:
         raise ModelError(f"draft folder {path} holds no weights (model.safetensors or pytorch_model.bin)") from None
     if "fc.weight" in keys:
         return "eagle"
-    if any(k.startswith("layers.") for k in keys) and "embed_tokens.weight" in keys:
+    if any(k.startswith("layers.") for k in keys) and keys.keys() & {"embed_tokens.weight", "embed_tokens.qweight"}:
         return "model"
     raise ModelError(f"draft folder {path} is neither an EAGLE head nor a causal LM checkpoint")
 
