@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -20,7 +21,7 @@ import generate
 import model as M
 import quant
 import quantize
-from conftest import write_eagle_head, write_tiny_hf
+from conftest import gguf_blocks, write_eagle_head, write_tiny_hf
 from eagle import load_eagle
 from generate import Engine
 from test_cpu_forward import load, toks  # the fused-pass tests' loader (GEMM kernel on) and tokens
@@ -109,6 +110,48 @@ def test_torch_kernels_where_the_c_kernel_is_off(monkeypatch, bits, group, torch
     assert torch.allclose(lin.weight.float(), dq, atol=2e-3)
 
 
+GGUF_KINDS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.mark.parametrize("kind", GGUF_KINDS)
+def test_gguf_blocks_are_gguf_dequantized_values(kind):
+    """Each GGUF type's blocks read as they are: the QWeight's values are the gguf package's dequantize(), rounded
+    to bf16, and the checkpoint layout round-trips through the kernel's."""
+    import gguf
+    rng = np.random.default_rng(GGUF_KINDS.index(kind))
+    for N, K in [(9, 256), (130, 768)]:
+        raw = gguf_blocks(kind, N, K, rng)
+        ref = np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]), dtype=np.float32)
+        qw = quant.from_gguf(raw, kind, K)
+        assert torch.equal(qw.dequantize(), torch.from_numpy(ref.reshape(N, K)).bfloat16())
+        assert torch.equal(quant.from_kernel(quant.to_kernel(qw), N).dequantize(), qw.dequantize())
+
+
+@needs_kernel
+def test_block_types_kernel_is_the_bf16_kernel_on_dequantized_weights():
+    """Every GGUF type (and a chain of three types in one matrix, as a Q4_K_M file's q | k | v) gives the bf16
+    GEMM's bits on its dequantized matrix, for register tiles of 1-6 rows, widened panels, tails and padded panels."""
+    rng = np.random.default_rng(7)
+    P = cpu_gemm.PANEL
+    for kind in GGUF_KINDS:
+        for N, K in [(P + 9, 256), (2 * P, 512)]:
+            qw = quant.from_gguf(gguf_blocks(kind, N, K, rng), kind, K)
+            _same_as_bf16(quant.KernelWeight.of(quant.to_kernel(qw), K), qw.dequantize(), (kind, N, K))
+    parts = [quant.from_gguf(gguf_blocks(k, n, 256, rng), k, 256) for k, n in (("Q4_K", 2 * P), ("Q5_0", P),
+                                                                               ("Q6_K", P + 5))]
+    kw = quant.KernelWeight.stack([quant.KernelWeight.of(quant.to_kernel(q), 256) for q in parts],
+                                  [q.N for q in parts])
+    _same_as_bf16(kw, torch.cat([q.dequantize() for q in parts]), "chain")
+
+
+def _same_as_bf16(kw, dq, what):
+    N, K = dq.shape
+    g = torch.Generator().manual_seed(N)
+    x, b, ref = torch.randn(13, K, generator=g).bfloat16(), torch.randn(N, generator=g).bfloat16(), cpu_gemm.pack(dq)
+    for r in (1, 2, 5, 7, 13):
+        assert torch.equal(quant.kernel_linear(x[:r], kw, N, b), cpu_gemm.kernel_linear(x[:r], ref, N, b)), (what, r)
+
+
 SMALLER = [isa for isa in ("avx512", "avx2") if isa != cpu_gemm.ISA and cpu_gemm.ISA != "avx2"
            and (isa == "avx2" or "avx512f" in cpu_gemm.cpu_flags())]
 
@@ -121,7 +164,7 @@ def test_the_smaller_kernels_too(tmp_path, isa):
     env = {**os.environ, cpu_gemm.ISA_ENV: isa, "NANOSPEC_CACHE": str(tmp_path)}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel_is_the_bf16",
                         "test_quant.py"], cwd=here, env=env, capture_output=True, text=True)
-    assert r.returncode == 0 and "2 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    assert r.returncode == 0 and "3 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
