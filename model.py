@@ -448,18 +448,23 @@ def load_model(path, dtype=torch.bfloat16, device="cpu") -> Transformer:
         args.eos_ids = sorted(set(args.eos_ids) | set([eos] if isinstance(eos, int) else eos))
     with torch.device("meta"):
         model = Transformer(args)
-    sd = load_state_dict(safetensor_files(path), dtype, device, strip_prefix="model.")
+    files = safetensor_files(path)
+    sd = load_state_dict(files, dtype, device, strip_prefix="model.")
     tied = args.tie_word_embeddings or not any(k.startswith("lm_head.") for k in sd)
     if tied and "embed_tokens.qweight" in sd:  # a quantized tied embedding: the LM head reads the same codes
         sd.update({"lm_head" + k.removeprefix("embed_tokens"): v for k, v in list(sd.items())
                    if k.startswith("embed_tokens.")})
     if qrec is not None:  # quantized linears (quant.py): their codes, scales and offsets as stored
-        if torch.device(device).type == "cpu":  # this machine picks the C kernel or torch's for them
+        cpu = torch.device(device).type == "cpu"
+        if cpu:  # this machine picks the C kernel or torch's for them
             quant.choose(quant.schemes_of(sd))
+        packed = quant.read_kernel_cache(path, files) if cpu else None
         try:
-            quant.swap_linears(model, sd, f"checkpoint {path}")
+            quant.swap_linears(model, sd, f"checkpoint {path}", packed)
         except quant.QuantError as e:
             raise ModelError(str(e)) from None
+        if cpu and packed is None:
+            quant.write_kernel_cache(model, path, files)
         sd.update({k: v for k, v in model.state_dict().items() if v.device.type != "meta"})  # theirs now
     tied = tied and not isinstance(model.lm_head, quant.QLinear)
     if tied and "embed_tokens.weight" in sd:

@@ -349,3 +349,36 @@ def test_the_machine_picks_the_kernel_once(folders, monkeypatch, tmp_path):
         assert quant.choose(schemes) is True and len(calls) == 1
     finally:
         quant._C[0] = True
+
+
+@needs_kernel
+def test_the_kernel_layout_is_saved_beside_the_checkpoint(folders, tmp_path, monkeypatch):
+    """A quantized checkpoint's kernel layout is written beside it at the first load on this ISA and mapped as it is
+    afterwards (no packing, the same outputs); a changed checkpoint makes it stale; a read-only folder skips it."""
+    import shutil
+    monkeypatch.setenv(cpu_gemm.ENV, "kernel")
+    d = tmp_path / "int4"
+    shutil.copytree(folders["int4"], d)
+    p = toks(9)
+    a = M.load_model(d)
+    cache = d / f"kernel-{cpu_gemm.ISA}.safetensors"
+    assert cache.is_file()
+    packs = []
+    real = quant.to_kernel
+    monkeypatch.setattr(quant, "to_kernel", lambda qw: packs.append(1) or real(qw))
+    b = M.load_model(d)
+    for m in (a, b):
+        m.setup_caches(1, 64)
+    assert not packs and torch.equal(a(p, torch.arange(9)), b(p, torch.arange(9)))
+    os.utime(d / "model.safetensors", ns=(1, 1))  # the checkpoint changed: the saved layout is stale
+    c = M.load_model(d)
+    c.setup_caches(1, 64)
+    assert packs and torch.equal(a(p, torch.arange(9)), c(p, torch.arange(9)))
+    cache.unlink()
+    packs.clear()
+    d.chmod(0o555)
+    try:
+        M.load_model(d)
+        assert packs and (os.geteuid() == 0 or not cache.exists())  # (root writes anyway)
+    finally:
+        d.chmod(0o755)
