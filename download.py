@@ -199,6 +199,16 @@ def default_draft(name: str | None) -> str | None:
     return m.draft if m is not None else None
 
 
+def gguf_file(arg: str) -> pathlib.Path:
+    """The GGUF file behind a --checkpoint argument: a named model's (fetched once) or a .gguf path."""
+    m = _named(arg)
+    if m is not None:
+        return fetch_named(m)
+    if arg.endswith(".gguf") and pathlib.Path(arg).is_file():
+        return pathlib.Path(arg)
+    raise CheckpointError(f"{arg} is neither a named model nor a .gguf file")
+
+
 def models_table() -> str:
     """`generate.py --list-models`: the named models as a table."""
     rows = [("name", "model", "size", "cached", "default draft")]
