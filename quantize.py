@@ -6,7 +6,8 @@ int8: every linear per output channel (or per --groupsize k), symmetric. int4: t
 groups of --groupsize k (default 32, which divides the widths of the models we run; gpt-fast's 128 does not divide
 SmolLM2's 576) with scales and offsets; the LM head int8 per channel, as llama.cpp keeps its output matrix
 wider than the layers'. The embedding stays bf16 (a lookup reads a few rows). quant.py holds the formats; the
-folder's config.json records the scheme and `generate.py --checkpoint OUT` loads it.
+folder's config.json records the scheme and `generate.py --checkpoint OUT` loads it. A quantized checkpoint (a GGUF
+file's folder, an earlier output) is widened to its bf16 values first and quantized again.
 """
 import argparse
 import json
@@ -22,7 +23,7 @@ from safetensors.torch import save_file
 import quant
 from download import CheckpointError, resolve_checkpoint
 from errors import UsageError
-from model import ModelArgs, ModelError, Transformer, load_state_dict, safetensor_files
+from model import ModelArgs, ModelError, Transformer, load_model, load_state_dict, safetensor_files
 
 
 def parse_args(argv=None):
@@ -43,17 +44,35 @@ def linear_names(args: ModelArgs) -> list[str]:
             if isinstance(mod, torch.nn.Linear)]
 
 
+def widened(src: Path) -> dict:
+    """A quantized checkpoint's tensors with every quantized matrix widened to its bf16 values (HF names): a GGUF's
+    or an earlier quantize.py's weights, quantized again (a draft model drafts faster in another scheme: it only
+    proposes, so the output stays lossless)."""
+    m = load_model(src, torch.bfloat16, "cpu")
+    out = {}
+    for name, mod in m.named_modules():
+        hf = name if name == "lm_head" else f"model.{name}"
+        if isinstance(mod, (quant.QLinear, quant.QEmbedding)):
+            out[f"{hf}.weight"] = mod.weight.to(torch.bfloat16).contiguous()
+            if getattr(mod, "bias", None) is not None:
+                out[f"{hf}.bias"] = mod.bias.detach().to(torch.bfloat16)
+        elif not list(mod.children()):
+            out.update({f"{hf}.{k}": v.detach() for k, v in mod.named_parameters(recurse=False)})
+    if m.lm_head.weight is m.embed_tokens.weight:
+        out.pop("lm_head.weight", None)
+    return out
+
+
 def quantize_folder(src: Path, out: Path, mode: str, groupsize: int | None) -> dict:
     """Write out/ from src/; -> a summary (bytes before and after, linears per scheme, seconds)."""
     cfg = json.loads((src / "config.json").read_text())
-    if quant.read_record(cfg) is not None:
-        raise UsageError(f"{src} is already quantized ({cfg[quant.CONFIG_KEY].get('mode')})")
+    source = quant.read_record(cfg)
     args = ModelArgs.from_hf_config(cfg)
     bits = 8 if mode == "int8" else 4
     if groupsize is not None and groupsize <= 0:
         raise UsageError(f"--groupsize must be positive, got {groupsize}")
     t0 = time.perf_counter()
-    sd = load_state_dict(safetensor_files(src), torch.bfloat16, "cpu")
+    sd = load_state_dict(safetensor_files(src), torch.bfloat16, "cpu") if source is None else widened(src)
     names, before = linear_names(args), sum(t.numel() * t.element_size() for t in sd.values())
     if "lm_head" in names and "lm_head.weight" not in sd:  # tied: the LM head is the embedding's matrix
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
@@ -85,6 +104,8 @@ def quantize_folder(src: Path, out: Path, mode: str, groupsize: int | None) -> d
     os.chmod(out / "model.safetensors", 0o644)  # safetensors writes 0600; others may read it
     cfg[quant.CONFIG_KEY] = quant.config_record(mode, bits, groupsize or (0 if bits == 8 else 32),
                                                 {"bits": 8, "group_size": 0})
+    if source is not None:
+        cfg[quant.CONFIG_KEY]["requantized_from"] = source.get("mode")
     cfg["tie_word_embeddings"] = False  # the LM head has its own (quantized) matrix
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return dict(bytes_before=before, bytes_after=after, linears=counts, seconds=time.perf_counter() - t0)

@@ -304,8 +304,13 @@ def one_line(capsys, rc, *words):
 def test_quantize_cli_errors(folders, tmp_path, capsys):
     one_line(capsys, quantize.main(["--checkpoint", str(folders["bf16"]), "--mode", "int4", "--groupsize", "128",
                                     "--out", str(tmp_path / "a")]), "group size 128", "192")
-    one_line(capsys, quantize.main(["--checkpoint", str(folders["int8"]), "--mode", "int4",
-                                    "--out", str(tmp_path / "b")]), "already quantized")
+    # a quantized checkpoint is quantized again from its bf16 values: the twin's int4 copy, bit for bit
+    assert quantize.main(["--checkpoint", str(folders["int8"]), "--mode", "int4", "--out", str(tmp_path / "b")]) == 0
+    assert quantize.main(["--checkpoint", str(folders["int8_twin"]), "--mode", "int4", "--out", str(tmp_path / "b2")]) == 0
+    re_sd, tw_sd = load_file(str(tmp_path / "b" / "model.safetensors")), load_file(str(tmp_path / "b2" / "model.safetensors"))
+    assert set(re_sd) == set(tw_sd) and all(torch.equal(re_sd[k], tw_sd[k]) for k in re_sd)
+    assert json.loads((tmp_path / "b" / "config.json").read_text())[quant.CONFIG_KEY]["requantized_from"] == "int8"
+    capsys.readouterr()
     one_line(capsys, quantize.main(["--checkpoint", str(tmp_path / "nope"), "--mode", "int8",
                                     "--out", str(tmp_path / "c")]), "not found")
     one_line(capsys, quantize.main(["--checkpoint", str(folders["bf16"]), "--mode", "int8",
