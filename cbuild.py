@@ -29,7 +29,7 @@ class Packed(ctypes.Structure):
 
 
 Packed._fields_ = [("w", P), ("s", P), ("m", P), ("bits", L), ("group", L), ("h", P), ("sc", P), ("mn", P),
-                   ("sup", L), ("zero", L), ("p0", L), ("next", ctypes.POINTER(Packed))]
+                   ("sup", L), ("zero", L), ("p0", L), ("next", ctypes.POINTER(Packed)), ("fast", L)]
 
 
 class StackArgs(ctypes.Structure):

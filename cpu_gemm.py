@@ -44,9 +44,12 @@ def pick_isa() -> str:
 
 
 ISA = pick_isa()
+# AVX-512 VNNI (Ice Lake, Zen 4 and later): the draft models' integer GEMM (csrc/gemm_fast.h)
+VNNI = ISA != "avx2" and {"avx512_vnni", "avx512bw"} <= cpu_flags()
 # (-Wno-maybe-uninitialized: gcc 12 doubts the attention's per-row arrays, which every row it reads fills)
 FLAGS = ["-O3", "-Wall", "-Wno-maybe-uninitialized", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"] + {
-    "avx512bf16": ["-mavx512f", "-mavx512bf16"], "avx512": ["-mavx512f"], "avx2": []}[ISA]
+    "avx512bf16": ["-mavx512f", "-mavx512bf16"], "avx512": ["-mavx512f"], "avx2": []}[ISA] + (
+    ["-mavx512bw", "-mavx512vnni"] if VNNI else [])
 # the packed layout (pack()): panels of PANEL weight rows, KB consecutive k of a row side by side
 PANEL, KB = {"avx512bf16": (64, 2), "avx512": (64, 1), "avx2": (16, 1)}[ISA]
 HALF = 8 if ISA == "avx2" else 16  # FMA kernels: a k's 2 * HALF values per load interleave two halves of rows

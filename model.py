@@ -427,8 +427,9 @@ def check_tensors(sd: dict, expected: dict, where: str):
             raise ModelError(f"{where}: tensor {k} has shape {tuple(sd[k].shape)}, expected {tuple(v.shape)}")
 
 
-def load_model(path, dtype=torch.bfloat16, device="cpu") -> Transformer:
-    """Build on the meta device, then assign the checkpoint tensors (no init, no conversion step)."""
+def load_model(path, dtype=torch.bfloat16, device="cpu", fast: bool = False) -> Transformer:
+    """Build on the meta device, then assign the checkpoint tensors (no init, no conversion step). fast (draft
+    models): 4-bit matrices on the integer GEMM (quant.QLinear.make_fast), not the bf16 GEMM's bits."""
     path = Path(path)
     if not path.is_dir():
         raise ModelError(f"checkpoint folder not found: {path}")
@@ -465,6 +466,10 @@ def load_model(path, dtype=torch.bfloat16, device="cpu") -> Transformer:
             raise ModelError(str(e)) from None
         if cpu and packed is None:
             quant.write_kernel_cache(model, path, files)
+        if fast:
+            for m in model.modules():
+                if isinstance(m, quant.QLinear):
+                    m.make_fast()
         sd.update({k: v for k, v in model.state_dict().items() if v.device.type != "meta"})  # theirs now
     tied = tied and not isinstance(model.lm_head, quant.QLinear)
     if tied and "embed_tokens.weight" in sd:

@@ -329,6 +329,33 @@ def from_kernel(kq: QWeight, N: int) -> QWeight:
     return QWeight(codes, g(kq.scales), g(kq.offsets), kq.bits, high, g(kq.subscales), g(kq.submins), kq.zero)
 
 
+def fast_layout(qw: QWeight) -> QWeight | None:
+    """A 4-bit matrix in groups of 32 in csrc/gemm_fast.h's layout (the draft models' integer GEMM: not the bf16
+    GEMM's bits), scale and offset per block rounded to fp16; None where it does not apply (other widths, groups,
+    CPUs without AVX-512 VNNI)."""
+    if not (cpu_gemm.VNNI and qw.bits == 4 and qw.group == 32 and cpu_gemm.PANEL == 64):
+        return None
+    N, K = qw.N, qw.K
+    s, o = qw.scale_offset()
+    s = s[:, ::32]
+    o = (torch.zeros_like(s) if o is None else o[:, ::32]) - qw.zero * s
+    P = -(-N // 64)
+    q = qw.values()
+    q = torch.cat([q, q.new_zeros(P * 64 - N, K)]) if P * 64 > N else q
+    q = q.reshape(P, 4, 16, K // 4, 4).permute(0, 3, 1, 2, 4).reshape(P, K // 4, 4, 64)
+    codes = torch.cat([q[:, :, 0] | (q[:, :, 1] << 4), q[:, :, 2] | (q[:, :, 3] << 4)], -1).contiguous()
+    return QWeight(codes, pack_groups(s.half()), pack_groups(o.half()), 4)
+
+
+def from_fast(fq: QWeight, N: int) -> QWeight:
+    """fast_layout's matrix back in the checkpoint layout (groups of 32, its fp16 scales and offsets)."""
+    P, Q, _ = fq.codes.shape
+    c = fq.codes.reshape(P, Q, 2, 64)
+    q = torch.stack([c[:, :, 0] & 15, c[:, :, 0] >> 4, c[:, :, 1] & 15, c[:, :, 1] >> 4], 2)  # [P, Q, 4, 64]
+    q = q.reshape(P, Q, 4, 16, 4).permute(0, 2, 3, 1, 4).reshape(P * 64, Q * 4)[:N]
+    return QWeight(pack_nibbles(q), unpack_groups(fq.scales, N), unpack_groups(fq.offsets, N), 4)
+
+
 class KernelWeight:
     """A matrix as the C GEMM reads it: the packed tensors and the Packed struct pointing at them (csrc/nanospec.h).
     bf16: KernelWeight(cpu_gemm.pack(W)); quantized: KernelWeight.of(to_kernel(qw), K); several matrices' rows
@@ -336,11 +363,12 @@ class KernelWeight:
 
     def __init__(self, w: Tensor, s: Tensor | None = None, m: Tensor | None = None, bits: int = 16, group: int = 0,
                  *, high: Tensor | None = None, sc: Tensor | None = None, mn: Tensor | None = None, sup: int = 0,
-                 zero: int = 0, keep: tuple = ()):
+                 zero: int = 0, fast: bool = False, keep: tuple = ()):
         self.tensors = (w, s, m, high, sc, mn, *keep)  # the struct points into them: kept alive here
         self.bits, self.group = bits, group
         ad = lambda t: 0 if t is None else t.data_ptr()
-        self.c = cbuild.Packed(ad(w), ad(s), ad(m), bits, group, ad(high), ad(sc), ad(mn), sup, zero, 0, None)
+        self.c = cbuild.Packed(ad(w), ad(s), ad(m), bits, group, ad(high), ad(sc), ad(mn), sup, zero, 0, None,
+                               int(fast))
 
     @classmethod
     def of(cls, kq: QWeight, K: int) -> "KernelWeight":
@@ -469,6 +497,7 @@ class QLinear(nn.Module):
         self.kw: KernelWeight | None = None  # the C GEMM's view of the buffers, in the kernel's layout
         self.tq: tuple | None = None  # torch's packed weights and scales for its kernels, where it has one
         self.wide: Tensor | None = None  # the dequantized weights, where neither kernel serves (CUDA K-quants)
+        self.fast = False  # csrc/gemm_fast.h's layout (make_fast: draft models)
         if (qw.codes.device.type == "cpu" and _C[0] and cpu_gemm.mode() != "torch"
                 and cpu_gemm.c_function("linear_packed") is not None):
             qw = to_kernel(qw) if kernel is None else kernel
@@ -490,9 +519,26 @@ class QLinear(nn.Module):
     def point(self):
         """(Re)point the kernel at the buffers (after they were replaced by views of a fused copy)."""
         self.kw = KernelWeight.of(self.qweight(), self.in_features)
+        if self.fast:
+            self.kw = KernelWeight(self.codes, self.scales, self.offsets, 4, 32, fast=True)
+
+    def make_fast(self) -> bool:
+        """Switch to the draft models' integer GEMM where it applies (fast_layout); whether it did."""
+        if self.kw is None or self.fast:
+            return self.fast
+        fl = fast_layout(self.rows())
+        if fl is None:
+            return False
+        self.fast, self.zero, self.group = True, 0, 32
+        for name in ("codes", "scales", "offsets", "high", "subscales", "submins"):
+            setattr(self, name, getattr(fl, name))
+        self.point()
+        return True
 
     def rows(self) -> QWeight:
         """The matrix in the checkpoint's layout (not for torch's kernels' layouts)."""
+        if self.fast:
+            return from_fast(self.qweight(), self.out_features)
         return self.qweight() if self.kw is None else from_kernel(self.qweight(), self.out_features)
 
     @property

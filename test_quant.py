@@ -387,3 +387,29 @@ def test_the_kernel_layout_is_saved_beside_the_checkpoint(folders, tmp_path, mon
         assert packs and (os.geteuid() == 0 or not cache.exists())  # (root writes anyway)
     finally:
         d.chmod(0o755)
+
+
+@pytest.mark.skipif(not cpu_gemm.VNNI or cpu_gemm.kernel() is None, reason="needs AVX-512 VNNI and a C compiler")
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "int4"])
+def test_the_draft_models_integer_gemm(kind):
+    """4-bit matrices in groups of 32 on the draft models' integer GEMM (int8 activations per block, csrc/gemm_fast.h):
+    within 2% of the dequantized product, each row's output the same whatever the rows beside it, a chain of parts
+    too, and back to its codes (the scales rounded to fp16); other widths stay on the exact kernel."""
+    rng, P = np.random.default_rng(3), cpu_gemm.PANEL
+    mk = lambda n, k: (quant.quantize(torch.randn(n, k) * 0.05, quant.Scheme(4, 32)) if kind == "int4"
+                       else quant.from_gguf(gguf_blocks(kind, n, k, rng), kind, k))
+    for N, K in [(P + 9, 256), (2 * P, 512)]:
+        qw = mk(N, K)
+        lin = quant.QLinear(qw)
+        assert lin.make_fast() and lin.kw.c.fast == 1
+        x = torch.randn(7, K).bfloat16()
+        y, ref = lin(x).float(), x.float() @ qw.dequantize().float().T
+        assert (y - ref).norm() / ref.norm() < 0.02
+        assert all(torch.equal(lin(x[i:i + 1]).float()[0], y[i]) for i in range(7))
+        dq = qw.dequantize().float()  # (scale and offset rounded to fp16: a relative error of 2^-11 each)
+        assert (lin.rows().dequantize().float() - dq).abs().max() < 4e-3 * dq.abs().max()
+    a, b = quant.QLinear(mk(P, 256)), quant.QLinear(mk(P + 5, 256))
+    assert a.make_fast() and b.make_fast()
+    x = torch.randn(3, 256).bfloat16()
+    assert torch.equal(quant.kernel_linear(x, quant.fuse([a, b]), 2 * P + 5), torch.cat([a(x), b(x)], -1))
+    assert not quant.QLinear(quant.from_gguf(gguf_blocks("Q6_K", P, 256, rng), "Q6_K", 256)).make_fast()

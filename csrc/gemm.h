@@ -147,6 +147,13 @@ static void tiled(const tile_fn (*tiles)[7], const tile_fn (*halves)[7], long mt
     #pragma omp barrier
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include "gemm_fast.h"
+#define FAST(xf, xb, M, K, W, b, N, y, yf) if (W->fast) { gemm_fast(xf, xb, M, K, W, b, N, y, yf); return; }
+#else
+#define FAST(xf, xb, M, K, W, b, N, y, yf)
+#endif
+
 #if defined(__AVX512BF16__)
 #include "gemm_avx512bf16.h"
 #else
@@ -163,6 +170,7 @@ static void tiled(const tile_fn (*tiles)[7], const tile_fn (*halves)[7], long mt
 static void gemm_rows(const float* xf, long M, long K, const Packed* W, const uint16_t* b, long N, uint16_t* y,
                       float* yf, uint16_t* xs) {
     (void)xs;
+    FAST(xf, 0, M, K, W, b, N, y, yf)
     tiled(tiles, FMA_HALVES, 6, FMA_PANEL, FMA_SPREAD, xf, K, M, K, W, b, N, y, yf);
 }
 #endif

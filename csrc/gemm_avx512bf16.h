@@ -136,6 +136,7 @@ static const tile_fn tiles[NFMT][7] = {{0, t1_16, t2_16, t3_16, t4_16, t5_16, t6
    once, whatever the tile, the row count or the row's place in the pass. */
 static void gemm_pairs(const uint32_t* x, long M, long K, const Packed* W, const uint16_t* b, long N, uint16_t* y,
                        float* yf) {
+    FAST(0, (const uint16_t*)x, M, K, W, b, N, y, yf)
     tiled(tiles, 0, 6, 16 * NV, 1, x, K / 2, M, K, W, b, N, y, yf);
 }
 
@@ -143,6 +144,7 @@ static void gemm_pairs(const uint32_t* x, long M, long K, const Packed* W, const
    bf16 values, made bf16 (exact) in xs [threads, M, K] first */
 __attribute__((unused)) static void gemm_rows(const float* xf, long M, long K, const Packed* W, const uint16_t* b,
                                               long N, uint16_t* y, float* yf, uint16_t* xs) {
+    FAST(xf, 0, M, K, W, b, N, y, yf)
     uint16_t* mine = xs + omp_get_thread_num() * M * K;  /* each thread its own copy: no barrier before the GEMM */
     for (long i = 0; i < M * K; i++) mine[i] = to_bf16(xf[i]);
     gemm_pairs((const uint32_t*)mine, M, K, W, b, N, y, yf);

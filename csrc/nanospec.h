@@ -19,10 +19,11 @@ typedef struct {
    panel's rows in order: the weight is bf16((code - zero) * s + m) (m 0: no offsets). Two levels (the K-quants, sup
    k per super-block): s and m fp16 [panels][K / sup][PANEL] (d, dmin), sc and mn int8 [panels][K / group][PANEL]:
    the weight is bf16((code - zero) * (d * sc) - dmin * mn). A matrix of several formats' rows (the fused q | k | v
-   of a Q4_K_M file) is a chain of these (next), each from its first panel p0 on. */
+   of a Q4_K_M file) is a chain of these (next), each from its first panel p0 on. fast (draft models, AVX-512 VNNI
+   builds): 4-bit codes in gemm_fast.h's layout, not the bf16 GEMM's bits. */
 typedef struct Packed {
     const void* w; const uint16_t *s, *m; long bits, group; const uint8_t* h; const int8_t *sc, *mn;
-    long sup, zero, p0; const struct Packed* next;
+    long sup, zero, p0; const struct Packed* next; long fast;
 } Packed;
 
 void write_rows(const RowsDst* d, const int64_t* tok, const int64_t* slot, long n);
