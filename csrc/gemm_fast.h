@@ -1,8 +1,8 @@
 /* The draft models' GEMM (AVX-512 VNNI builds): 4-bit weights times activations quantized to int8 per block of 32
    k, integer dot products (vpdpbusd: 64 multiply-adds an instruction, no widening), one scale and offset per
    32-weight block (fp16). Not the bf16 GEMM's bits: a draft only proposes, the target's exact pass decides, so
-   the output stays lossless (draft_model.py). Measured on Zen 4, one thread, a 4-bit matrix in L2: the exact
-   kernel widens 17 G weights/s, this one multiplies ... (csrc/gemm.h's kernels: 9 vector ops per 32 weights). */
+   the output stays lossless (draft_model.py). Measured on Zen 4, one thread, Q4_K 1024 x 1536 in L2: 16 G weights/s
+   with the exact kernel (9 vector ops per 32 weights to widen), 55 G with this one; 17 against 33 from memory. */
 #pragma once
 #include <math.h>
 
