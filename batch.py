@@ -11,6 +11,8 @@ tree's size for the batch's tokens per second, or none).
     engine = BatchEngine(model, batch=8, max_seq=1024)
     outs = engine.generate_batch(prompts, 128)                      # token lists, in input order
     engine.submit(prompt, 128); done = engine.step()                # streaming: finished sequences per step
+    for s in engine.stepped: print(s.index, s.new, s.new_from)      # each step's tokens and who proposed them
+    engine.abort(index)                                             # a cancelled request: its range freed
 """
 import dataclasses
 import json
@@ -53,6 +55,14 @@ class Seq:
     budgets: dict = field(default_factory=dict)  # source -> budget.Budget (budget_batch.py)
     key: str = ""
     accepted: list = field(default_factory=list)  # tokens each step emitted
+    # streaming: the latest step's tokens, who proposed each (TARGET: the target's own; else its drafter's
+    # source, as accepted_from counts them), and the steps that verified a tree of its drafter's
+    new: list = field(default_factory=list)
+    new_from: list = field(default_factory=list)
+    drafted: int = 0
+
+
+TARGET = "target"  # a token the target chose itself (a step's bonus, an autoregressive step's token)
 
 
 class BatchEngine:
@@ -94,6 +104,7 @@ class BatchEngine:
                 self.budget.pass_s.observe(r, t)
             self._top = max(d.reads_top, 1)  # the target's top-k kept per accepted position (drafter.reads_top)
         self.free, self.waiting, self.running = list(range(batch)), deque(), []
+        self.stepped = []  # the sequences the latest step advanced (their new, new_from)
         self.submitted = 0
         self.decode_fn = graphs.Graphed(self.decode_step) if cuda_graphs else self.decode_step
         self.buckets = sorted({min(1 << i, batch) for i in range(batch.bit_length() + 1)}) if cuda_graphs else None
@@ -144,11 +155,12 @@ class BatchEngine:
             return []
         t0 = time.perf_counter()
         if self.drafters and not admit:
-            emitted = self._spec_step(seqs)
+            emitted, sources = self._spec_step(seqs)
         else:
             logits = self._prefill(admit, riders) if admit else self._decode(self.running)
             first = self._sample(logits, seqs)
             emitted = [[t] for t in first.tolist()]  # the step's one host sync
+            sources = [[TARGET]] * len(seqs)
             for s in seqs:
                 s.n += len(s.prompt) if s in admit else 1
             if admit and self.drafters:
@@ -158,10 +170,11 @@ class BatchEngine:
             self.decode_s += time.perf_counter() - t0
             self.rows += len(seqs)
         self.running += admit
-        done = []
-        for i, (s, e) in enumerate(zip(seqs, emitted)):
+        done, self.stepped = [], list(seqs)  # (seqs may be self.running, which loses the finished)
+        for i, (s, e, src) in enumerate(zip(seqs, emitted, sources)):
             e = stop_at(e, s.out, s.max_new, self.eos)
             s.out += e
+            s.new, s.new_from = e, src[:len(e)]
             if i >= len(admit):
                 s.accepted.append(len(e))
                 self.decode_tokens += 0 if admit else len(e)
@@ -172,6 +185,19 @@ class BatchEngine:
             self.running.remove(s)
             self.free.append(s.slot // self.S)
         return done
+
+    def abort(self, index: int) -> Seq | None:
+        """Drops the sequence `index`, waiting or running (a cancelled request): its range is free for the next
+        step. -> the sequence, or None where none has that index (it finished)."""
+        for queue in (self.waiting, self.running):
+            for s in queue:
+                if s.index == index:
+                    queue.remove(s)
+                    if queue is self.running:
+                        self.free.append(s.slot // self.S)
+                    s.t_done, s.pending = time.perf_counter(), []
+                    return s
+        return None
 
     def _mask(self, pos: Tensor) -> Tensor:
         """[R] rows' positions -> [R, max_seq] over each row's own range (model.forward's mask_base): the keys up to
@@ -227,8 +253,9 @@ class BatchEngine:
         """[R] tokens, positions and range starts -> [R, V] logits: static shapes per batch size, no host sync."""
         return self.model(toks[None], pos, mask=self._mask(pos), mask_base=slot, cache_pos=slot + pos)[0]
 
-    def _spec_step(self, seqs: list[Seq]) -> list[list[int]]:
-        """One verification of every sequence's tree (its size from the budget) -> each one's emitted tokens.
+    def _spec_step(self, seqs: list[Seq]) -> tuple[list[list[int]], list[list[str]]]:
+        """One verification of every sequence's tree (its size from the budget) -> each one's emitted tokens, and
+        who proposed each.
         Sequences without a draft this step cost a row and a few list appends (the budget turns drafting off
         under load: the step is then a decode step)."""
         t0, dev = time.perf_counter(), self.device
@@ -259,7 +286,7 @@ class BatchEngine:
         held = (hid, aux, cpu_draft.topk_rows(logits, torch.arange(len(ar), device=dev), self._top) if ar else None)
         nxt = nxt.tolist()  # the step's one host sync (of greedy sequences)
         t2 = time.perf_counter()
-        out = [None] * len(seqs)
+        out, src = [None] * len(seqs), [[TARGET]] * len(seqs)
         for r, i in enumerate(ar):  # what its drafter will read when it catches up: views into the step's tensors
             s = seqs[i]
             s.pending.append((held, r, s.out[-1], nxt[r], s.n))
@@ -281,12 +308,15 @@ class BatchEngine:
                          None if aux is None else aux[:, r:r + N], torch.tensor(s.n, device=dev))
             s.pending.append(self._kept(a, s.drafter))
             out[i], s.n = [toks_i[j] for j in path[1:L]] + [bonus], s.n + L
+            by = node_sources(s.drafter, s.key, N)
+            src[i] = [by[j] for j in path[1:L]] + [TARGET]
+            s.drafted += 1
             r += N
             if not self.fixed:
                 self.budget.observe_draft(s.key, b, cost[i] + time.perf_counter() - tl)
         if not self.fixed:
             self.budget.observe(r, t2 - t1, sum(len(e) for e in out), time.perf_counter() - t0)
-        return out
+        return out, src
 
     def _draft(self, s: Seq, b: int) -> tuple[Tree | None, float]:
         """(s's tree of b nodes, or None for no draft (b = 1); its drafter's seconds less one-time set-ups). The
@@ -354,6 +384,12 @@ class BatchEngine:
         while self.busy():
             done.update((s.index, s.out) for s in self.step())
         return [done[i] for i in sorted(done)]
+
+
+def node_sources(d, key: str, N: int) -> list[str]:
+    """Who proposed each of the N nodes of d's latest tree: the hybrid records it per node (what its accepted_from
+    counts); a lone drafter is its budget source (key: "eagle", "ngram3" -> "ngram")."""
+    return getattr(d, "source", None) or [key.rstrip("0123456789") or "draft"] * N
 
 
 def read_prompts(path: str) -> list[dict]:

@@ -185,6 +185,40 @@ def test_streaming_submit_and_step(target, monkeypatch):
     assert eng.step() == []
 
 
+def test_stepped_tokens_their_sources_and_abort(target, tmp_path, monkeypatch):
+    """A server's view: after each step, engine.stepped holds the sequences it advanced, each with the tokens it
+    emitted (new) and who proposed each (new_from: the target itself, or the drafter whose accepted draft token
+    it was); they add up to every output. abort drops a running or a waiting sequence, frees its range at once,
+    and every other output is still its batch-1 output."""
+    if cpu_forward.kernel() is None:
+        pytest.skip("needs x86-64 with AVX2+FMA and a C compiler")
+    m = load(target, True, monkeypatch)
+    ref = batch1(m, PROMPTS, 24)
+    eng = BatchEngine(m, batch=3, max_seq=128, drafters=dc.make_drafters(drafting("hybrid", target, tmp_path), m, 3),
+                      budget=False)
+    for p in PROMPTS:
+        eng.submit(p, 24)
+    toks, srcs, done = {}, {}, {}
+    eng.step()  # the prefill of 0, 1, 2
+    assert {s.index for s in eng.stepped} == {0, 1, 2} and all(len(s.new) == 1 for s in eng.stepped)
+    for s in eng.stepped:
+        toks[s.index], srcs[s.index] = list(s.new), list(s.new_from)
+    assert eng.abort(1).index == 1 and eng.free == [1]  # running: its range is free
+    assert eng.abort(5).index == 5 and [s.index for s in eng.waiting] == [3, 4, 6]  # waiting
+    assert eng.abort(1) is None and eng.abort(99) is None
+    while eng.busy():
+        finished = eng.step()
+        for s in eng.stepped:
+            assert len(s.new) == len(s.new_from)
+            toks.setdefault(s.index, []).extend(s.new)
+            srcs.setdefault(s.index, []).extend(s.new_from)
+        done.update((s.index, s.out) for s in finished)
+    assert sorted(done) == [0, 2, 3, 4, 6] and all(done[i] == ref[i] == toks[i] for i in done)
+    every = [x for i in done for x in srcs[i]]
+    assert set(every) <= {"target", "eagle", "ngram", "both"} and "target" in every and set(every) - {"target"}
+    assert eng.steps["decode"] > 0 and all(s.drafted > 0 for s in finished)
+
+
 def test_sampled_sequences_have_their_own_streams(target, monkeypatch):
     """A sampled sequence with a given seed draws the same tokens alone or beside others (its own generator, its
     logits the same bits); different seeds draw differently."""
