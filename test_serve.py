@@ -312,6 +312,37 @@ def test_stop_strings(servers, reference):
     assert r.choices[0].message.content == ref
 
 
+def test_engine_loop_timeout_and_admission(folders):
+    """The engine loop alone, its event loop faked (each call runs at once): admission stops at --batch +
+    --max-queue requests in flight and resumes as they end; a request past its deadline leaves at the next step
+    (finish_reason length, timed_out), counted, and the next one runs to its budget."""
+    import queue
+    from types import SimpleNamespace
+
+    from batch import BatchEngine
+    from sampling import Sampling
+    from serve import EngineLoop, Job, Metrics
+    e = EngineLoop(SimpleNamespace(batch=1, max_queue=1), Metrics())
+    e.loop = SimpleNamespace(call_soon_threadsafe=lambda f, *a: f(*a))
+    e.eng = BatchEngine(load_model(folders / "long", dtype=torch.float32), 1, 64)
+    assert e.admit() and e.admit() and not e.admit()
+    now = time.perf_counter()
+    jobs = [Job(i, [5, 6, 7], 40, Sampling(), None, queue.Queue(), now + d) for i, d in enumerate((0.05, 60))]
+    for j in jobs:
+        e.put(j)
+    e._take()
+    e._step()  # the first one's prefill
+    time.sleep(0.06)
+    while e.eng.busy():
+        e._expire()
+        e._step()
+    events = [[j.queue.get_nowait() for _ in range(j.queue.qsize())] for j in jobs]
+    assert events[0][-1] == {"done": "length", "timed_out": True} and len(events[0]) < 41
+    assert events[1][-1] == {"done": "length"} and sum(len(x["ids"]) for x in events[1][:-1]) == 40
+    assert e.metrics.requests.labels("timeout")._value.get() == 1 and e.inflight == 0 and e.eng.free == [0]
+    assert e.admit()
+
+
 class FakeTok:
     """Bytes as tokens (UTF-8 characters split across them), as the byte-level tokenizers decode them."""
 
