@@ -7,7 +7,8 @@ emitted token, not yet cached.
     positions whose logits prefill reads, 0: the last)
     setup(max_seq), prefill(Prefill), update(Accepted), stats() -> dict, budget_key(hist) -> budget source
     draft(root, n, budget=None) -> Tree: static shapes, no host sync; only the first `budget` nodes are verified
-    budget.py's hooks: budget_sizes(key), budget_start(key), budget_setup(key, b), setup_paid(), start_rate"""
+    budget.py's hooks: budget_sizes(key), budget_start(key), budget_setup(key, b), setup_paid(), start_rate
+EAGLE-2's search (`tree_search`, `rerank`) serves every drafter with an LM head (draft_eagle.py, draft_model.py)."""
 from dataclasses import dataclass
 
 import torch
@@ -139,6 +140,68 @@ def lookup_tree_of(root: Tensor, tok: list[int], par: list[int], pad_to: int = 0
     return Tree(torch.tensor([int(root)] + tok + [0] * pad, device=dev), torch.tensor(parents, device=dev),
                 torch.tensor(depth, device=dev), torch.tensor(anc, device=dev),
                 torch.tensor([True] * (1 + len(tok)) + [False] * pad, device=dev), None, pad_to or max(depth))
+
+
+@dataclass
+class Frontier:
+    """One level of EAGLE-2's search: its best k nodes by cumulative log-prob, expanded together."""
+    tokens: Tensor  # [k]
+    parent: Tensor  # [k] each node's row in the previous level's frontier (level 1: 0, the root)
+    anc: Tensor  # [k, D*k] bool: the node and its ancestors among the frontier slots (level l: (l-1)*k + row)
+
+
+def top_pick(logp: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    return torch.topk(logp, k, dim=-1)
+
+
+def tree_search(logp: Tensor, ids: Tensor, expand, root: Tensor, k: int, D: int, N: int, pick=top_pick,
+                tokens_of=None) -> Tree:
+    """EAGLE-2's dynamic tree: the root's k best children (logp [R] over the vocabulary rows ids [R]); per level,
+    expand(lvl, Frontier) -> (logp [k, R], ids) scores the frontier's children, the best k of the k*k by cumulative
+    log-prob become the next frontier; then the best N - 1 nodes (rerank). pick(logp, k) -> (values, indices):
+    top-k, the deterministic proposals lossless tree acceptance takes; a sampled chain (k = 1) draws instead."""
+    dev, rows = logp.device, tokens_of or (lambda r: r)
+    s, idx = pick(logp[None], k)
+    s, idx = s[0], idx[0]
+    cols = torch.arange(D * k, device=dev)
+    fr = Frontier(rows(ids[idx]), torch.zeros(k, dtype=torch.long, device=dev),
+                  torch.arange(k, device=dev)[:, None] == cols)  # (a comparison: F.one_hot reads indices on the host)
+    cand_tok, cand_score, cand_parent = [fr.tokens], [s], [torch.full((k,), -1, device=dev)]
+    fr_score, fr_cand = s, torch.arange(k, device=dev)
+    base = 0  # index of the first candidate of the current level
+    for lvl in range(1, D):
+        logp, ids = expand(lvl, fr)
+        s, idx = pick(logp, k)  # [k, k]
+        sc = (fr_score[:, None] + s).flatten()  # cumulative log-prob of the k*k children
+        tok = rows(ids[idx]).flatten()
+        cand_tok.append(tok), cand_score.append(sc), cand_parent.append(fr_cand.repeat_interleave(k))
+        base += k if lvl == 1 else k * k
+        top = torch.topk(sc, k).indices  # next frontier: best k of the k*k
+        prow = top // k
+        fr = Frontier(tok[top], prow, fr.anc[prow] | ((lvl * k + torch.arange(k, device=dev))[:, None] == cols))
+        fr_score, fr_cand = sc[top], base + top
+    if k == 1:  # a chain: rerank keeps its order (scores fall with depth)
+        return chain_tree(torch.cat([root.view(1)] + cand_tok)[:N])
+    return rerank(torch.cat(cand_tok), torch.cat(cand_score), torch.cat(cand_parent), root, k, D, N)
+
+
+def rerank(tok: Tensor, score: Tensor, parent: Tensor, root: Tensor, k: int, D: int, N: int) -> Tree:
+    """The best N - 1 of tree_search's candidates (k, then k*k per deeper level) under the root, parents first."""
+    dev, C = tok.device, tok.shape[0]
+    level = torch.cat([torch.zeros(k, device=dev), torch.arange(1, D, device=dev).repeat_interleave(k * k)])
+    # a child's score never exceeds its parent's; the depth penalty breaks exact ties so a selected
+    # child's parent is always selected too
+    key = torch.nan_to_num(score, nan=-1e30, neginf=-1e30) - 1e-4 * level
+    sel = torch.sort(torch.topk(key, N - 1).indices).values  # [N-1], candidate order = parents first
+    # then best first (stable: ties keep parents first), so every prefix is the tree of a smaller budget
+    sel = sel[torch.sort(key[sel], descending=True, stable=True).indices]
+    pos_of = torch.full((C,), -1, dtype=torch.long, device=dev).index_copy(0, sel, torch.arange(N - 1, device=dev))
+    cp = parent[sel]
+    parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=dev),
+                         torch.where(cp < 0, 0, pos_of[cp.clamp(min=0)] + 1)])
+    depth = torch.cat([torch.zeros(1, device=dev), level[sel] + 1]).long()
+    return Tree(torch.cat([root.view(1), tok[sel]]), parents, depth, ancestor_mask(parents, D),
+                torch.ones(N, dtype=torch.bool, device=dev), None, D)
 
 
 def check_tree_budget(topk: int, depth: int, nodes: int):

@@ -5,11 +5,12 @@ from pathlib import Path
 
 import torch
 
-from download import resolve_checkpoint
+from download import default_draft, resolve_checkpoint
 from draft import check_tree_budget
-from draft_eagle import EagleDrafter, ModelDrafter
+from draft_eagle import EagleDrafter
 from draft_hybrid import HybridDrafter
 from draft_lookup import NgramDrafter
+from draft_model import ModelDrafter
 from eagle import EagleHead, load_eagle, read_keys
 from model import ModelError, Transformer, load_model
 from sampling import Sampling
@@ -37,6 +38,14 @@ def detect_draft_kind(path: Path) -> str:
 
 # EAGLE-2 tree (top-k, depth, nodes): the papers' on GPUs; on CPU 16 nodes beat 60 at nearly the same acceptance
 TREE_GPU, TREE_CPU = (10, 5, 60), (8, 5, 16)
+# a draft model's largest tree; its budget also drafts chains of 2-6 tokens (draft_model.CHAIN_MAX): a level is a
+# pass of the model, so depth costs what width does not (the GPU tree is not measured yet)
+MODEL_TREE_GPU, MODEL_TREE_CPU = (10, 6, 60), (4, 6, 16)
+NGRAM_K = 10  # prompt lookup's chain, alone or in a hybrid (--spec-k where it is prompt lookup's)
+# NanoSpec's window per drafter kind (w_max, k_pre, k_ver, k_ver_at): the paper's for EAGLE heads; a draft model's
+# proposals run as deep as its text is predictable, so its window must hold what comes next (README, Draft models)
+HEAD_WINDOW = dict(w_max=3072, k_pre=3, k_ver=3, k_ver_at="accepted")
+MODEL_WINDOW = dict(w_max=32768, k_pre=16, k_ver=16, k_ver_at="verified")
 DRAFT_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                   "*.safetensors", "model.safetensors.index.json", "pytorch_model.bin"]
 
@@ -49,15 +58,18 @@ class DraftConfig:
     tree_topk: int | None = None  # EAGLE-2 tree; None: TREE_CPU or TREE_GPU by device
     tree_depth: int | None = None
     tree_nodes: int | None = None
-    spec_k: int | None = None  # chain length: draft models 5, n-grams 10
+    spec_k: int | None = None  # chain length: a draft model's chain (None: its trees), n-grams 10
     ngram_min: int = 1
     ngram_max: int = 3
-    w_max: int = 3072  # NanoSpec window
-    k_pre: int = 3  # NanoSpec: target top-K per prompt position
-    k_ver: int = 3  # NanoSpec: target top-K per accepted position
+    w_max: int | None = None  # NanoSpec window (None here and below: HEAD_WINDOW's or MODEL_WINDOW's)
+    k_pre: int | None = None  # NanoSpec: target top-K per prompt position
+    k_ver: int | None = None  # NanoSpec: target top-K per verified position
     ablation: str | None = None  # NanoSpec ablation: ctx | ext | noasync | nofill
+    k_ver_at: str | None = None  # NanoSpec: accepted | verified (every verified node)
+    fill: str | None = None  # NanoSpec's free slots: a frequency file or "ids"; None: the draft folder's freq.pt (else
+    # "ids" for draft models)
     static: bool = False  # n-gram chains padded to spec_k + 1 nodes: one compiled verify shape
-    ngram: bool | None = False  # EAGLE heads: merge a prompt-lookup chain into the tree; None: on for EAGLE heads
+    ngram: bool | None = False  # merge a prompt-lookup chain into a head's or model's tree; None: on for them
     ngram_occurrences: int = 8  # prompt lookup's tree: continuations of this many earlier occurrences
     # the CLI's flags given: one the chosen drafter would ignore is an error; not in repr (keys budget memory)
     given: frozenset = field(default=frozenset(), repr=False, compare=False)
@@ -66,17 +78,31 @@ class DraftConfig:
         for flag, v in (("spec-k", self.spec_k), ("k-pre", self.k_pre), ("k-ver", self.k_ver), ("w-max", self.w_max)):
             if v is not None and v < 1:
                 raise ValueError(f"--{flag} must be >= 1, got {v}")
+        if self.k_ver_at not in (None, "accepted", "verified"):
+            raise ValueError(f"--k-ver-at must be accepted or verified, got {self.k_ver_at}")
 
-    def tree(self, device) -> tuple[int, int, int]:
+    def tree(self, device, cpu=TREE_CPU, gpu=TREE_GPU) -> tuple[int, int, int]:
         """(top-k, depth, nodes) with this device's defaults filled in."""
-        dflt = TREE_CPU if torch.device(device).type == "cpu" else TREE_GPU
+        dflt = cpu if torch.device(device).type == "cpu" else gpu
         return tuple(d if v is None else v for v, d in zip((self.tree_topk, self.tree_depth, self.tree_nodes), dflt))
+
+    def window(self, defaults: dict) -> dict:
+        """NanoSpec's w_max, k_pre, k_ver and k_ver_at, with a kind's defaults (HEAD_WINDOW, MODEL_WINDOW) filled in."""
+        return {k: d if getattr(self, k) is None else getattr(self, k) for k, d in defaults.items()}
+
+    def model_tree(self, device) -> tuple[int, int, int]:
+        """A draft model's (top-k, depth, nodes): --spec-k alone is a chain of that length, else its tree."""
+        if self.spec_k is None:
+            return self.tree(device, MODEL_TREE_CPU, MODEL_TREE_GPU)
+        if any(v is not None for v in (self.tree_topk, self.tree_depth, self.tree_nodes)):
+            raise ValueError("--spec-k is a draft model's chain and --tree-* its tree: give one or the other")
+        return 1, self.spec_k, self.spec_k + 1
 
 
 # the flags of each part of drafting: each drafter kind honours only its own parts' flags
 TREE_FLAGS = ("tree_topk", "tree_depth", "tree_nodes")
 LOOKUP_FLAGS = ("ngram_min", "ngram_max", "ngram_occurrences")
-WINDOW_FLAGS = ("w_max", "k_pre", "k_ver", "vocab_ablation")  # NanoSpec's
+WINDOW_FLAGS = ("w_max", "k_pre", "k_ver", "vocab_ablation", "k_ver_at", "vocab_fill")  # NanoSpec's
 FLAGS = TREE_FLAGS + LOOKUP_FLAGS + WINDOW_FLAGS + ("spec_k",)
 
 
@@ -95,14 +121,16 @@ def add_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--draft", default=None, help="EAGLE head or draft-model folder/hub id, 'ngram', or 'none' "
                    "(default: the shipped EAGLE-3 head with the default model, else none)")
-    g.add_argument("--tree-topk", type=int, default=None, help="EAGLE-2 children per frontier node (10 CUDA, 8 CPU)")
-    g.add_argument("--tree-depth", type=int, default=None, help="EAGLE-2 tree depth (5)")
+    g.add_argument("--tree-topk", type=int, default=None, help="EAGLE-2 children per frontier node (EAGLE heads: 10 "
+                   "CUDA, 8 CPU; draft models: 10 CUDA, 4 CPU)")
+    g.add_argument("--tree-depth", type=int, default=None, help="EAGLE-2 tree depth (EAGLE heads 5, draft models 6)")
     g.add_argument("--tree-nodes", type=int, default=None, help="EAGLE-2 nodes verified per step, root included "
                    "(60 CUDA, 16 CPU)")
     g.add_argument("--ngram", action=argparse.BooleanOptionalAction, default=None,
-                   help="with an EAGLE head: merge a prompt-lookup chain (longest suffix match in prompt + output) "
-                        "into the tree, verified together (default on with EAGLE heads)")
-    g.add_argument("--spec-k", type=int, default=None, help="chain length for draft models (5) and n-grams (10)")
+                   help="with an EAGLE head or a draft model: merge a prompt-lookup chain (longest suffix match in "
+                        "prompt + output) into the tree, verified together (default on)")
+    g.add_argument("--spec-k", type=int, default=None, help="chain length: a draft model's (instead of its trees) "
+                   "or prompt lookup's (10)")
     g.add_argument("--ngram-min", type=int, default=1)
     g.add_argument("--ngram-max", type=int, default=3)
     g.add_argument("--ngram-occurrences", type=int, default=8, help="prompt lookup: merge the continuations of this "
@@ -110,9 +138,17 @@ def add_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     v = p.add_argument_group("draft vocabulary")
     v.add_argument("--vocab", default=None, help="full | freq:PATH[:K] | nanospec (default: nanospec with the shipped "
                    "head, else full)")
-    v.add_argument("--w-max", type=int, default=3072, help="NanoSpec window size (slots)")
-    v.add_argument("--k-pre", type=int, default=3, help="NanoSpec target top-K per prompt position")
-    v.add_argument("--k-ver", type=int, default=3, help="NanoSpec target top-K per accepted position")
+    v.add_argument("--w-max", type=int, default=None, help="NanoSpec window size (slots; EAGLE heads 3072, draft "
+                   "models 32768)")
+    v.add_argument("--k-pre", type=int, default=None, help="NanoSpec target top-K per prompt position (EAGLE heads 3, "
+                   "draft models 16)")
+    v.add_argument("--k-ver", type=int, default=None, help="NanoSpec target top-K per verified position (EAGLE heads "
+                   "3, draft models 16)")
+    v.add_argument("--k-ver-at", choices=["accepted", "verified"], default=None, help="NanoSpec: the target's "
+                   "top-K at the accepted positions (EAGLE heads' default) or at every verified node (draft models')")
+    v.add_argument("--vocab-fill", default=None, help="NanoSpec's free slots score these tokens: a frequency file "
+                   "(FR-Spec's), or 'ids' (the lowest token ids: a BPE vocabulary's merge order). Default: the draft "
+                   "folder's freq.pt, else 'ids' for draft models")
     v.add_argument("--vocab-ablation", default=None, choices=["ctx", "ext", "noasync", "nofill"],
                    help="NanoSpec without: prompt tokens (ctx), appends (ext), the packed copy (noasync), the head "
                         "folder's freq.pt in free slots (nofill)")
@@ -128,18 +164,40 @@ def given_flags(p: argparse.ArgumentParser, argv) -> frozenset:
 
 
 def from_flags(args, default_head: Path) -> DraftConfig:
-    """The CLI's drafting flags; out of the box the default model drafts with its shipped EAGLE-3 head + NanoSpec."""
+    """The CLI's drafting flags; out of the box the default model drafts with its shipped EAGLE-3 head + NanoSpec, and
+    a named model with its named draft model (download.default_draft) + NanoSpec, one prompt at a time."""
     shipped = args.checkpoint is None and (default_head / "config.json").is_file()
-    draft = args.draft or (str(default_head) if shipped else "none")
-    vocab = args.vocab or ("nanospec" if args.draft is None and shipped else "full")
+    named = None if args.draft or getattr(args, "prompts", None) else default_draft(args.checkpoint)
+    draft = args.draft or (str(default_head) if shipped else named or "none")
+    vocab = args.vocab or ("nanospec" if args.draft is None and (shipped or named) else "full")
     return DraftConfig(draft, vocab, args.tree_topk, args.tree_depth, args.tree_nodes, args.spec_k, args.ngram_min,
-                       args.ngram_max, args.w_max, args.k_pre, args.k_ver, args.vocab_ablation, static=args.compile,
-                       ngram=args.ngram, ngram_occurrences=args.ngram_occurrences, given=args.given)
+                       args.ngram_max, args.w_max, args.k_pre, args.k_ver, args.vocab_ablation, args.k_ver_at,
+                       args.vocab_fill, static=args.compile, ngram=args.ngram, ngram_occurrences=args.ngram_occurrences,
+                       given=args.given)
 
 
-def append_width(nodes: int, depth: int, k_ver: int) -> int:
-    """Most ids one step appends to a NanoSpec window: the tree's nodes + the target's top-k_ver per path node."""
-    return nodes + (depth + 1) * k_ver
+def append_width(nodes: int, depth: int, k_ver: int, every: bool = False) -> int:
+    """Most ids one step appends to a NanoSpec window: the tree's nodes + the target's top-k_ver per path node (every:
+    per verified node)."""
+    return nodes + (nodes if every else depth + 1) * k_ver
+
+
+def window_vocab(c: DraftConfig, weight, target: Transformer, nodes: int, depth: int, defaults: dict, fill=None,
+                 token_to_row=None):
+    """A drafter's vocabulary (c.vocab over LM-head rows weight), NanoSpec's window sized for one step's append of a
+    tree of nodes and depth; -> (vocab, k_ver_at)."""
+    w = c.window(defaults)
+    every = w["k_ver_at"] == "verified"
+    vocab = make_vocab(c.vocab, weight, w_max=w["w_max"], k_pre=w["k_pre"], k_ver=w["k_ver"], ablation=c.ablation,
+                       eos_ids=target.args.eos_ids, max_append=append_width(nodes, depth, w["k_ver"], every),
+                       token_to_row=token_to_row, fill=fill_of(c.fill, fill, w["w_max"]))
+    return vocab, w["k_ver_at"]
+
+
+def fill_of(spec: str | None, default, W: int):
+    """NanoSpec's fill: a frequency file, the lowest W token ids ("ids"), or default where spec is None."""
+    spec = default if spec is None else spec
+    return torch.arange(W) if spec == "ids" else spec
 
 
 def eagle_vocab(c: DraftConfig, head: EagleHead, target: Transformer, chain: int = 0):
@@ -147,9 +205,10 @@ def eagle_vocab(c: DraftConfig, head: EagleHead, target: Transformer, chain: int
     topk, depth, nodes = c.tree(head.fc.weight.device)
     check_tree_budget(topk, depth, nodes)
     rows = EagleDrafter.token_to_row_map(head)
-    return make_vocab(c.vocab, head.lm_weight(), w_max=c.w_max, k_pre=c.k_pre, k_ver=c.k_ver, ablation=c.ablation,
-                      eos_ids=target.args.eos_ids, max_append=append_width(nodes + chain, max(depth, chain), c.k_ver),
-                      token_to_row=rows, fill=getattr(head, "fill_path", None) if rows is None else None)
+    if rows is not None and c.fill is not None:
+        raise ValueError("--vocab-fill needs an EAGLE head with the target's whole vocabulary (this one is pruned)")
+    return window_vocab(c, head.lm_weight(), target, nodes + chain, max(depth, chain), HEAD_WINDOW,
+                        getattr(head, "fill_path", None) if rows is None else None, rows)
 
 
 def make_drafter(c: DraftConfig, target: Transformer, sampling: Sampling | None = None,
@@ -159,8 +218,8 @@ def make_drafter(c: DraftConfig, target: Transformer, sampling: Sampling | None 
         if c.vocab != "full":
             raise ValueError("--vocab needs a drafter with an LM head (--draft PATH)")
         if c.ngram:
-            raise ValueError("--ngram merges prompt lookup into an EAGLE head's tree: give --draft HEAD "
-                             "(or --draft ngram)")
+            raise ValueError("--ngram merges prompt lookup into an EAGLE head's or a draft model's tree: give --draft "
+                             "HEAD|MODEL (or --draft ngram)")
         check_given(c, "--draft none")
         return None
     if c.draft == "ngram":
@@ -173,32 +232,50 @@ def make_drafter(c: DraftConfig, target: Transformer, sampling: Sampling | None 
         path = resolve_checkpoint(c.draft, patterns=DRAFT_PATTERNS)
         if detect_draft_kind(path) == "eagle":
             head = load_eagle(path, target, dtype, dev)
-    if head is not None:
-        if head.c.version == 3:
-            target.aux_layers = head.c.aux_layers
-        topk, depth, nodes = c.tree(dev)
-        # the head gets the target's LM head (project) for its prompt rows, so the hybrid can start it late
-        if c.ngram is False:
-            check_given(c, "an EAGLE head without --ngram", TREE_FLAGS)
-            return EagleDrafter(head, eagle_vocab(c, head, target), topk, depth, nodes, target.lm_head)
-        check_given(c, "an EAGLE head with --ngram", TREE_FLAGS, LOOKUP_FLAGS, ("spec_k",))
-        ngram = lookup(c)
-        return HybridDrafter(EagleDrafter(head, eagle_vocab(c, head, target, ngram.k), topk, depth, nodes,
-                                          target.lm_head), ngram)
-    if c.ngram:
-        raise ValueError("--ngram merges prompt lookup into an EAGLE head's tree; this --draft is a draft model")
-    check_given(c, "a draft model", ("spec_k",))
-    dm = load_model(path, dtype=dtype, device=dev)
+    if head is None:
+        return model_drafter(c, path, target, sampling, tokenizer)
+    if head.c.version == 3:
+        target.aux_layers = head.c.aux_layers
+    if c.ngram is False:
+        check_given(c, "an EAGLE head without --ngram", TREE_FLAGS)
+        return eagle_drafter(c, head, target)
+    check_given(c, "an EAGLE head with --ngram", TREE_FLAGS, LOOKUP_FLAGS, ("spec_k",))
+    ngram = lookup(c)
+    return HybridDrafter(eagle_drafter(c, head, target, ngram.k), ngram)
+
+
+def eagle_drafter(c: DraftConfig, head: EagleHead, target: Transformer, chain: int = 0) -> EagleDrafter:
+    # the head gets the target's LM head (project) for its prompt rows, so the hybrid can start it late
+    vocab, at = eagle_vocab(c, head, target, chain)
+    d = EagleDrafter(head, vocab, *c.tree(target.norm.weight.device), target.lm_head)
+    d.k_ver_at = at
+    return d
+
+
+def model_drafter(c: DraftConfig, path: Path, target: Transformer, sampling: Sampling | None,
+                  tokenizer: Tokenizer | None):
+    """A draft model's drafter (its trees, or a chain of --spec-k), merged with prompt lookup unless --no-ngram."""
+    hybrid = c.ngram is not False
+    check_given(c, f"a draft model {'with' if hybrid else 'without'} --ngram", TREE_FLAGS, ("spec_k",),
+                LOOKUP_FLAGS if hybrid else ())
+    dev, dtype = target.norm.weight.device, target.norm.weight.dtype
+    dm = load_model(path, dtype=dtype, device=dev, fast=True)  # (a draft only proposes: the integer GEMM)
     if dm.args.vocab_size != target.args.vocab_size:
         raise ModelError(f"draft model vocabulary ({dm.args.vocab_size}) differs from the target's "
                          f"({target.args.vocab_size})")
     if (tokenizer is not None and (path / "tokenizer.json").is_file()
             and Tokenizer(path).tok.get_vocab() != tokenizer.tok.get_vocab()):
         raise ModelError("draft model tokenizer differs from the target's")
-    k = 5 if c.spec_k is None else c.spec_k
-    vocab = make_vocab(c.vocab, dm.lm_head.weight, w_max=c.w_max, k_pre=c.k_pre, k_ver=c.k_ver, ablation=c.ablation,
-                       eos_ids=target.args.eos_ids, max_append=append_width(k + 1, k, c.k_ver))  # a chain: k + 1 nodes
-    return ModelDrafter(dm, vocab, k, sampling)
+    topk, depth, nodes = tree = c.model_tree(dev)
+    check_tree_budget(topk, depth, nodes)
+    chain = NGRAM_K if hybrid else 0  # (--spec-k is the draft model's chain)
+    weight = dm.lm_head.weight  # (a quantized head: its bf16 rows, once)
+    window = dict(MODEL_WINDOW, w_max=min(MODEL_WINDOW["w_max"], weight.shape[0]))
+    vocab, at = window_vocab(c, weight, target, nodes + chain, max(depth, chain), window,
+                             path / "freq.pt" if (path / "freq.pt").is_file() else "ids")
+    d = ModelDrafter(dm, vocab, sampling=sampling, tree=tree, project=target.lm_head)
+    d.k_ver_at = at
+    return HybridDrafter(d, lookup(c, NGRAM_K)) if hybrid else d
 
 
 def make_drafters(c: DraftConfig, target: Transformer, n: int, sampling: Sampling | None = None,
@@ -217,7 +294,7 @@ def make_drafters(c: DraftConfig, target: Transformer, n: int, sampling: Samplin
     return [make_drafter(c, target, sampling, tokenizer, head=head if i == 0 else head.twin()) for i in range(n)]
 
 
-def lookup(c: DraftConfig) -> NgramDrafter:
-    """Prompt lookup as c configures it, alone or as the hybrid's chain (k: spec_k, else 10)."""
-    return NgramDrafter(10 if c.spec_k is None else c.spec_k, c.ngram_min, c.ngram_max, static=c.static,
+def lookup(c: DraftConfig, k: int | None = None) -> NgramDrafter:
+    """Prompt lookup as c configures it, alone or as the hybrid's chain (k: given, else spec_k, else NGRAM_K)."""
+    return NgramDrafter(k or (NGRAM_K if c.spec_k is None else c.spec_k), c.ngram_min, c.ngram_max, static=c.static,
                         occurrences=c.ngram_occurrences)

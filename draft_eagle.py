@@ -1,14 +1,13 @@
-"""The drafters with an LM head (`self.vocab.logits`, vocab.py): EAGLE-2 trees and a draft model's chain."""
+"""The drafters with an LM head (`self.vocab.logits`, vocab.py): the vocabulary's updates and metrics every such drafter
+shares (`VocabDrafter`), and EAGLE-2 trees over an EAGLE head; a draft model's are in draft_model.py."""
 import time
 
 import torch
 from torch import Tensor
 
 import cpu_draft
-from draft import Accepted, Drafter, Prefill, Tree, ancestor_mask, chain_tree, check_tree_budget
+from draft import Accepted, Drafter, Prefill, Tree, check_tree_budget, tree_search
 from eagle import EagleHead
-from model import Transformer
-from sampling import logits_to_probs, sample_from
 
 
 def timed_lm_head(drafter, h: Tensor):
@@ -28,6 +27,7 @@ class VocabDrafter(Drafter):
     lm_head_s = 0.0
     tok_to_row = None  # [V] target token -> draft row (-1: absent) of a pruned vocabulary, None if unpruned
     PROJECT_ROWS = 128  # prompt_topk's chunks: 128-row chunks stay in cache (100 ms vs 135 on Zen 5 at 768 rows)
+    k_ver_at = "accepted"  # NanoSpec's appends of the target's top-k_ver: at the accepted positions, or "verified"
 
     @property
     def reads_top(self) -> int:
@@ -81,12 +81,18 @@ class VocabDrafter(Drafter):
             m = self.metrics
             m.add_(torch.stack([hits, a.L.long(), act, torch.zeros_like(act), torch.ones_like(act)]))
             m[3:4].copy_(torch.maximum(m[3:4], act.view(1)))
-        ver = (a.top if a.top is not None and a.top.shape[1] == vocab.k_ver   # [D+1, k_ver]
-               else cpu_draft.topk_rows(a.logits, a.path, vocab.k_ver) if vocab.k_ver
-               else a.path.new_zeros(a.path.shape[0], 0))  # (a static vocabulary appends nothing)
+        at = on_path  # the positions whose top-k_ver goes in: the accepted ones, or every verified node
+        if a.top is not None and a.top.shape[1] == vocab.k_ver:
+            ver = a.top  # [D+1, k_ver]
+        elif vocab.k_ver:
+            every = self.k_ver_at == "verified"
+            ver = cpu_draft.topk_rows(a.logits, None if every else a.path, vocab.k_ver)
+            at = a.tree.valid[:ver.shape[0]] if every else on_path
+        else:
+            ver = a.path.new_zeros(a.path.shape[0], 0)  # (a static vocabulary appends nothing)
         drows, dvalid = self.rows_of(a.tree.tokens)
         vrows, vvalid = self.rows_of(ver)
-        dvalid, vvalid = dvalid & a.tree.valid, vvalid & on_path[:, None]
+        dvalid, vvalid = dvalid & a.tree.valid, vvalid & at[:, None]
         W = getattr(vocab, "W", None)
         if W is not None and drows.shape[0] + vrows.numel() > W:
             # a catch-up chain (draft.chained) longer than the window: only its newest positions would stay
@@ -177,95 +183,23 @@ class EagleDrafter(VocabDrafter):
             tokens, parents, depth, anc = cpu_draft.tree(self, root, n, k, D, N)
             return Tree(tokens, parents, depth, anc, torch.ones(N, dtype=torch.bool), None, D)
         h, dev = self.head, root.device
-        logp, ids = self._logp(self.last_lm_in[None])  # [1, n_rows]
-        s, idx = torch.topk(logp[0], k)  # [k]
-        cand_tok, cand_score, cand_parent = [self.tokens_of(ids[idx])], [s], [torch.full((k,), -1, device=dev)]
-        fr_tok, fr_score, fr_cand = cand_tok[0], s, torch.arange(k, device=dev)
-        fr_feat = self.last_out[None].expand(k, -1)  # [k, d]
-        cols = torch.arange(D * k, device=dev)  # (a comparison, not F.one_hot: it reads its indices on the host)
-        fr_anc = torch.arange(k, device=dev)[:, None] == cols  # frontier ancestors among draft slots
         no_slots = torch.zeros(k, h.seq_range.shape[0], dtype=torch.bool, device=dev)
-        base = 0  # index of the first candidate of the current level
-        for lvl in range(1, D):
+        feats = [self.last_out[None]]  # the previous level's head outputs: a frontier node's parent feature
+
+        def expand(lvl, fr):
             slots = n + (lvl - 1) * k + torch.arange(k, device=dev)  # draft cache slots of this frontier
             # the prefix, and the frontier's ancestor rows placed at draft cache columns n .. n + D*k
-            mask = (h.seq_range[None, :] < n) | no_slots.index_copy(1, n + torch.arange(D * k, device=dev), fr_anc)
-            out, lm_in = h(fr_tok[None], fr_feat[None], (n + lvl - 1).expand(k), slots, mask)
-            logp, ids = self._logp(lm_in[0])  # [k, n_rows]
-            s, idx = torch.topk(logp, k, dim=-1)  # [k, k]
-            sc = (fr_score[:, None] + s).flatten()  # cumulative log-prob of the k*k children
-            tok = self.tokens_of(ids[idx]).flatten()
-            cand_tok.append(tok), cand_score.append(sc), cand_parent.append(fr_cand.repeat_interleave(k))
-            base += k if lvl == 1 else k * k
-            top = torch.topk(sc, k).indices  # next frontier: best k of the k*k
-            prow = top // k
-            fr_tok, fr_score, fr_cand, fr_feat = tok[top], sc[top], base + top, out[0, prow]
-            fr_anc = fr_anc[prow] | ((lvl * k + torch.arange(k, device=dev))[:, None] == cols)
-        return self._rerank(torch.cat(cand_tok), torch.cat(cand_score), torch.cat(cand_parent), root, k, D, N)
+            mask = (h.seq_range[None, :] < n) | no_slots.index_copy(1, n + torch.arange(D * k, device=dev), fr.anc)
+            out, lm_in = h(fr.tokens[None], feats[-1][fr.parent][None], (n + lvl - 1).expand(k), slots, mask)
+            feats.append(out[0])
+            return self._logp(lm_in[0])  # [k, n_rows]
 
-    def _rerank(self, tok, score, parent, root, k, D, N) -> Tree:
-        dev, C = tok.device, tok.shape[0]
-        level = torch.cat([torch.zeros(k, device=dev), torch.arange(1, D, device=dev).repeat_interleave(k * k)])
-        # a child's score never exceeds its parent's; the depth penalty breaks exact ties so a selected
-        # child's parent is always selected too
-        key = torch.nan_to_num(score, nan=-1e30, neginf=-1e30) - 1e-4 * level
-        sel = torch.sort(torch.topk(key, N - 1).indices).values  # [N-1], candidate order = parents first
-        # then best first (stable: ties keep parents first), so every prefix is the tree of a smaller budget
-        sel = sel[torch.sort(key[sel], descending=True, stable=True).indices]
-        pos_of = torch.full((C,), -1, dtype=torch.long, device=dev).index_copy(0, sel, torch.arange(N - 1, device=dev))
-        cp = parent[sel]
-        parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=dev),
-                             torch.where(cp < 0, 0, pos_of[cp.clamp(min=0)] + 1)])
-        depth = torch.cat([torch.zeros(1, device=dev), level[sel] + 1]).long()
-        return Tree(torch.cat([root.view(1), tok[sel]]), parents, depth, ancestor_mask(parents, D),
-                    torch.ones(N, dtype=torch.bool, device=dev), None, D)
+        logp, ids = self._logp(self.last_lm_in[None])  # [1, n_rows]
+        return tree_search(logp[0], ids, expand, root, k, D, N, tokens_of=self.tokens_of)
 
 
-class ModelDrafter(VocabDrafter):
-    """An independent small model sharing the target's tokenizer; drafts a chain of k tokens."""
-
-    def __init__(self, model: Transformer, vocab, k=5, sampling=None):
-        if k < 1:
-            raise ValueError(f"--spec-k must be >= 1, got {k}")
-        self.model, self.vocab, self.k, self.sampling = model, vocab, k, sampling
-        self.depth, self.nodes = k, k + 1
-
-    def budget_key(self, hist: list[int]) -> str:
-        return "model"
-
-    def setup(self, max_seq: int):
-        # the engine's cache budget already counts the chain's k + 1 slots: clamping only drops slack
-        self.model.setup_caches(1, min(max_seq + self.k + 1, self.model.args.max_position_embeddings))
-        if getattr(self, "prev", None) is None:
-            self.prev = torch.zeros(1, dtype=torch.long, device=self.model.lm_head.weight.device)
-
-    @torch.no_grad()
-    def prefill(self, p: Prefill):
-        self.model(p.tokens[None], torch.arange(p.tokens.shape[0], device=p.tokens.device), compute_logits=False)
-        self.prev.copy_(p.tokens[-1:])
-        self.reset_vocab(p)
-
-    @torch.no_grad()
-    def draft(self, root: Tensor, n: Tensor, budget: int | None = None) -> Tree:
-        m, k = self.model, self.k
-        # re-feed the previous token with the root: its KV is missing when the whole last chain was accepted
-        toks, pos = torch.cat([self.prev, root.view(1)]), n - 1 + torch.arange(2, device=n.device)
-        chain, qs = [root.view(1)], []
-        for i in range(k):
-            _, h, _ = m(toks[None], pos, return_hidden=True, compute_logits=False)
-            scores, ids = timed_lm_head(self, h[0, -1])  # [n_rows]
-            if self.sampling is None or self.sampling.greedy:
-                nxt = ids.index_select(0, torch.argmax(scores).view(1))
-            else:
-                # index_add: inactive slots (prob 0) may repeat a token id, adding 0 keeps the real entry
-                qs.append(torch.zeros(m.args.vocab_size, device=n.device).index_add(
-                    0, ids, logits_to_probs(scores, self.sampling)))
-                nxt = sample_from(qs[-1]).view(1)
-            chain.append(nxt)
-            toks, pos = nxt, pos[-1:] + 1
-        return chain_tree(torch.cat(chain), q=torch.stack(qs + [torch.zeros_like(qs[0])]) if qs else None)
-
-    def update(self, a: Accepted):
-        # the cache already holds root + accepted chain tokens at the right positions
-        self.prev.copy_(a.tree.tokens.index_select(0, a.path.index_select(0, (a.L - 1).view(1))))
-        self.observe(a, a.next_tokens())
+def __getattr__(name: str):
+    if name == "ModelDrafter":  # moved to draft_model.py (which imports this module): older imports keep working
+        from draft_model import ModelDrafter
+        return ModelDrafter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,5 @@
-"""The hybrid drafter: an EAGLE tree and a prompt-lookup chain in one verification tree, its head started late."""
+"""The hybrid drafter: a tree (an EAGLE head's or a draft model's) and a prompt-lookup chain in one verification tree,
+its tree drafter started late."""
 import time
 
 import torch
@@ -6,23 +7,23 @@ from torch import Tensor
 
 from budget import SIZES
 from draft import Accepted, Drafter, Prefill, Tree, ancestor_mask, chained, lookup_tree_of
-from draft_eagle import EagleDrafter
 from draft_lookup import NgramDrafter, match_key
 
 
 class LazyHead:
-    """The hybrid's EAGLE head, started (prefill, then the steps since) when it first drafts: chains alone never
-    pay for it. The start is a set-up budget.Budgets weighs (ski rental): price(), paid()."""
+    """The hybrid's tree drafter (EAGLE head or draft model), started (prefill, then the steps since) when it first
+    drafts: chains alone never pay for it. The start is a set-up budget.Budgets weighs (ski rental): price(), paid().
+    A drafter without the target's LM head (project) cannot take the prompt's top-k later: it starts at once."""
 
     MAX_PENDING_TOKENS = 512  # chained accepted tokens kept while the prefill waits; past this it catches up
 
-    def __init__(self, eagle: EagleDrafter):
-        self.eagle, self.rate = eagle, 0.0  # rate: seconds per waiting token of the last start (0: none yet)
+    def __init__(self, drafter):
+        self.drafter, self.rate = drafter, 0.0  # rate: seconds per waiting token of the last start (0: none yet)
 
     def prefill(self, p: Prefill):
-        self.deferred = p if self.eagle.project is not None else None  # the head's prefill, until it first drafts
+        self.deferred = p if self.drafter.project is not None else None  # its prefill, until it first drafts
         if self.deferred is None:
-            self.eagle.prefill(p)
+            self.drafter.prefill(p)
         self.pending, self.chunks = [], []  # accepted steps the head has not seen; earlier runs, chained once
         self.waiting = p.tokens.shape[0]  # tokens a start would run the head over (prompt + accepted since)
         self.start_s = self.started_s = 0.0  # start_s: the start's seconds until the engine takes them (paid)
@@ -39,17 +40,17 @@ class LazyHead:
             if self.started or sum(int(c.L) for c in self.chunks) >= self.MAX_PENDING_TOKENS:
                 self.catch_up()
             else:  # keep only the accepted positions while the prefill waits, each run chained once
-                self.chunks.append(chained(self.pending, top=self.eagle.reads_top))
+                self.chunks.append(chained(self.pending, top=self.drafter.reads_top))
                 self.pending = []
 
     def catch_up(self):
         start, t0 = self.deferred, time.perf_counter()
         if start is not None:
             self.deferred = None
-            self.eagle.prefill(start)
+            self.drafter.prefill(start)
         if self.pending or self.chunks:
             steps, self.pending, self.chunks = self.chunks + self.pending, [], []
-            self.eagle.update(steps[0] if len(steps) == 1 else chained(steps, top=self.eagle.reads_top))
+            self.drafter.update(steps[0] if len(steps) == 1 else chained(steps, top=self.drafter.reads_top))
         if start is not None:
             self.start_s = self.started_s = time.perf_counter() - t0
             self.rate = self.start_s / self.waiting
@@ -64,23 +65,25 @@ class LazyHead:
 
 
 class HybridDrafter(Drafter):
-    """An EAGLE tree and a prompt-lookup chain in one tree (`--draft HEAD --ngram`), ordered root, the tree nodes
-    the chain agrees with, the chain's rest, the other tree nodes. Smaller budgets draft one or the other."""
+    """A tree and a prompt-lookup chain in one tree (`--draft HEAD|MODEL --ngram`), ordered root, the tree nodes the
+    chain agrees with, the chain's rest, the other tree nodes. Smaller budgets draft one or the other. The tree
+    drafter is an EagleDrafter or a ModelDrafter, through the protocol alone (its budget key names its source)."""
 
     graphable = False
     keeps_steps = True  # LazyHead's pending steps
 
-    def __init__(self, eagle: EagleDrafter, ngram: NgramDrafter):
-        self.eagle, self.ngram, self.head, self.vocab = eagle, ngram, LazyHead(eagle), eagle.vocab
-        self.nodes, self.depth = eagle.nodes + ngram.k, max(eagle.depth, ngram.k)
+    def __init__(self, tree: Drafter, ngram: NgramDrafter):
+        self.tree, self.ngram, self.head, self.vocab = tree, ngram, LazyHead(tree), tree.vocab
+        self.nodes, self.depth = tree.nodes + ngram.k, max(tree.depth, ngram.k)
+        self.name = tree.budget_key([])  # "eagle" or "model": the tree's source, in the budget and the stats
 
     @property
     def reads_top(self) -> int:
-        return self.eagle.reads_top
+        return self.tree.reads_top
 
     @property
     def prompt_logits(self) -> int:
-        return self.eagle.prompt_logits
+        return self.tree.prompt_logits
 
     @property
     def start_rate(self) -> float:
@@ -91,19 +94,19 @@ class HybridDrafter(Drafter):
         self.head.rate = rate
 
     def budget_key(self, hist: list[int]) -> str:
-        """ngram<n> where prompt lookup has a chain (match_key), else eagle; the proposal is kept for draft()."""
+        """ngram<n> where prompt lookup has a chain (match_key), else the tree's; the proposal is kept for draft()."""
         n, chain = self.ngram.match(hist)
         self.proposal = (len(hist), hist[-1], chain)
-        return match_key(n, chain) if chain else "eagle"
+        return match_key(n, chain) if chain else self.name
 
     def budget_sizes(self, key: str | None = None) -> list[int]:
-        """With a chain: prompt lookup's sizes, then the merged tree; without: the EAGLE tree's; None: both."""
-        tree = [s for s in SIZES if s < self.eagle.nodes] + [self.eagle.nodes]
+        """With a chain: prompt lookup's sizes, then the merged tree; without: the tree drafter's; None: both."""
+        tree = self.tree.budget_sizes(self.name) or [s for s in SIZES if s < self.tree.nodes] + [self.tree.nodes]
         chain = [s for s in SIZES if s < 1 + self.ngram.k] + [1 + self.ngram.k, self.nodes]
         return sorted(set(tree + chain)) if key is None else chain if key.startswith("ngram") else tree
 
     def budget_start(self, key: str) -> int:
-        return 1 + self.ngram.k if key.startswith("ngram") else self.eagle.nodes
+        return 1 + self.ngram.k if key.startswith("ngram") else self.tree.budget_start(key) or self.tree.nodes
 
     def budget_setup(self, key: str, b: int) -> float:
         """The lazy head's start where a draft of b nodes needs the head."""
@@ -113,14 +116,14 @@ class HybridDrafter(Drafter):
         return self.head.paid()
 
     def setup(self, max_seq: int):
-        self.eagle.setup(max_seq + self.ngram.k)  # the chain's nodes may pass the tree's slots
+        self.tree.setup(max_seq + self.ngram.k)  # the chain's nodes may pass the tree's slots
         self.ngram.setup(max_seq)
 
     def prefill(self, p: Prefill):
         self.head.prefill(p)
         self.ngram.prefill(p)
-        self.accepted = dict(ngram=0, eagle=0, both=0)  # accepted draft tokens by who proposed them
-        self.source, self.skipped = [], 0  # skipped: chain-only steps, no EAGLE draft
+        self.accepted = {"ngram": 0, self.name: 0, "both": 0}  # accepted draft tokens by who proposed them
+        self.source, self.skipped = [], 0  # skipped: chain-only steps, no tree drafted
         self.proposal = (-1, -1, [])  # (history length, root, chain) of budget_key's proposal
 
     @torch.no_grad()
@@ -129,16 +132,16 @@ class HybridDrafter(Drafter):
         chain = self.proposal[2] if self.proposal[:2] == (m, r) else self.ngram.propose(self.ngram.hist + [r])
         small = budget is not None and 1 < budget < self.nodes and not self.ngram.static
         if small and chain:
-            # prompt lookup's tree alone: within the chain that is the merged tree's prefix, and past it the EAGLE
-            # draft costs more than its extra nodes win on a CPU
+            # prompt lookup's tree alone: within the chain that is the merged tree's prefix, and past it the tree
+            # drafter costs more than its extra nodes win on a CPU
             tok, par = self.ngram.lookup_tree(self.ngram.hist + [r])
-            self.source = ["eagle"] + ["ngram"] * len(tok)
+            self.source = [self.name] + ["ngram"] * len(tok)
             self.skipped += 1
             return lookup_tree_of(root, tok, par)
         self.head.catch_up()
-        t = self.eagle.draft(root, n, budget if small else None)  # no chain, small budget: a tree of that size
+        t = self.tree.draft(root, n, budget if small else None)  # no chain, small budget: a tree of that size
         if small or (not chain and not self.ngram.static):
-            self.source = ["eagle"] * t.tokens.shape[0]
+            self.source = [self.name] * t.tokens.shape[0]
             return t
         toks, par = t.tokens.tolist(), t.parents.tolist()
         path, cur = [], 0  # the tree nodes the chain agrees with
@@ -155,7 +158,7 @@ class HybridDrafter(Drafter):
         tokens = [toks[0]] + [toks[c] for c in path] + rest + [toks[c] for c in order[k0:]]
         parents = ([-1] + [pos(par[c]) for c in path] + [k0 - 1 + i for i in range(len(rest))]
                    + [pos(par[c]) for c in order[k0:]])
-        self.source = ["eagle"] + ["both"] * len(path) + ["ngram"] * len(rest) + ["eagle"] * (len(order) - k0)
+        self.source = [self.name] + ["both"] * len(path) + ["ngram"] * len(rest) + [self.name] * (len(order) - k0)
         pad = self.nodes - len(tokens) if self.ngram.static else 0  # --compile: one tree size, invalid padding
         tokens, parents = tokens + [0] * pad, parents + [0] * pad
         dev, D = t.tokens.device, max(t.max_depth, len(chain))
@@ -175,7 +178,7 @@ class HybridDrafter(Drafter):
         self.head.follow(a, L)
 
     def stats(self) -> dict:
-        d = self.eagle.stats() if self.head.started else dict(lm_head_s=0.0)
+        d = self.tree.stats() if self.head.started else dict(lm_head_s=0.0)
         d.update(head_started=self.head.started, head_start_s=round(self.head.started_s, 4),
                  chain_only_steps=self.skipped)
         total = sum(self.accepted.values())

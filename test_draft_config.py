@@ -1,5 +1,7 @@
 """draft_config.py: draft kinds, drafter construction errors, the head folder's frequency file, and the CLI's
 one-line errors for flags a drafter cannot honour."""
+import json
+
 import pytest
 import torch
 
@@ -50,14 +52,16 @@ def test_cli_draft_mismatch_errors(draft_env, tmp_path, capsys):
         assert len(err) == 1 and err[0].startswith("error:"), (argv, err)
 
 
-@pytest.mark.parametrize("draft", ["none", "model"])
-def test_cli_ngram_needs_an_eagle_head(tiny, capsys, draft):
-    """--ngram merges prompt lookup into an EAGLE tree: with no drafter or a draft model it is a one-line error."""
-    d = "none" if draft == "none" else str(tiny[2])
-    rc = main(["--checkpoint", str(tiny[0]), "--draft", d, "--ngram", "--max-new-tokens", "2", "--raw", "--prompt", "ab",
-               "--dtype", "float32"])
+def test_cli_ngram_needs_a_tree_drafter(tiny, capsys):
+    """--ngram merges prompt lookup into an EAGLE head's or a draft model's tree: with no drafter it is a one-line
+    error; with a draft model it runs (the hybrid, draft_hybrid.py: its stats)."""
+    base = ["--checkpoint", str(tiny[0]), "--ngram", "--max-new-tokens", "6", "--raw", "--prompt", "abab",
+            "--dtype", "float32"]
+    rc = main(base + ["--draft", "none"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("error:") and "\n" not in err and "--ngram" in err, err
+    assert main(base + ["--draft", str(tiny[2]), "--json"]) == 0
+    assert "chain_only_steps" in json.loads(capsys.readouterr().out)
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -69,7 +73,10 @@ def test_cli_ngram_needs_an_eagle_head(tiny, capsys, draft):
     (["--spec-k", "3"], "--spec-k does not apply to --draft none"),
     (["--draft", "HEAD", "--no-ngram", "--spec-k", "3"], "--spec-k does not apply to an EAGLE head without --ngram"),
     (["--draft", "HEAD", "--no-ngram", "--ngram-min", "2"], "--ngram-min does not apply to an EAGLE head without"),
-    (["--draft", "MODEL", "--tree-dep", "3"], "--tree-depth does not apply to a draft model"),  # (an abbreviation)
+    (["--draft", "ngram", "--tree-dep", "3"], "--tree-depth does not apply to prompt lookup"),  # (an abbreviation)
+    (["--draft", "MODEL", "--no-ngram", "--ngram-min", "2"], "--ngram-min does not apply to a draft model without"),
+    (["--draft", "MODEL", "--spec-k", "3", "--tree-topk", "2"], "--spec-k is a draft model's chain and --tree-* its"),
+    (["--draft", "MODEL", "--vocab", "full", "--k-ver-at", "accepted"], "--k-ver-at applies to the nanospec vocab"),
     (["--draft", "HEAD", "--vocab", "full", "--k-pre", "2"], "--k-pre applies to the nanospec vocabulary only"),
     (["--draft", "ngram", "--w-max", "64"], "--w-max applies to the nanospec vocabulary only (--vocab full)"),
 ])
@@ -106,7 +113,7 @@ def test_make_drafters_share_weights_not_state(draft_env, tmp_path):
     head = write_eagle_head(tmp_path / "h", cfg, version=3)
     m = load_model(path, dtype=torch.float32)
     ds = dc.make_drafters(dc.DraftConfig(str(head), "nanospec", 4, 3, 10, w_max=64, ngram=True), m, 3)
-    heads = [d.eagle.head for d in ds]
+    heads = [d.tree.head for d in ds]
     assert len({id(h) for h in heads}) == 3 and len({id(d.vocab) for d in ds}) == 3
     for h in heads[1:]:
         for (k, a), (_, b) in zip(heads[0].named_parameters(), h.named_parameters()):

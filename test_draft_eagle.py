@@ -7,7 +7,6 @@ import draft as dr
 import draft_eagle as de
 from conftest import load_head
 from generate import Engine
-from model import load_model
 from sampling import Sampling, accept_greedy, accept_sample, logits_to_probs
 from test_generate import PROMPTS, autoregressive, make_drafter, prefilled, target, tiny  # noqa: F401 (tiny: a fixture)
 from vocab import make_vocab
@@ -150,21 +149,6 @@ def test_draft_verify_accept_compact_trace_without_graph_breaks(draft_env, versi
     host, acc = c(eng._spec_verify)(tree, n)
     assert isinstance(acc, dr.Accepted) and host.shape == (2 + 2 * 4,)
     assert isinstance(c(eng._spec_advance)(acc), dr.Tree)
-
-
-def test_model_drafter_draft_traces(draft_env):
-    torch._dynamo.reset()
-    root, path, cfg = draft_env
-    dm = load_model(path, dtype=torch.float32)
-    for samp in (None, Sampling(1.0)):
-        d = de.ModelDrafter(dm, make_vocab("nanospec", dm.lm_head.weight, w_max=64), k=3, sampling=samp)
-        d.setup(64)
-        p = torch.arange(3, 12)
-        d.prefill(dr.Prefill(p, torch.tensor([5]), torch.zeros(len(p), 256), torch.zeros(1, len(p), 64), None))
-        d.vocab.reset(p, None)
-        torch._dynamo.reset()
-        tree = torch.compile(d.draft, fullgraph=True, backend="eager")(torch.tensor([5]), torch.tensor(len(p)))
-        assert tree.tokens.shape == (4,) and (tree.q is None) == (samp is None)
 
 
 def test_prefix_is_the_smaller_budgets_tree(tiny):

@@ -18,7 +18,7 @@ def test_hybrid_tree_merges_the_chain(tiny):
     d = make_drafter("hybrid", tiny, m, "nanospec", late_head=False)  # (its head drafts alone first)
     tok, n = prefilled(m, [d], PROMPTS[2])
     with torch.no_grad():
-        t = d.eagle.draft(tok, n)
+        t = d.tree.draft(tok, n)
         first = int(torch.nonzero(t.parents == 0)[0])  # a first-level tree node
         absent = [v for v in range(256) if v not in set(t.tokens.tolist())][:2]  # tokens the tree lacks
         for chain in ([int(t.tokens[first]), *absent], [], absent):
@@ -52,8 +52,8 @@ def test_hybrid_skips_the_eagle_tree_when_the_budget_verifies_only_the_chain(tin
     with torch.no_grad():
         full = d.draft(tok, n)
         calls = []
-        real = d.eagle.draft
-        d.eagle.draft = lambda *a, **k: calls.append(1) or real(*a, **k)
+        real = d.tree.draft
+        d.tree.draft = lambda *a, **k: calls.append(1) or real(*a, **k)
         for b in (2, 3, 4):
             t = d.draft(tok, n, b)
             assert not calls and t.tokens.tolist() == [int(tok)] + chain and t.parents.tolist() == [-1, 0, 1, 2]
@@ -72,7 +72,7 @@ def test_hybrid_skips_the_eagle_tree_when_the_budget_verifies_only_the_chain(tin
         t4 = d.draft(tok, n, 4)
         assert torch.equal(t4.tokens, real(tok, n, 4).tokens) and t4.tokens.shape[0] == 4 and len(calls) == 3
         assert d.source == ["eagle"] * 4
-        assert d.draft(tok, n, d.nodes).tokens.shape[0] == d.eagle.nodes and len(calls) == 4
+        assert d.draft(tok, n, d.nodes).tokens.shape[0] == d.tree.nodes and len(calls) == 4
     assert d.stats()["chain_only_steps"] == 5  # the 5 lookup steps above (b = 2, 3, 4, 9, and 4 with siblings)
 
 
@@ -102,8 +102,8 @@ def test_hybrid_budgets_chain_and_tree_steps_apart(tiny, monkeypatch):
         assert budgets[-1].of[c].sizes == d.budget_sizes(c) == chain_sizes
         assert budgets[-1].of[c].start == 1 + k and str(1 + k) in srcs[c]["budget_curve"]
     assert budgets[-1].of["eagle"].sizes == d.budget_sizes("eagle") and 1 + k not in d.budget_sizes("eagle")
-    assert d.budget_sizes("eagle")[-1] == d.eagle.nodes  # (no chain: sizes past the EAGLE tree draft the same)
-    assert budgets[-1].of["eagle"].start == d.eagle.nodes
+    assert d.budget_sizes("eagle")[-1] == d.tree.nodes  # (no chain: sizes past the EAGLE tree draft the same)
+    assert budgets[-1].of["eagle"].start == d.tree.nodes
     assert set(d.budget_sizes()) == set(d.budget_sizes("ngram1") + d.budget_sizes("eagle"))
 
 
@@ -113,9 +113,9 @@ def test_hybrid_head_catches_up_only_when_it_drafts(tiny):
     still autoregressive decoding's."""
     m = target(tiny[0])
     d = make_drafter("hybrid", tiny, m, "nanospec")
-    events, real_update, real_draft = [], d.eagle.update, d.eagle.draft
-    d.eagle.update = lambda a: events.append("update") or real_update(a)
-    d.eagle.draft = lambda *a, **k: events.append("draft") or real_draft(*a, **k)
+    events, real_update, real_draft = [], d.tree.update, d.tree.draft
+    d.tree.update = lambda a: events.append("update") or real_update(a)
+    d.tree.draft = lambda *a, **k: events.append("draft") or real_draft(*a, **k)
     eng = Engine(m, drafter=d, budget=True)
     prompt = PROMPTS[1] * 3
     out, st = eng.generate(prompt, 40)
@@ -140,11 +140,11 @@ def test_hybrid_head_starts_late_and_drafts_as_if_it_had_not(tiny, monkeypatch):
     for late in (True, False):
         d = make_drafter("hybrid", tiny, m, "nanospec", late_head=late)
         got, pre = trees.setdefault(late, []), prefills.setdefault(late, [])
-        draft = d.eagle.draft
-        d.eagle.draft = lambda *a, f=draft, got=got, **k: (t := f(*a, **k), got.append(t.tokens.tolist()))[0]
-        reset = d.eagle.vocab.reset  # the prompt's top-k the window starts from (late: projected in 3-row chunks)
-        d.eagle.vocab.reset = lambda rows, top, f=reset, pre=pre: (pre.append(top.clone()), f(rows, top))[1]
-        assert d.prompt_logits == (0 if late else d.eagle.prompt_logits)
+        draft = d.tree.draft
+        d.tree.draft = lambda *a, f=draft, got=got, **k: (t := f(*a, **k), got.append(t.tokens.tolist()))[0]
+        reset = d.tree.vocab.reset  # the prompt's top-k the window starts from (late: projected in 3-row chunks)
+        d.tree.vocab.reset = lambda rows, top, f=reset, pre=pre: (pre.append(top.clone()), f(rows, top))[1]
+        assert d.prompt_logits == (0 if late else d.tree.prompt_logits)
         out, st = Engine(m, drafter=d, budget=True).generate(prompt, 40)
         assert out == ref and st.extra["head_started"]
     assert trees[True] == trees[False] and len(trees[True]) > 2
@@ -152,7 +152,7 @@ def test_hybrid_head_starts_late_and_drafts_as_if_it_had_not(tiny, monkeypatch):
     assert prefills[True][0].shape[0] > 6 and torch.equal(prefills[True][0], prefills[False][0])  # projected later
     monkeypatch.setattr(budget_module, "Budget", Autoregressive)
     d = make_drafter("hybrid", tiny, m, "nanospec")
-    d.eagle.prefill = lambda p: pytest.fail("the head ran without drafting")
+    d.tree.prefill = lambda p: pytest.fail("the head ran without drafting")
     out, st = Engine(m, drafter=d, budget=True).generate(prompt, 40)
     assert out == ref and not st.extra["head_started"] and "vocab_coverage" not in st.extra
 
@@ -198,7 +198,7 @@ def test_hybrid_head_waiting_keeps_only_the_accepted_positions(tiny):
                 d.update(acc)
             tok, n = nxt.view(1), n + 1
         assert len(late.head.pending) == 6 and len(late.head.chunks) == 2 and sum(int(c.L) for c in late.head.chunks) == 128
-        k = late.eagle.vocab.k_ver  # (each chunk keeps the target's top-k_ver per position, not its logits)
+        k = late.tree.vocab.k_ver  # (each chunk keeps the target's top-k_ver per position, not its logits)
         assert all(int(c.L) == 64 and c.top.shape == (64, k) and c.logits.shape[0] == 0 for c in late.head.chunks)
         assert len(eager.head.pending) == 6 and not eager.head.chunks and late.head.deferred is not None
         assert torch.equal(late.draft(tok, n).tokens, eager.draft(tok, n).tokens)
