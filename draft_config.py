@@ -15,6 +15,7 @@ from eagle import EagleHead, load_eagle, read_keys
 from model import ModelError, Transformer, load_model
 from sampling import Sampling
 from tokenizer import Tokenizer
+from quant import QLinear
 from vocab import make_vocab
 
 
@@ -45,7 +46,8 @@ NGRAM_K = 10  # prompt lookup's chain, alone or in a hybrid (--spec-k where it i
 # NanoSpec's window per drafter kind (w_max, k_pre, k_ver, k_ver_at): the paper's for EAGLE heads; a draft model's
 # proposals run as deep as its text is predictable, so its window must hold what comes next (README, Draft models)
 HEAD_WINDOW = dict(w_max=3072, k_pre=3, k_ver=3, k_ver_at="accepted")
-MODEL_WINDOW = dict(w_max=32768, k_pre=16, k_ver=16, k_ver_at="verified")
+# a draft model: 16384 slots kept 97% of the full head's tau on the real pair at 11x less LM-head time
+MODEL_WINDOW = dict(w_max=16384, k_pre=16, k_ver=16, k_ver_at="verified")
 DRAFT_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                   "*.safetensors", "model.safetensors.index.json", "pytorch_model.bin"]
 
@@ -139,7 +141,7 @@ def add_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     v.add_argument("--vocab", default=None, help="full | freq:PATH[:K] | nanospec (default: nanospec with the shipped "
                    "head, else full)")
     v.add_argument("--w-max", type=int, default=None, help="NanoSpec window size (slots; EAGLE heads 3072, draft "
-                   "models 32768)")
+                   "models 16384)")
     v.add_argument("--k-pre", type=int, default=None, help="NanoSpec target top-K per prompt position (EAGLE heads 3, "
                    "draft models 16)")
     v.add_argument("--k-ver", type=int, default=None, help="NanoSpec target top-K per verified position (EAGLE heads "
@@ -269,8 +271,12 @@ def model_drafter(c: DraftConfig, path: Path, target: Transformer, sampling: Sam
     topk, depth, nodes = tree = c.model_tree(dev)
     check_tree_budget(topk, depth, nodes)
     chain = NGRAM_K if hybrid else 0  # (--spec-k is the draft model's chain)
-    weight = dm.lm_head.weight  # (a quantized head: its bf16 rows, once)
-    window = dict(MODEL_WINDOW, w_max=min(MODEL_WINDOW["w_max"], weight.shape[0]))
+    # a quantized head: scored as it is with the full vocabulary; the window's and FR-Spec's rows widened once
+    weight = dm.lm_head if isinstance(dm.lm_head, QLinear) else dm.lm_head.weight
+    # a small vocabulary: the window no wider than it, the default top-k per node as one step's append allows
+    w_max = min(MODEL_WINDOW["w_max"], dm.args.vocab_size)
+    k_ver = max(1, min(MODEL_WINDOW["k_ver"], (w_max - nodes - chain) // (nodes + chain)))
+    window = dict(MODEL_WINDOW, w_max=w_max, k_ver=k_ver)
     vocab, at = window_vocab(c, weight, target, nodes + chain, max(depth, chain), window,
                              path / "freq.pt" if (path / "freq.pt").is_file() else "ids")
     d = ModelDrafter(dm, vocab, sampling=sampling, tree=tree, project=target.lm_head)

@@ -50,6 +50,9 @@ class ModelDrafter(VocabDrafter):
     def budget_key(self, hist: list[int]) -> str:
         return "model"
 
+    def stats(self) -> dict:
+        return dict(super().stats(), draft_passes=self.passes)
+
     def budget_sizes(self, key: str | None = None) -> list[int]:
         return self.sizes
 
@@ -83,7 +86,10 @@ class ModelDrafter(VocabDrafter):
     def _tracing() -> bool:
         return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
+    passes = 0  # the draft model's passes this request, prefill included (stats: bench_gguf's bytes per token)
+
     def _forward(self, toks: Tensor, pos: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+        self.passes += 1
         _, h, _ = self.model(toks[None], pos, mask=mask, cache_pos=slots, return_hidden=True, compute_logits=False)
         return h[0]
 
@@ -97,6 +103,7 @@ class ModelDrafter(VocabDrafter):
     def prefill(self, p: Prefill):
         T = p.tokens.shape[0]
         self.hist[:T].copy_(p.tokens)
+        self.passes = 0
         self.c.zero_()
         self.fed_n.fill_(-1)
         self._catch_up(T, self.c + T)

@@ -43,17 +43,23 @@ class StaticVocab:
         pass
 
     def active_size(self):
-        return torch.full((), self.width, dtype=torch.long, device=self.weight.device)  # no host copy (CUDA graphs)
+        return torch.full((), self.width, dtype=torch.long, device=self.ids.device)  # no host copy (CUDA graphs)
 
 
 class FullVocab(StaticVocab):
     def __init__(self, weight):
-        self.weight = weight
-        self.ids = torch.arange(weight.shape[0], device=weight.device)  # [V], built once
-        self.width = weight.shape[0]
-        self.packed = packed_copy(weight.detach())                   # a second copy: memory for speed
+        """weight: the LM head's [V, d] matrix, or a quantized LM head (quant.QLinear), scored as it is"""
+        self.head = weight if isinstance(weight, torch.nn.Module) else None
+        self.weight = None if self.head is not None else weight
+        V, dev = (weight.out_features, weight.codes.device) if self.head is not None else (weight.shape[0], weight.device)
+        self.ids = torch.arange(V, device=dev)  # [V], built once
+        self.width = V
+        # a second copy: memory for speed
+        self.packed = None if self.head is not None else packed_copy(weight.detach())
 
     def logits(self, h):
+        if self.head is not None:
+            return self.head(h), self.ids
         return cpu_gemm.linear(h, self.weight, None, self.packed), self.ids
 
     def contains(self, ids):
@@ -332,12 +338,15 @@ def nanospec_state_bytes(V, d, w_max=3072, dtype=torch.float16, **kw):
 
 def make_vocab(spec, weight, *, w_max=3072, k_pre=3, k_ver=3, ablation=None, eos_ids=(),
                max_append=None, token_to_row=None, fill=None):
-    """spec: "full" | "freq:PATH" | "freq:PATH:K" | "nanospec". fill: NanoSpec's free-slot tokens (most frequent
+    """spec: "full" | "freq:PATH" | "freq:PATH:K" | "nanospec"; weight: the LM head's matrix, or a quantized LM head
+    (quant.QLinear: "full" scores it as it is). fill: NanoSpec's free-slot tokens (most frequent
     first) or a frequency file. token_to_row [V_target] (-1 absent): a pruned head's rows (EAGLE-3 d2t), or None."""
     if ablation is not None and spec != "nanospec":
         raise ValueError(f"ablation {ablation!r} only applies to the 'nanospec' vocabulary, not {spec!r}")
     if spec == "full":
         return FullVocab(weight)
+    if isinstance(weight, torch.nn.Module):  # a quantized LM head: its rows widened once for the window's copies
+        weight = weight.weight
     if spec == "nanospec":
         if isinstance(fill, (str, os.PathLike)):
             # the file's ranking as it is: eos enters with the target's top-k when it is likely
