@@ -429,7 +429,8 @@ def check_tensors(sd: dict, expected: dict, where: str):
 
 def load_model(path, dtype=torch.bfloat16, device="cpu", fast: bool = False) -> Transformer:
     """Build on the meta device, then assign the checkpoint tensors (no init, no conversion step). fast (draft
-    models): 4-bit matrices on the integer GEMM (quant.QLinear.make_fast), not the bf16 GEMM's bits."""
+    models): its matrices on the integer GEMM (quant.QLinear.make_fast: other formats than 4 bits in groups of 32
+    quantized again to it, once, saved with the kernel cache), not the bf16 GEMM's bits."""
     path = Path(path)
     if not path.is_dir():
         raise ModelError(f"checkpoint folder not found: {path}")
@@ -459,17 +460,17 @@ def load_model(path, dtype=torch.bfloat16, device="cpu", fast: bool = False) -> 
         cpu = torch.device(device).type == "cpu"
         if cpu:  # this machine picks the C kernel or torch's for them
             quant.choose(quant.schemes_of(sd))
-        packed = quant.read_kernel_cache(path, files) if cpu else None
+        packed = quant.read_kernel_cache(path, files, fast) if cpu else None
         try:
-            quant.swap_linears(model, sd, f"checkpoint {path}", packed)
+            quant.swap_linears(model, sd, f"checkpoint {path}", packed, fast)
         except quant.QuantError as e:
             raise ModelError(str(e)) from None
-        if cpu and packed is None:
-            quant.write_kernel_cache(model, path, files)
-        if fast:
+        if fast and packed is None:  # other formats quantized again to 4 bits: a draft only proposes
             for m in model.modules():
                 if isinstance(m, quant.QLinear):
-                    m.make_fast()
+                    m.make_fast(requantize=True)
+        if cpu and packed is None:
+            quant.write_kernel_cache(model, path, files, fast)
         sd.update({k: v for k, v in model.state_dict().items() if v.device.type != "meta"})  # theirs now
     tied = tied and not isinstance(model.lm_head, quant.QLinear)
     if tied and "embed_tokens.weight" in sd:

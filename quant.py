@@ -488,8 +488,9 @@ class QLinear(nn.Module):
     at load; its products row-invariant, the bf16 GEMM's bits on the dequantized weights), elsewhere (CUDA, no C
     compiler) in the checkpoint's, multiplied through torch's kernel for the scheme or the dequantized weights."""
 
-    def __init__(self, qw: QWeight, bias: Tensor | None = None, kernel: QWeight | None = None):
-        """kernel: qw already in the kernel's layout (read_kernel_cache), used as it is where the C kernel serves."""
+    def __init__(self, qw: QWeight, bias: Tensor | None = None, kernel: QWeight | None = None, fast: bool = False):
+        """kernel: qw already in the kernel's layout (read_kernel_cache), used as it is where the C kernel serves;
+        fast: kernel is fast_layout's (the draft models' integer GEMM)."""
         super().__init__()
         self.bits, self.zero = qw.bits, qw.zero
         self.out_features, self.in_features, self.group = qw.N, qw.K, qw.group
@@ -508,7 +509,9 @@ class QLinear(nn.Module):
             self.wide = qw.dequantize()
         for name in ("codes", "scales", "offsets", "high", "subscales", "submins"):
             self.register_buffer(name, getattr(qw, name))
-        if self.codes.dim() == 3:
+        if fast and kernel is not None and self.tq is None and self.wide is None:
+            self.set_fast(kernel)
+        elif self.codes.dim() == 3:
             self.point()
 
     def qweight(self) -> QWeight:
@@ -522,18 +525,26 @@ class QLinear(nn.Module):
         if self.fast:
             self.kw = KernelWeight(self.codes, self.scales, self.offsets, 4, 32, fast=True)
 
-    def make_fast(self) -> bool:
-        """Switch to the draft models' integer GEMM where it applies (fast_layout); whether it did."""
+    def make_fast(self, requantize: bool = False) -> bool:
+        """Switch to the draft models' integer GEMM where it applies (fast_layout); requantize: other formats (a
+        GGUF's Q5_0, Q6_K, Q8_0) quantized again to 4 bits in groups of 32 first. Whether it did."""
         if self.kw is None or self.fast:
             return self.fast
-        fl = fast_layout(self.rows())
+        qw = self.rows()
+        fl = fast_layout(qw)
+        if fl is None and requantize and cpu_gemm.VNNI and self.in_features % 32 == 0:
+            fl = fast_layout(quantize(qw.dequantize().float(), Scheme(4, 32)))
         if fl is None:
             return False
-        self.fast, self.zero, self.group = True, 0, 32
+        self.set_fast(fl)
+        return True
+
+    def set_fast(self, fl: QWeight):
+        """Take fast_layout's tensors as the buffers."""
+        self.fast, self.bits, self.zero, self.group = True, 4, 0, 32
         for name in ("codes", "scales", "offsets", "high", "subscales", "submins"):
             setattr(self, name, getattr(fl, name))
         self.point()
-        return True
 
     def rows(self) -> QWeight:
         """The matrix in the checkpoint's layout (not for torch's kernels' layouts)."""
@@ -664,10 +675,10 @@ def read_record(cfg: dict) -> dict | None:
     return r
 
 
-def swap_linears(model: nn.Module, sd: dict, where: str, packed: dict | None = None) -> int:
+def swap_linears(model: nn.Module, sd: dict, where: str, packed: dict | None = None, fast: bool = False) -> int:
     """Replace each Linear whose `<name>.qweight` is in sd by a QLinear of sd's tensors (popped), and an embedding
     with quantized rows by a QEmbedding; how many. packed: read_kernel_cache()'s tensors, the kernel's layout of the
-    same matrices (no packing at load)."""
+    same matrices (no packing at load); fast: packed holds fast_layout's."""
     n = 0
     for name, mod in list(model.named_modules()):
         if f"{name}.qweight" not in sd:
@@ -682,7 +693,7 @@ def swap_linears(model: nn.Module, sd: dict, where: str, packed: dict | None = N
                 get = lambda b: packed.get(f"{name}.{b}")
                 kq = QWeight(get("codes"), get("scales"), get("offsets"), qw.bits, get("high"), get("subscales"),
                              get("submins"), qw.zero)
-            new = QLinear(qw, sd.pop(f"{name}.bias", None), kq)
+            new = QLinear(qw, sd.pop(f"{name}.bias", None), kq, fast and kq is not None)
         setattr(parent, name.rpartition(".")[2], new)
         n += 1
     return n
@@ -693,17 +704,18 @@ def swap_linears(model: nn.Module, sd: dict, where: str, packed: dict | None = N
 KERNEL_LAYOUT = "1"  # bump when pack_planes / pack_groups change
 
 
-def _kernel_cache(folder, files) -> tuple:
+def _kernel_cache(folder, files, fast: bool) -> tuple:
     from pathlib import Path
-    key = " ".join([KERNEL_LAYOUT, cpu_gemm.ISA, str(cpu_gemm.PANEL), str(cpu_gemm.KB), str(qc())]
+    key = " ".join([KERNEL_LAYOUT, cpu_gemm.ISA, str(cpu_gemm.PANEL), str(cpu_gemm.KB), str(qc()), str(fast)]
                    + [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files])
-    return Path(folder) / f"kernel-{cpu_gemm.ISA}.safetensors", key
+    return Path(folder) / f"kernel-{cpu_gemm.ISA}{'-fast' if fast else ''}.safetensors", key
 
 
-def read_kernel_cache(folder, files) -> dict | None:
-    """The kernel-layout tensors saved for these checkpoint files on this ISA, or None (none, or stale)."""
+def read_kernel_cache(folder, files, fast: bool = False) -> dict | None:
+    """The kernel-layout tensors saved for these checkpoint files on this ISA (fast: the draft models' layout,
+    QLinear.make_fast), or None (none, or stale)."""
     from safetensors import safe_open
-    f, key = _kernel_cache(folder, files)
+    f, key = _kernel_cache(folder, files, fast)
     try:
         with safe_open(str(f), framework="pt", device="cpu") as fh:
             if (fh.metadata() or {}).get("key") != key:
@@ -713,14 +725,14 @@ def read_kernel_cache(folder, files) -> dict | None:
         return None
 
 
-def write_kernel_cache(model: nn.Module, folder, files):
+def write_kernel_cache(model: nn.Module, folder, files, fast: bool = False):
     """Save the model's quantized linears' kernel-layout buffers beside its checkpoint (atomic; skipped where the
     folder is read-only)."""
     import os
     import tempfile
 
     from safetensors.torch import save_file
-    f, key = _kernel_cache(folder, files)
+    f, key = _kernel_cache(folder, files, fast)
     t = {f"{n}.{b}": v.contiguous() for n, m in model.named_modules() if isinstance(m, QLinear) and m.kw is not None
          for b, v in m.named_buffers(recurse=False) if v is not None and b != "bias"}
     if not t:

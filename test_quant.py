@@ -413,3 +413,34 @@ def test_the_draft_models_integer_gemm(kind):
     x = torch.randn(3, 256).bfloat16()
     assert torch.equal(quant.kernel_linear(x, quant.fuse([a, b]), 2 * P + 5), torch.cat([a(x), b(x)], -1))
     assert not quant.QLinear(quant.from_gguf(gguf_blocks("Q6_K", P, 256, rng), "Q6_K", 256)).make_fast()
+
+
+@pytest.mark.skipif(not cpu_gemm.VNNI or cpu_gemm.kernel() is None, reason="needs AVX-512 VNNI and a C compiler")
+def test_a_draft_model_loads_on_the_integer_gemm(tmp_path, monkeypatch):
+    """load_model(fast=True): every quantized matrix on the integer GEMM, other formats (Q5_0, Q6_K, Q8_0) quantized
+    again to 4 bits in groups of 32 once and saved beside the checkpoint; the model's logits near the exact ones."""
+    import download
+    from conftest import write_tiny_gguf
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path / "cache"))
+    layer = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+    types = {f"blk.{i}.{n}.weight": k for i, k in ((0, "Q5_0"), (1, "Q6_K")) for n in layer}
+    write_tiny_gguf(tmp_path / "d.gguf", arch="qwen2", types=types | {"output.weight": "Q8_0"}, dim=256, ffn=512,
+                    heads=4, kv_heads=2, head_dim=64, tied=False)
+    path = download.resolve_checkpoint(str(tmp_path / "d.gguf"))
+    exact, fast = M.load_model(path), M.load_model(path, fast=True)
+    lins = [m for m in fast.modules() if isinstance(m, quant.QLinear)]
+    assert len(lins) == 15 and all(m.fast for m in lins) and fast.cpu_pass is not None
+    assert (path / f"kernel-{cpu_gemm.ISA}-fast.safetensors").is_file()
+    calls = []
+    monkeypatch.setattr(quant.QLinear, "make_fast", lambda self, requantize=False: calls.append(1))
+    again = M.load_model(path, fast=True)
+    assert not calls and all(m.fast for m in again.modules() if isinstance(m, quant.QLinear))
+    p = torch.tensor([[5, 9, 100, 3, 7, 7, 200, 261, 12]])
+    for m in (exact, fast, again):
+        m.setup_caches(1, 64)
+    assert torch.equal(fast(p, torch.arange(9)), again(p, torch.arange(9)))
+    x = torch.randn(4, 256).bfloat16()
+    for (n, e), f in zip(((n, m) for n, m in exact.named_modules() if isinstance(m, quant.QLinear)), lins):
+        if e.in_features == 256:  # (requantized to 4 bits from 5, 6 and 8: a draft's products, roughly the same)
+            y, z = e(x).float(), f(x).float()
+            assert (z - y).norm() / y.norm() < 0.15, n
