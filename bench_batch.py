@@ -147,7 +147,7 @@ def memory_per_sequence(model, drafter, max_seq: int) -> dict:
     kv = a.n_layers * 2 * a.n_kv_heads * max_seq * a.head_dim * model.lm_head.weight.element_size()
     d = {"KV cache": kv}
     if drafter is not None:
-        eagle = getattr(drafter, "eagle", drafter)
+        eagle = getattr(drafter, "tree", drafter)
         head = getattr(eagle, "head", None)
         if head is not None and head.kv is not None:
             d["draft head cache"] = head.kv.numel() * head.kv.element_size()

@@ -160,7 +160,7 @@ def build_method(m: Method, model: Transformer, heads: dict, freq_path: Path | N
     _timed(d, "update", m.timers, "drafter_update", sync)
     _timed(d.vocab, "update", m.timers, "vocab_update", sync)
     m.timers["drafter_logp"] = 0.0  # projection + log-softmax over the active rows
-    _timed(getattr(d, "eagle", d), "_logp", m.timers, "drafter_logp", sync)  # (a hybrid's LM head is its tree's)
+    _timed(getattr(d, "tree", d), "_logp", m.timers, "drafter_logp", sync)  # (a hybrid's LM head is its tree's)
 
 
 # ---------------------------------------------------------------- running

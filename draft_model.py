@@ -51,7 +51,7 @@ class ModelDrafter(VocabDrafter):
         return "model"
 
     def stats(self) -> dict:
-        return dict(super().stats(), draft_passes=self.passes)
+        return dict(super().stats(), draft_passes=int(getattr(self, "passes", 0)))
 
     def budget_sizes(self, key: str | None = None) -> list[int]:
         return self.sizes
@@ -81,15 +81,16 @@ class ModelDrafter(VocabDrafter):
             self.fed_n = torch.full((), -1, dtype=torch.long, device=dev)  # the last draft's n (-1: consumed)
             self.fed_tok = torch.full((self.depth, self.topk, self.depth), -1, dtype=torch.long, device=dev)
             self.fed_slot = torch.zeros(self.depth, self.topk, dtype=torch.long, device=dev)
+            # the draft model's passes this request, prefill included (bench_gguf's bytes per token); a tensor:
+            # a Python counter would be a guard, recompiling a compiled step at every value
+            self.passes = torch.zeros((), dtype=torch.long, device=dev)
 
     @staticmethod
     def _tracing() -> bool:
         return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
-    passes = 0  # the draft model's passes this request, prefill included (stats: bench_gguf's bytes per token)
-
     def _forward(self, toks: Tensor, pos: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
-        self.passes += 1
+        self.passes.add_(1)
         _, h, _ = self.model(toks[None], pos, mask=mask, cache_pos=slots, return_hidden=True, compute_logits=False)
         return h[0]
 
@@ -103,7 +104,7 @@ class ModelDrafter(VocabDrafter):
     def prefill(self, p: Prefill):
         T = p.tokens.shape[0]
         self.hist[:T].copy_(p.tokens)
-        self.passes = 0
+        self.passes.zero_()
         self.c.zero_()
         self.fed_n.fill_(-1)
         self._catch_up(T, self.c + T)
