@@ -3,7 +3,10 @@
 Each step picks, from a fixed set of sizes (static shapes), the one with the best measured tokens per second:
 E[tokens | b] = 1 + sum_{i<b} p_i over the running acceptance rate p_i of node rank i (drafts list nodes best
 first, parents first), over the size's running step time. Probes re-measure the other sizes (at most
-`probe_share` of the time while autoregressive decoding wins); a one-time set-up waits as in ski rental.
+`probe_share` of the time while autoregressive decoding wins). Where a drafter offers several sources for a step
+(the hybrid: prompt lookup's chain and the tree drafter's tree), Policy picks the one that has paid best on this
+request, exploring each a bounded number of steps; a one-time set-up (the hybrid's late head) is paid where the
+tokens left are expected to repay it (pays_back).
 """
 from draft import Accepted, Drafter, chained
 
@@ -101,14 +104,6 @@ class Budget:
         self.chosen[new] = self.chosen.get(new, 0) + 1
         self.probing = False
 
-    def saving(self, sizes: list[int]) -> float:
-        """Seconds a step waiting for a set-up that only these sizes need loses against the best of them."""
-        a = self.best_without(sizes) if self.timed.get(1, 0) and sizes else None
-        if a is None:
-            return 0.0
-        per_token = self.seconds(a) / self.tokens(a)
-        return max(0.0, max(self.tokens(s) * per_token - self.seconds(s) for s in sizes))
-
     def best_without(self, sizes: list[int]) -> int | None:
         alt = [s for s in self.sizes if s not in sizes]
         return max(alt, key=self.rate) if alt else None
@@ -175,58 +170,156 @@ class Budget:
         return d
 
 
+def pays_back(setup: float, left: float, rate: float, rate_without: float) -> bool:
+    """A one-time set-up pays where the tokens the request has left, at the rate it allows instead of the best rate
+    without it, save its seconds."""
+    return rate > rate_without > 0 and left * (1 / rate_without - 1 / rate) >= setup
+
+
+class Policy:
+    """Which of the sources a drafter offers drafts the next step (that source's Budget then picks the size): the one
+    whose steps emitted the most tokens per second on this request, or none (an autoregressive step) where none
+    beats decoding. Explore, then exploit: a source first offered gets `trials` steps, where may_try says its set-up
+    pays back; a source that loses is tried again after a gap that doubles while it keeps losing (gap..max_gap
+    steps: one that never pays costs a bounded share), every gap back to `gap` when the leader stops beating
+    decoding, and the next step again after a trial that beat the leader (one that starts paying is taken up).
+    Rates decay per step of their source, so the policy follows sources that pay by stretches."""
+
+    def __init__(self, trials: int = 2, gap: int = 8, max_gap: int = 64, decay: float = 0.8):
+        self.trials, self.gap0, self.max_gap, self.decay = trials, gap, max_gap, decay
+        self.tok, self.sec, self.n = {}, {}, {}  # source -> decayed tokens, decayed seconds, drafted steps
+        self.gap, self.last = {}, {}  # source -> steps before its next trial, the step it was last chosen
+        self.steps, self.trying, self.leader, self.bar = 0, False, None, 0.0
+
+    def rate(self, s) -> float:
+        return self.tok[s] / self.sec[s] if self.sec.get(s) else 0.0
+
+    def choose(self, sources: list, ar_rate: float = 0.0, may_try=lambda s: True):
+        """A source of sources, or None (ar_rate: tokens per second of an autoregressive step, 0: not known)."""
+        self.steps += 1
+        tried = [s for s in sources if self.n.get(s, 0) >= self.trials]
+        best = max(tried, key=self.rate, default=None)
+        if best is not None and self.rate(best) < ar_rate:
+            best = None
+        if best is None and self.leader is not None:  # the leader stopped paying: what else does, soon
+            self.gap = {}
+        self.leader, self.trying = best, True
+        self.bar = self.rate(best) if best is not None else ar_rate  # what a trial must beat to come back at once
+        for s in sources:
+            if s not in tried and may_try(s):  # explore
+                return self.take(s)
+        for s in tried:
+            if s != best and self.steps - self.last[s] >= self.gap.get(s, self.gap0) and may_try(s):
+                self.gap[s] = min(2 * self.gap.get(s, self.gap0), self.max_gap)
+                return self.take(s)
+        self.trying = False
+        if best is not None:
+            self.gap[best] = self.gap0
+            self.take(best)
+        return best
+
+    def only(self, s):
+        """The step's one source: its steps count towards its rate as chosen ones."""
+        self.steps, self.trying = self.steps + 1, False
+        return self.take(s)
+
+    def take(self, s):
+        self.last[s] = self.steps
+        return s
+
+    def observe(self, s, tokens: int, seconds: float):
+        """A step source s drafted: tokens emitted in seconds."""
+        d = self.decay
+        self.tok[s], self.sec[s] = d * self.tok.get(s, 0.0) + tokens, d * self.sec.get(s, 0.0) + seconds
+        self.n[s] = self.n.get(s, 0) + 1
+        if self.trying and s != self.leader and 0 < self.bar * seconds < tokens:  # a trial that beat the leader
+            self.gap[s] = 1
+
+
 class Budgets:
-    """One Budget per source of drafts (the drafter's budget_key), each with its own sizes_of(key), start_of(key)."""
+    """One Budget per source of drafts (the drafter's budget_keys), each with its own sizes_of(key), start_of(key),
+    and the Policy that picks the source where the drafter offers several."""
 
     START_EVIDENCE = 2.0  # decayed steps of a source's first rank past which no probe pays its set-up (start_probe)
 
-    def __init__(self, nodes: int, sizes_of=None, start_of=None, memory: dict | None = None, setup_of=None, **kw):
-        self.nodes, self.kw, self.of, self.key = nodes, kw, {}, None
+    def __init__(self, nodes: int, sizes_of=None, start_of=None, memory: dict | None = None, setup_of=None,
+                 policy: "Policy | None" = None, **kw):
+        self.nodes, self.kw, self.of, self.key, self.chosen = nodes, kw, {}, None, None  # chosen: the policy's
         self.sizes_of, self.start_of = sizes_of, start_of
-        # setup_of(key, b): seconds a draft of b nodes pays once first (0: none); held_back: what waiting cost
-        self.setup_of, self.held_back = setup_of, 0.0
+        self.setup_of = setup_of  # setup_of(key, b): seconds a draft of b nodes pays once first (0: none)
+        self.policy = policy or Policy()
         self.spent = {"probe": 0.0, "total": 0.0}  # one probe cap for the request (Budget.probe_share)
+        self.emitted = 0  # tokens of the steps observed
         self.memory = memory  # {source: Budget} of the engine's earlier requests (keep() adds this one's)
 
     @property
     def settle(self) -> int:
         return self.kw.get("settle", 2)
 
-    def pick(self, key, left: float = float("inf")) -> int:
-        """The next step's size for source key; left: tokens the request may still emit per token so far."""
-        self.key = key
-        if key not in self.of:
-            new = self.of[key] = Budget(self.nodes, spent=self.spent,
-                                        sizes=self.sizes_of(key) if self.sizes_of else None,
-                                        start=self.start_of(key) if self.start_of else None, **self.kw)
-            old = (self.memory or {}).get(key)
-            if old is not None and old.sizes == new.sizes:
-                new.carry(old)
-            else:  # new to the engine: start from a speculating sibling with the same sizes, weighed as one step
-                sibs = [x for x in self.of.values() if x is not new and x.sizes == new.sizes and x.steps
-                        and x.timed.get(1, 0) and max(x.sizes, key=x.rate) > 1]
-                if sibs:
-                    new.carry(max(sibs, key=lambda x: x.steps), weight=1.0)
-            # an autoregressive step is the same whatever the source: take the time the others measured
-            ar = max(self.of.values(), key=lambda x: x.timed.get(1, 0))
-            if ar is not new and ar.timed.get(1, 0):
-                new.time[1], new.timed[1] = ar.time[1], max(ar.timed[1], new.timed.get(1, 0))
-        bud = self.of[key]
+    def budget(self, key) -> Budget:
+        """Source key's Budget: the engine's last one, else a speculating sibling's weighed as one step, else new."""
+        if key in self.of:
+            return self.of[key]
+        new = self.of[key] = Budget(self.nodes, spent=self.spent, sizes=self.sizes_of(key) if self.sizes_of else None,
+                                    start=self.start_of(key) if self.start_of else None, **self.kw)
+        old = (self.memory or {}).get(key)
+        if old is not None and old.sizes == new.sizes:
+            new.carry(old)
+        else:
+            sibs = [x for x in self.of.values() if x is not new and x.sizes == new.sizes and x.steps
+                    and x.timed.get(1, 0) and max(x.sizes, key=x.rate) > 1]
+            if sibs:
+                new.carry(max(sibs, key=lambda x: x.steps), weight=1.0)
+        # an autoregressive step is the same whatever the source: take the time the others measured
+        ar = max(self.of.values(), key=lambda x: x.timed.get(1, 0))
+        if ar is not new and ar.timed.get(1, 0):
+            new.time[1], new.timed[1] = ar.time[1], max(ar.timed[1], new.timed.get(1, 0))
+        return new
+
+    def ar_rate(self) -> float:
+        t = [x.time[1] for x in self.of.values() if x.timed.get(1, 0)]
+        return 1.0 / t[0] if t and t[0] > 0 else 0.0
+
+    def pick(self, keys, left: float = float("inf")) -> int:
+        """The next step's size; keys: its source, or the sources the drafter offers (the policy's choice is then
+        self.key); left: tokens the request is expected to emit still."""
+        keys = [keys] if isinstance(keys, str) else list(keys)
+        may_try = lambda k: self.may_try(k, keys, left)
+        key = self.policy.only(keys[0]) if len(keys) == 1 else self.policy.choose(keys, self.ar_rate(), may_try)
+        trial = self.policy.trying
+        self.chosen, self.key = key, keys[0] if key is None else key
+        bud = self.budget(self.key)
         b = bud.pick()
-        setup = self.setup_of(key, b) if self.setup_of is not None and b > 1 else 0.0
-        if setup > 0:  # ski rental: the best size without it until waiting has cost the set-up
-            need = [s for s in bud.sizes if s > 1 and self.setup_of(key, s) > 0]
-            self.held_back += bud.saving(need)
-            if (self.held_back < setup or self.held_back * left < setup) and not self.start_probe(bud, setup, left):
-                a = (bud.best_without(need) or 1) if bud.time else 1
+        new = 1 if key is None else bud.start if trial else b  # neither; a trial drafts the source's whole draft
+        if new != b:
+            bud.instead(b, new)
+            b = new
+        setup = self.setup_of(self.key, b) if self.setup_of is not None and b > 1 else 0.0
+        if setup > 0 and not trial:  # a set-up the policy did not weigh: where it pays back within the request
+            need = [s for s in bud.sizes if s > 1 and self.setup_of(self.key, s) > 0]
+            a = (bud.best_without(need) or 1) if bud.time else 1
+            if not (bud.time and pays_back(setup, left, bud.rate(b), bud.rate(a))) and \
+                    not self.start_probe(bud, setup, left):
                 bud.instead(b, a)
                 b = a
         return b
 
+    def may_try(self, key, keys: list, left: float) -> bool:
+        """Whether the policy may try source key: its set-up (if any) pays back at its Budget's best estimate
+        against the best of decoding and the other sources offered."""
+        bud = self.budget(key)
+        setup = self.setup_of(key, bud.start) if self.setup_of is not None else 0.0  # (a trial drafts bud.start)
+        if setup <= 0:
+            return True
+        best = max((bud.rate(s) for s in bud.sizes[1:]), default=0.0) if bud.time else 0.0
+        other = max([self.ar_rate()] + [self.policy.rate(k) for k in keys if k != key])
+        return pays_back(setup, left, best, other)
+
     def start_probe(self, bud: Budget, setup: float, left: float) -> bool:
         # a probe pays the set-up while evidence is thin: one unlucky step would lock the head out for good
+        share = bud.probe_share * self.spent["total"] * (1 + left / max(self.emitted, 1))
         if (not bud.probing or bud.nodes < 2 or bud.trials[1] >= self.START_EVIDENCE
-                or self.spent["probe"] + setup > bud.probe_share * self.spent["total"] * (1 + left)):
+                or self.spent["probe"] + setup > share):
             return False
         self.spent["probe"] += setup
         return True
@@ -237,6 +330,9 @@ class Budgets:
 
     def observe(self, b: int, accepted: list[int], seconds: float):
         self.of[self.key].observe(b, accepted, seconds)
+        self.emitted += len(accepted)
+        if self.chosen is not None:  # what the source handed the step delivered, its AR steps too
+            self.policy.observe(self.chosen, len(accepted), seconds)
         if b == 1:  # every source's autoregressive time follows it (see pick)
             for k, bud in self.of.items():
                 if k != self.key:
@@ -276,8 +372,10 @@ class StepBudget:
         """Nodes the next step verifies (1: an autoregressive step, no draft); out: the tokens so far."""
         if self.budgets is None:
             return self.d.nodes
-        left = (self.max_new - len(out)) / len(out)  # tokens still to come per token so far, at most
-        return self.budgets.pick(self.d.budget_key(self.prompt + out), left)
+        # tokens still to come: as many again as so far (a request's length is not known), at most max_new's
+        b = self.budgets.pick(self.d.budget_keys(self.prompt + out), min(self.max_new - len(out), len(out)))
+        self.d.budget_use(self.budgets.key)
+        return b
 
     def observe(self, b: int, accepted: list[int], seconds: float):
         # less the one-time set-ups paid inside: billed to one size, they would make it look slow for good

@@ -7,7 +7,8 @@ emitted token, not yet cached.
     positions whose logits prefill reads, 0: the last)
     setup(max_seq), prefill(Prefill), update(Accepted), stats() -> dict, budget_key(hist) -> budget source
     draft(root, n, budget=None) -> Tree: static shapes, no host sync; only the first `budget` nodes are verified
-    budget.py's hooks: budget_sizes(key), budget_start(key), budget_setup(key, b), setup_paid(), start_rate
+    budget.py's hooks: budget_keys(hist) (the sources that may draft the step), budget_use(key) (the one chosen),
+    budget_sizes(key), budget_start(key), budget_setup(key, b), setup_paid(), start_rate
 EAGLE-2's search (`tree_search`, `rerank`) serves every drafter with an LM head (draft_eagle.py, draft_model.py)."""
 from dataclasses import dataclass
 
@@ -227,6 +228,12 @@ class Drafter:
     start_rate = 0.0
 
     def setup(self, max_seq: int):
+        pass
+
+    def budget_keys(self, hist: list[int]) -> list[str]:
+        return [self.budget_key(hist)]
+
+    def budget_use(self, key: str):
         pass
 
     def budget_sizes(self, key: str | None = None) -> list[int] | None:

@@ -12,7 +12,7 @@ from draft_lookup import NgramDrafter, match_key
 
 class LazyHead:
     """The hybrid's tree drafter (EAGLE head or draft model), started (prefill, then the steps since) when it first
-    drafts: chains alone never pay for it. The start is a set-up budget.Budgets weighs (ski rental): price(), paid().
+    drafts: chains alone never pay for it. The start is a set-up budget.Budgets weighs (pays_back): price(), paid().
     A drafter without the target's LM head (project) cannot take the prompt's top-k later: it starts at once."""
 
     MAX_PENDING_TOKENS = 512  # chained accepted tokens kept while the prefill waits; past this it catches up
@@ -98,6 +98,15 @@ class HybridDrafter(Drafter):
         n, chain = self.ngram.match(hist)
         self.proposal = (len(hist), hist[-1], chain)
         return match_key(n, chain) if chain else self.name
+
+    def budget_keys(self, hist: list[int]) -> list[str]:
+        """Where prompt lookup has a chain, its source (with the merged tree among its sizes) or the tree's alone."""
+        key = self.budget_key(hist)
+        return [key, self.name] if key != self.name else [key]
+
+    def budget_use(self, key: str):
+        if key == self.name:  # the tree alone: its draft() holds no chain
+            self.proposal = (*self.proposal[:2], [])
 
     def budget_sizes(self, key: str | None = None) -> list[int]:
         """With a chain: prompt lookup's sizes, then the merged tree; without: the tree drafter's; None: both."""

@@ -8,7 +8,7 @@ import draft as dr
 import draft_eagle as de
 from generate import Engine
 import generate as g
-from test_generate import Autoregressive, Cycle, PROMPTS, autoregressive, make_drafter, prefilled, recorded_budgets, target, tiny  # noqa: F401 (tiny: a fixture)
+from test_generate import Autoregressive, Cycle, PROMPTS, Turns, autoregressive, make_drafter, prefilled, recorded_budgets, target, tiny  # noqa: F401 (tiny: a fixture)
 
 
 def test_hybrid_tree_merges_the_chain(tiny):
@@ -76,6 +76,29 @@ def test_hybrid_skips_the_eagle_tree_when_the_budget_verifies_only_the_chain(tin
     assert d.stats()["chain_only_steps"] == 5  # the 5 lookup steps above (b = 2, 3, 4, 9, and 4 with siblings)
 
 
+def test_hybrid_offers_the_chain_and_the_tree_alone(tiny):
+    """Where prompt lookup has a chain the hybrid offers two budget sources (the chain's, whose sizes end at the
+    merged tree, and the tree drafter's); the policy's choice of the tree drafter drafts its tree alone, as
+    at a step without a chain."""
+    m = target(tiny[0])
+    d = make_drafter("hybrid", tiny, m, "nanospec")
+    tok, n = prefilled(m, [d], PROMPTS[2])
+    hist = d.ngram.hist + [int(tok)]
+    d.ngram.match = lambda h: (2, [7, 8, 9])
+    d.ngram.lookup_tree = lambda h: ([7, 8, 9], [0, 1, 2])
+    assert d.budget_keys(hist) == ["ngram2", "eagle"]
+    with torch.no_grad():
+        d.budget_use("ngram2")
+        assert d.draft(tok, n, 4).tokens.tolist() == [int(tok), 7, 8, 9]
+        d.budget_keys(hist)
+        d.budget_use("eagle")
+        t = d.draft(tok, n, d.tree.nodes)
+        assert torch.equal(t.tokens, d.tree.draft(tok, n, d.tree.nodes).tokens)
+        assert d.source == ["eagle"] * t.tokens.shape[0]
+    d.ngram.match = lambda h: (0, [])
+    assert d.budget_keys(hist) == ["eagle"]
+
+
 def test_hybrid_budgets_chain_and_tree_steps_apart(tiny, monkeypatch):
     """With the fitted budget the hybrid's steps with a prompt-lookup chain and those without keep separate
     statistics (budget.Budgets, keyed by budget_key), the draft reuses the key's proposal, and the output is
@@ -132,6 +155,7 @@ def test_hybrid_head_starts_late_and_drafts_as_if_it_had_not(tiny, monkeypatch):
     engine's prefill projects one logit row for it, not the window's. A request that never drafts with the head
     never runs it. Outputs are autoregressive decoding's."""
     monkeypatch.setattr(budget_module, "Budget", Cycle)
+    monkeypatch.setattr(budget_module, "Policy", Turns)
     monkeypatch.setattr(de.VocabDrafter, "PROJECT_ROWS", 3)
     m = target(tiny[0])
     prompt = PROMPTS[1] * 3
@@ -151,6 +175,7 @@ def test_hybrid_head_starts_late_and_drafts_as_if_it_had_not(tiny, monkeypatch):
     assert len(prefills[True]) == len(prefills[False]) == 1
     assert prefills[True][0].shape[0] > 6 and torch.equal(prefills[True][0], prefills[False][0])  # projected later
     monkeypatch.setattr(budget_module, "Budget", Autoregressive)
+    monkeypatch.setattr(budget_module, "Policy", Turns)
     d = make_drafter("hybrid", tiny, m, "nanospec")
     d.tree.prefill = lambda p: pytest.fail("the head ran without drafting")
     out, st = Engine(m, drafter=d, budget=True).generate(prompt, 40)
@@ -159,10 +184,11 @@ def test_hybrid_head_starts_late_and_drafts_as_if_it_had_not(tiny, monkeypatch):
 
 def test_hybrid_head_starts_where_the_budget_says_it_pays(tiny, monkeypatch):
     """The late head's start is priced by the last one (its seconds per waiting token) and budget.Budgets
-    holds EAGLE drafts back until waiting would have cost as much (ski rental): a first start measures the
-    price, a start priced far above what the head saves never comes, one priced near zero does. The start's
+    holds EAGLE drafts back until the tokens left would repay it (budget.pays_back): a first start measures the
+    price, a start priced far above what the head saves never comes, one that pays back does. The start's
     seconds are reported and taken out of the step times (setup_paid); outputs are autoregressive decoding's."""
     monkeypatch.setattr(budget_module, "Budget", Cycle)  # every size in turn: the head's drafts are asked for
+    monkeypatch.setattr(budget_module, "Policy", Turns)
     m = target(tiny[0])
     prompt = PROMPTS[1] * 3
     ref = autoregressive(m, prompt, 40)
@@ -174,7 +200,7 @@ def test_hybrid_head_starts_where_the_budget_says_it_pays(tiny, monkeypatch):
     d.start_rate = 1e6
     out, st = eng.generate(prompt, 40)
     assert out == ref and not st.extra["head_started"] and st.extra["budget_hist"].get("1", 0) > 0
-    monkeypatch.setattr(budget_module.Budget, "saving", lambda self, sizes: 1.0)
+    monkeypatch.setattr(budget_module, "pays_back", lambda *a: True)
     d.start_rate = 1e-9
     out, st = eng.generate(prompt, 40)
     assert out == ref and st.extra["head_started"]

@@ -17,7 +17,7 @@ from draft_model import ModelDrafter
 from generate import Engine, main
 from model import load_model
 from sampling import Sampling
-from test_generate import PROMPTS, Cycle, autoregressive, tiny  # noqa: F401 (tiny: a fixture)
+from test_generate import PROMPTS, Cycle, Turns, autoregressive, tiny  # noqa: F401 (tiny: a fixture)
 from vocab import make_vocab
 
 CHAIN, TREE = (1, 4, 5), (3, 3, 9)
@@ -81,6 +81,7 @@ def test_greedy_lossless_across_eos_and_with_every_budget(tiny, monkeypatch, dty
         assert out == ref, shape
     m = target(tiny, dtype)
     monkeypatch.setattr(budget_module, "Budget", Cycle)
+    monkeypatch.setattr(budget_module, "Policy", Turns)
     for spec in ("full", "nanospec"):
         d = model_drafter(tiny, spec, (4, 4, 16), dtype=dtype)
         eng = Engine(m, drafter=d, budget=True)
@@ -125,6 +126,7 @@ def test_the_draft_cache_follows_the_accepted_path(tiny, monkeypatch, dtype, kin
     for bit through the fused CPU pass (row-invariant; keys reduced in logical order wherever they sit)."""
     if kind in ("budget", "hybrid"):
         monkeypatch.setattr(budget_module, "Budget", Cycle)  # autoregressive steps, chains and trees in turn
+        monkeypatch.setattr(budget_module, "Policy", Turns)
     m = target(tiny, dtype)
     moved = []
     for p in (PROMPTS[1] * 3, PROMPTS[2]):
@@ -237,6 +239,7 @@ def test_hybrid_over_a_draft_model_is_lossless_and_starts_it_late(tiny, monkeypa
     ("model" without a chain), the draft model started late (its prefill when it first drafts, the steps since in
     one catch-up) drafting the trees an eagerly started one drafts; outputs are autoregressive decoding's."""
     monkeypatch.setattr(budget_module, "Budget", Cycle)
+    monkeypatch.setattr(budget_module, "Policy", Turns)
     m = target(tiny)
     prompt = PROMPTS[1] * 3
     ref = autoregressive(m, prompt, 40)

@@ -13,7 +13,7 @@ import draft_config as dc
 import draft_eagle as de
 import draft_hybrid as dh
 import draft_lookup as dl
-from budget import Budget
+from budget import Budget, Policy
 from conftest import write_eagle_head, write_tiny_hf
 from eagle import load_eagle
 from exact import Invariance
@@ -334,6 +334,14 @@ class Cycle(Budget):
         return k
 
 
+class Turns(Policy):
+    """Every source the drafter offers in turn, never a trial: the sizes are the (stubbed) Budget's alone."""
+
+    def choose(self, sources, ar_rate=0.0, may_try=None):
+        self.steps, self.trying = self.steps + 1, False
+        return sources[self.steps % len(sources)]
+
+
 def recorded_budgets(monkeypatch) -> list:
     """Every budget.Budgets the engine makes from now on, in order: the tests read a request's budget here."""
     made = []
@@ -351,6 +359,7 @@ def recorded_budgets(monkeypatch) -> list:
                                         ("model", "nanospec"), ("ngram", "full"), ("hybrid", "nanospec")])
 def test_greedy_lossless_with_every_budget(tiny, monkeypatch, kind, vocab):
     monkeypatch.setattr(budget_module, "Budget", Cycle)  # every source's budget cycles (budget.Budgets)
+    monkeypatch.setattr(budget_module, "Policy", Turns)
     m = target(tiny[0])
     w_max = 48 if kind == "eagle3_pruned" else 64
     eng = Engine(m, drafter=make_drafter(kind, tiny, m, vocab, w_max=w_max), budget=True)
@@ -404,6 +413,7 @@ def test_budget_sizes_compile_once_each(tiny, monkeypatch, kind):
     nothing new, and its tokens are still autoregressive decoding's."""
     from torch._dynamo.testing import CompileCounter
     monkeypatch.setattr(budget_module, "Budget", Cycle)  # every source's budget cycles (budget.Budgets)
+    monkeypatch.setattr(budget_module, "Policy", Turns)
     torch._dynamo.reset()
     m = target(tiny[0])
     d = make_drafter(kind, tiny, m, "nanospec")
