@@ -54,6 +54,9 @@ class Seq:
     pending: list = field(default_factory=list)
     budgets: dict = field(default_factory=dict)  # source -> budget.Budget (budget_batch.py)
     key: str = ""
+    policy: object = None  # budget.Policy where its drafter offers several sources; its choice, its step's share
+    chosen: str | None = None
+    step_s: float = 0.0
     accepted: list = field(default_factory=list)  # tokens each step emitted
     # streaming: the latest step's tokens, who proposed each (TARGET: the target's own; else its drafter's
     # source, as accepted_from counts them), and the steps that verified a tree of its drafter's
@@ -260,7 +263,9 @@ class BatchEngine:
         under load: the step is then a decode step)."""
         t0, dev = time.perf_counter(), self.device
         sizes = [s.drafter.nodes for s in seqs] if self.fixed else \
-            self.budget.choose(seqs, lambda s: s.drafter.budget_key(s.prompt + s.out))
+            self.budget.choose(seqs, lambda s: s.drafter.budget_keys(s.prompt + s.out))
+        for s in ([] if self.fixed else seqs):
+            s.drafter.budget_use(s.key)
         trees, cost = {}, {}  # cost: seconds a tree adds to the step besides its rows (drafting, host work)
         for i, (s, b) in enumerate(zip(seqs, sizes)):
             trees[i], cost[i] = self._draft(s, b)
@@ -291,6 +296,8 @@ class BatchEngine:
             s = seqs[i]
             s.pending.append((held, r, s.out[-1], nxt[r], s.n))
             out[i], s.n = [nxt[r]], s.n + 1
+            if not self.fixed:
+                self.budget.observe_seq(s, 1, [0])
         r = len(ar)
         for i, t in trees.items():
             tl, s, N, b = time.perf_counter(), seqs[i], t.tokens.shape[0], sizes[i]

@@ -15,7 +15,7 @@ draft and λ are running means of what every step measured.
 must not make drafting look cheap. A sequence's drafting cost holds everything its tree adds to a step: its
 drafter's catch-up and draft, and the host work of its acceptance.
 """
-from budget import Budget
+from budget import Budget, Policy, pays_back
 
 
 def bucket(rows: int) -> int:
@@ -109,8 +109,35 @@ class BatchBudget:
                 own.carry(self.common[seq.key], weight=1.0)
         return own
 
+    def source(self, s, keys: list, share: float, draft) -> tuple[str | None, bool]:
+        """(the sequence's source for the step, None for no draft; whether it is a trial): budget.Policy, as at
+        batch 1, over its share of a step (share: a row's part of the pass; draft(key, b): its drafting)."""
+        if len(keys) == 1:
+            s.chosen = None
+            return keys[0], False
+        if getattr(s, "policy", None) is None:
+            s.policy = Policy()
+        ar = share + draft(keys[0], 1)
+        left = min(s.max_new - len(s.out), len(s.out)) if hasattr(s, "out") else float("inf")
+
+        def may_try(k):  # a set-up (the late head's start) pays back at the prior's or the batch's estimate
+            setup = s.drafter.budget_setup(k, self.nodes)
+            if setup <= 0:
+                return True
+            bud = self.common.get(k) or self._new(k)
+            E = tokens(bud)
+            best = max((E[x] / (ar + draft(k, x)) for x in bud.sizes[1:]), default=0.0)
+            return pays_back(setup, left, best, max([1 / ar if ar else 0.0] + [s.policy.rate(o) for o in keys]))
+
+        s.chosen = s.policy.choose(keys, 1 / ar if ar else 0.0, may_try)
+        return s.chosen, s.policy.trying
+
     def observe_seq(self, seq, b: int, accepted: list[int]):
-        """A sequence's step of size b > 1: its accepted node indices, root first."""
+        """A sequence's step of size b (1: no draft): its accepted node indices, root first."""
+        if getattr(seq, "policy", None) is not None and seq.chosen is not None:  # what its policy's source paid
+            seq.policy.observe(seq.chosen, len(accepted), seq.step_s or 1e-9)
+        if b == 1:
+            return
         for own, d in ((seq.budgets, seq.key), (self.common, seq.key)):
             if d not in own:
                 own[d] = self._new(d)
@@ -124,8 +151,8 @@ class BatchBudget:
         return self.draft_s[key, min(near, key=lambda x: abs(x - b))] if near else 0.0
 
     def choose(self, seqs: list, key_of) -> list[int]:
-        """Each sequence's size for the next step (key_of(seq): its source now, set as seq.key), one after the
-        other, each pricing its rows on the pass as the sequences before it left it. A source no sequence has
+        """Each sequence's size for the next step (key_of(seq): its source now, or the sources its drafter offers,
+        of which its budget.Policy picks one; set as seq.key), one after the other, each pricing its rows on the pass as the sequences before it left it. A source no sequence has
         evidence on yet is priced by one sequence a step at the prior (each node as likely as not): tried where
         rows are cheap, not where they are not. The first step drafts nothing: it measures the batch's rate."""
         n = len(seqs)
@@ -134,17 +161,24 @@ class BatchBudget:
         draft = lambda k, x: D[k, x] if (k, x) in D else D.setdefault((k, x), self.draft(k, x))
         lam = max(self.rate or 0.0, n / cost(n) if cost(n) else 0.0)
         for s in seqs:
-            s.key = key_of(s)
+            keys = key_of(s)
+            keys = [keys] if isinstance(keys, str) else keys
+            key, trial = self.source(s, keys, cost(n) / n if lam else 0.0, draft)
+            s.key = keys[0] if key is None else key  # (None: no draft, this step)
             c = self.common.get(s.key)
             new = c is None or c.trials[1] < self.OWN  # a source without evidence: one sequence a step tries it
-            if not lam or (new and s.key in tried):
+            if key is None or not lam or (new and s.key in tried):
                 b = 1
             else:
                 tried.add(s.key)
                 bud, setup = self._new(s.key) if new else self.budget(s), s.drafter.budget_setup
                 base, E = cost(rows) + draft(s.key, 1), tokens(bud)
-                b = max(bud.sizes, key=lambda x: E[x] - lam * (  # a set-up (a lazy head's start) too
-                    cost(rows + x - 1) + draft(s.key, x) - base + (setup(s.key, x) if x > 1 else 0.0)))
+                value = {x: E[x] - lam * (  # a set-up (a lazy head's start) too, unless the policy weighed it
+                    cost(rows + x - 1) + draft(s.key, x) - base + (setup(s.key, x) if x > 1 and not trial else 0.0))
+                    for x in bud.sizes}
+                b = max(bud.sizes[1:] if trial and len(bud.sizes) > 1 else bud.sizes, key=value.get)
+            # the sequence's share of the step, which its policy's rates read
+            s.step_s = (cost(n) / n if lam else 0.0) + cost(rows + b - 1) - cost(rows) + draft(s.key, b)
             rows += b - 1  # the next sequence's rows cost what they add to this pass
             out.append(b)
         n, spec = len(seqs), sum(b > 1 for b in out)

@@ -103,3 +103,25 @@ def test_tokens_in_one_sweep_equal_the_budgets():
     for acc in ([0, 1, 2], [0], [0, 1, 2, 3, 4, 5, 6], [0, 1]):
         b.observe(11, acc, 0.0)
     assert tokens(b) == pytest.approx({x: b.tokens(x) for x in b.sizes})
+
+
+def test_a_sequence_drafts_with_the_source_that_pays_it():
+    """Where a sequence's drafter offers two sources (the hybrid at a step with a chain), its budget.Policy picks
+    one, as at batch 1: the source never accepted is tried a bounded number of times, the other drafts."""
+    pass_s = lambda r: 0.010 + 0.00005 * r
+    bb = BatchBudget(16, sizes_of=lambda k: [1, 2, 4, 8, 16])
+    for r in (1, 2, 4, 8, 16, 32, 64):
+        bb.pass_s.observe(r, pass_s(r))
+    seqs = [Seq(0.8, drafter=Drafter()) for _ in range(4)]
+    picks = []
+    for _ in range(300):
+        sizes = bb.choose(seqs, lambda s: ["ngram3", "eagle"])
+        for s, b in zip(seqs, sizes):
+            if b > 1:
+                bb.observe_draft(s.key, b, 0.0002)
+            bb.observe_seq(s, b, list(range(1 if b == 1 or s.key == "ngram3" else min(b, 4))))
+            picks.append(s.key if b > 1 else None)
+        rows = sum(sizes)
+        bb.observe(rows, pass_s(rows), 4, pass_s(rows))
+    late = picks[len(picks) // 2:]
+    assert late.count("ngram3") <= 4 * (150 // 64 + 1) and late.count("eagle") >= 0.9 * len(late)
