@@ -152,9 +152,10 @@ class BatchBudget:
 
     def choose(self, seqs: list, key_of) -> list[int]:
         """Each sequence's size for the next step (key_of(seq): its source now, or the sources its drafter offers,
-        of which its budget.Policy picks one; set as seq.key), one after the other, each pricing its rows on the pass as the sequences before it left it. A source no sequence has
-        evidence on yet is priced by one sequence a step at the prior (each node as likely as not): tried where
-        rows are cheap, not where they are not. The first step drafts nothing: it measures the batch's rate."""
+        of which its budget.Policy picks one; set as seq.key), one after the other, each pricing its rows on the
+        pass as the sequences before it left it. A source no sequence has evidence on yet is priced by one
+        sequence a step at the prior (each node as likely as not): tried where rows are cheap, not where they
+        are not. The first step drafts nothing: it measures the batch's rate."""
         n = len(seqs)
         rows, tried, out, P, D = n, set(), [], {}, {}  # rows: the pass so far (each sequence one, then its tree)
         cost = lambda r: P[r] if r in P else P.setdefault(r, self.pass_s(r))
