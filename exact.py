@@ -49,6 +49,8 @@ class Invariance:
     def __init__(self, model: Transformer, path: Path | None = None):
         self.model, self.path = model, path or cache_dir() / "invariance-v2.json"
         self.machine, self.memo = machine_id(), {}  # memo: (n, S) -> PassRows or None
+        w = model.lm_head.weight  # (a quantized head widens its rows on every read: once here, 233M values for Qwen)
+        self.dtype, self.device = w.dtype, w.device
         self.answers = read_json(self.path).get(self.machine, {})
 
     def pass_rows(self, n: int, S: int) -> PassRows | None:
@@ -64,8 +66,9 @@ class Invariance:
         return all(self._answer(key, r, check) for key, check in self._gemm_checks())
 
     def attn_agrees(self, r: int, S: int) -> bool:
-        a, p = self.model.args, self.model.lm_head.weight
-        key = f"exact-attention {str(kv_dtype(p.dtype, p.device))[6:]} H{a.n_heads}/{a.n_kv_heads} hd{a.head_dim} S{S}"
+        a = self.model.args
+        kdt = str(kv_dtype(self.dtype, self.device))[6:]
+        key = f"exact-attention {kdt} H{a.n_heads}/{a.n_kv_heads} hd{a.head_dim} S{S}"
         return self._answer(key, r, lambda r: self._attention_agrees(r, S, self._randn()))
 
     def _answer(self, key: str, r: int, check) -> bool:
@@ -77,14 +80,13 @@ class Invariance:
         return self.answers[k]
 
     def _randn(self):
-        p = self.model.lm_head.weight
         g = torch.Generator(device="cpu").manual_seed(0)
-        return lambda *shape, dtype=p.dtype: torch.randn(*shape, generator=g).to(device=p.device, dtype=dtype)
+        return lambda *shape, dtype=self.dtype: torch.randn(*shape, generator=g).to(device=self.device, dtype=dtype)
 
     def _gemm_checks(self):
         """(cache key, check(r) -> bool) for the GEMMs, the norm and the activation of a target pass."""
         m, seen, randn = self.model, set(), self._randn()
-        a, layer, dt = m.args, m.layers[0], m.lm_head.weight.dtype
+        a, layer, dt = m.args, m.layers[0], self.dtype
         for mod in [mod for mod in layer.modules() if isinstance(mod, torch.nn.Linear)] + [m.lm_head]:
             w = mod.weight
             kern = " cpu_gemm" if cpu_gemm.enabled() and getattr(mod, "packed", None) is not None else ""
@@ -100,7 +102,7 @@ class Invariance:
 
     def _attention_agrees(self, r: int, S: int, randn) -> bool:
         a = self.model.args
-        kdt = kv_dtype(self.model.lm_head.weight.dtype, self.model.lm_head.weight.device)
+        kdt = kv_dtype(self.dtype, self.device)
         n = min(check_rows(r, a.n_heads * a.head_dim), S)  # query rows at the last positions (at most S)
         k, v = randn(1, a.n_kv_heads, S, a.head_dim, dtype=kdt), randn(1, a.n_kv_heads, S, a.head_dim, dtype=kdt)
         q = randn(1, a.n_heads, n, a.head_dim, dtype=kdt)
@@ -127,7 +129,7 @@ class Planner:
 
     def __init__(self, model: Transformer, requested: bool | None, fixed: int | None, drafter=None):
         self.model, self.requested, self.fixed = model, requested, fixed
-        cuda = model.lm_head.weight.device.type == "cuda"
+        cuda = model.norm.weight.device.type == "cuda"  # (a quantized head's .weight widens it)
         if requested and cuda:
             raise UsageError("--exact is CPU-only (CUDA kernels are not batch invariant)")
         # exact tree verification gathers each node's last RECENT keys: trees must be shallower (chains need not)

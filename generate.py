@@ -45,7 +45,7 @@ class Engine:
                  max_seq: int = 4096, backend: str = "inductor", exact: bool | None = None, budget: bool = False,
                  budget_cache: str | None = None):
         self.model, self.sampling, self.drafter, self.budget, self.compiled = model, sampling, drafter, budget, compile
-        self.device = model.lm_head.weight.device
+        self.device = model.norm.weight.device
         self.decode_fn = self._decode_one
         # a one-node tree's accepted path and length (_spec_decode), made once: no allocation inside a step
         self.root_path = (torch.zeros(1, dtype=torch.long, device=self.device),
@@ -332,7 +332,7 @@ def stats_line(st: Stats, model: Transformer) -> str:
         s += f", speculated on {d['speculated_share']:.0%} of steps (verified nodes: {d['budget_hist']})"
     if "exact" in d:
         s += ", exact" if d["exact"] else ", not exact"
-    if model.lm_head.weight.is_cuda:
+    if model.norm.weight.is_cuda:
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         s += (f", {nbytes * st.target_forwards / max(st.decode_s, 1e-9) / 1e9:.1f} GB/s, "
               f"peak {torch.cuda.max_memory_allocated() / 1e9:.2f} GB")
