@@ -114,7 +114,7 @@ def run_llama(cmd: list[str], text: str) -> dict:
     r = subprocess.run(cmd + ["-p", text], capture_output=True, text=True, timeout=1800)
     log = r.stdout + r.stderr
     spec = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
-    ev = re.search(r"\beval time =\s*([\d.]+) ms /\s*(\d+) (?:tokens|runs)", log)
+    ev = re.search(r"(?<!prompt )\beval time =\s*([\d.]+) ms /\s*(\d+) (?:tokens|runs)", log)  # not prefill's
     if r.returncode != 0 or not (spec or ev):
         tail = log.strip().splitlines()[-1] if log.strip() else ""
         raise UsageError(f"{Path(cmd[0]).name} failed (rc {r.returncode}): {tail}")

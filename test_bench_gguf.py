@@ -22,7 +22,9 @@ def files(tmp_path_factory):
                                           in enumerate([("qa", "hello world hello"), ("code", "hell hell he")])))
     bin_ = root / "bin"
     bin_.mkdir()
-    for name, log in (("llama-completion", "common_perf_print:        eval time =     150.00 ms /     9 runs"),
+    # (llama-completion prints prefill's line first: its rate is not the decode rate)
+    for name, log in (("llama-completion", "common_perf_print: prompt eval time =     10.00 ms /     9 tokens\n"
+                                           "common_perf_print:        eval time =     150.00 ms /     9 runs"),
                       ("llama-speculative", "decoded   20 tokens in    0.500 seconds, speed: 40.0 t/s")):
         (bin_ / name).write_text(f"#!/bin/sh\necho 'hello'\necho '{log}' >&2\n")
         (bin_ / name).chmod(0o755)
