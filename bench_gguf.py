@@ -111,15 +111,18 @@ def llama_rows(a) -> dict[str, list[str]]:
 
 def run_llama(cmd: list[str], text: str) -> dict:
     """One llama.cpp run on the rendered prompt -> decode tokens/s, its generated text."""
-    r = subprocess.run(cmd + ["-p", text], capture_output=True, text=True, timeout=1800)
+    # GNU time for its peak memory: RUSAGE_CHILDREN would count this process's own pages, forked before the exec
+    timer = ["/usr/bin/time", "-f", "nanospec-maxrss-kb %M"] if Path("/usr/bin/time").is_file() else []
+    r = subprocess.run(timer + cmd + ["-p", text], capture_output=True, text=True, timeout=1800)
     log = r.stdout + r.stderr
+    rss = re.search(r"nanospec-maxrss-kb (\d+)", r.stderr)
     spec = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
     ev = re.search(r"(?<!prompt )\beval time =\s*([\d.]+) ms /\s*(\d+) (?:tokens|runs)", log)  # not prefill's
     if r.returncode != 0 or not (spec or ev):
         tail = log.strip().splitlines()[-1] if log.strip() else ""
         raise UsageError(f"{Path(cmd[0]).name} failed (rc {r.returncode}): {tail}")
     n, s = (int(spec.group(1)), float(spec.group(2))) if spec else (int(ev.group(2)), float(ev.group(1)) / 1000)
-    return dict(tokens_per_s=n / s, text=r.stdout)
+    return dict(tokens_per_s=n / s, text=r.stdout, rss_mb=int(rss.group(1)) / 1024 if rss else None)
 
 
 def lm_head_costs(method: Method, reps: int = 50) -> dict:
@@ -157,14 +160,15 @@ def parity(model, tok, questions: list[Question], a, n: int = 64) -> list[dict]:
     text tokenized again: the two tokenizers agree, bench_tokenizer.py)."""
     from generate import Engine
     rows, e = [], Engine(model)
-    cmd = [str(Path(a.llama_cpp) / "llama-completion"), "-m", str(a.target_gguf), "-no-cnv", "--no-warmup", "-t",
+    cmd = [str(Path(a.llama_cpp) / "llama-completion"), "-m", str(a.target_gguf), "-no-cnv", "--no-warmup",
+           "--no-display-prompt", "-t",
            str(torch.get_num_threads()), "--temp", "0", "-c", "4096", "-n", str(n), "-s", "0"]
     for q in questions:
         msgs = [{"role": "user", "content": q.turns[0]}]
         ids, text = tok.encode_chat(msgs), tok.apply_chat_template(msgs)
         ours = e.generate(ids, n)[0]
         out = run_llama(cmd, text)["text"]
-        theirs = tok.encode(out[len(text):] if out.startswith(text) else out, add_special_tokens=False)
+        theirs = tok.encode(out, add_special_tokens=False)  # (the prompt not echoed: its special tokens would not be)
         i = first_diff(ours, theirs)
         row = dict(qid=q.qid, equal=i >= min(len(ours), len(theirs), n), index=i)
         if not row["equal"] and i < len(ours) and i < len(theirs):
@@ -173,8 +177,8 @@ def parity(model, tok, questions: list[Question], a, n: int = 64) -> list[dict]:
     return rows
 
 
-def rss_mb(children: bool = False) -> float:
-    return resource.getrusage(resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF).ru_maxrss / 1024
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def run(a) -> int:
@@ -208,7 +212,7 @@ def run(a) -> int:
         max_new_tokens=a.max_new_tokens, records=records, peers=peer_runs, mismatches=mismatches,
         bytes_per_token=bytes_per_token(records, target_bytes, draft_bytes), target_bytes=target_bytes,
         lm_head=lm_head_costs(next(m for m in methods if m.name == "default")) if "default" in a.methods else None,
-        rss_mb=dict(engine=rss_mb(), llama_cpp=rss_mb(children=True) if peers else None),
+        rss_mb=dict(engine=rss_mb(), llama_cpp=max((p["rss_mb"] for p in peer_runs if p["rss_mb"]), default=None)),
         parity=parity(model, tok, qs[:a.parity], a) if a.parity and peers else None)
     md = markdown(report)
     out = Path(a.out)

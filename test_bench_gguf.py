@@ -42,6 +42,8 @@ def test_the_report(files, tmp_path, capsys, monkeypatch):
     r = json.loads(next(tmp_path.glob("bench_gguf_*.json")).read_text())
     assert {x["method"] for x in r["records"]} == {"ar", "default", "full", "chain", "lookup"}
     assert not r["mismatches"] and len(r["records"]) == 5 * r["prompts"] == 10
+    # the peer's own peak memory (a shell script's), not this process's pages a fork copied
+    assert r["rss_mb"]["llama_cpp"] is None or r["rss_mb"]["llama_cpp"] < r["rss_mb"]["engine"] / 4
     peers = {x["method"]: x["tokens_per_s"] for x in r["peers"]}
     assert peers["llama.cpp AR"] == pytest.approx(60.0) and len(peers) == 4
     assert peers["llama.cpp speculative n_max 3"] == pytest.approx(40.0)
