@@ -8,7 +8,8 @@ import draft as dr
 import draft_eagle as de
 from generate import Engine
 import generate as g
-from test_generate import Autoregressive, Cycle, PROMPTS, Turns, autoregressive, make_drafter, prefilled, recorded_budgets, target, tiny  # noqa: F401 (tiny: a fixture)
+from test_generate import (  # noqa: F401 (tiny: a fixture)
+    PROMPTS, Autoregressive, Cycle, Turns, autoregressive, make_drafter, prefilled, recorded_budgets, target, tiny)
 
 
 def test_hybrid_tree_merges_the_chain(tiny):

@@ -51,7 +51,8 @@ class FullVocab(StaticVocab):
         """weight: the LM head's [V, d] matrix, or a quantized LM head (quant.QLinear), scored as it is"""
         self.head = weight if isinstance(weight, torch.nn.Module) else None
         self.weight = None if self.head is not None else weight
-        V, dev = (weight.out_features, weight.codes.device) if self.head is not None else (weight.shape[0], weight.device)
+        q = self.head is not None
+        V, dev = (weight.out_features, weight.codes.device) if q else (weight.shape[0], weight.device)
         self.ids = torch.arange(V, device=dev)  # [V], built once
         self.width = V
         # a second copy: memory for speed
