@@ -391,6 +391,46 @@ def test_the_heads_set_up_is_deferred_until_it_pays_back():
     assert "eagle" not in picks and not paid and picks[100:].count("ngram3") >= 90
 
 
+def test_a_trial_drafts_one_size_past_the_sources_best():
+    """A trial of a source whose sizes are timed drafts one size past its best speculative size (a chain of 11
+    cost 2.2 decode steps on Zen 4 and was mostly rejected), not its whole draft; knowing nothing, its start."""
+    cost = {1: 1.0, 2: 1.1, 4: 1.8, 8: 4.0}
+    b = trained(8, [1.0, 0.9, 0.5, 0.2, 0.0, 0.0, 0.0, 0.0], cost)  # 1.9 tokens / 1.1 s beat 2.6 / 1.8
+    assert max(b.sizes[1:], key=b.rate) == 2 and b.trial_size() == 4
+    assert Budget(8).trial_size() == 8 and Budget(8, start=4).trial_size() == 4
+    deep = trained(8, [1.0] * 8, {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2})
+    assert deep.trial_size() == 8  # the best is the whole draft: nothing past it
+    mem = {"ngram3": b, "eagle": trained(8, [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0], cost)}
+    bs = Budgets(8, memory=mem, settle=1)
+    sizes = {}
+    for _ in range(40):
+        n = bs.pick(["ngram3", "eagle"])
+        if bs.policy.trying and bs.key == "ngram3":
+            sizes[n] = sizes.get(n, 0) + 1
+        bs.observe(n, [0, 1][:n], cost[n])
+    assert sizes and set(sizes) == {4}, sizes
+
+
+def test_a_set_up_weighed_against_decoding_counts_the_steps_other_sources_leave():
+    """The head's set-up, weighed against decoding where the head is the only source offered, pays back only over
+    the steps the chains leave: with chains drafting 9 steps in 10 the same set-up that pays over every token
+    left does not."""
+    cost = {1: 1.0, 2: 1.1, 4: 1.2, 8: 2.0}
+
+    def run(chain_share):
+        mem = {"eagle": trained(8, [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0], cost),  # 4 tokens / 1.2 s at size 4
+               "ngram": trained(8, [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0], cost)}
+        setup = {"eagle": 10.0, "ngram": 0.0}
+        bs = Budgets(8, memory=mem, settle=1, probe=10 ** 9, setup_of=lambda key, b: setup[key])
+        for i in range(100):  # the request so far: the chain drafts chain_share of the steps
+            key = "ngram" if i < 100 * chain_share else "eagle"
+            n = bs.pick(key, left=10 ** 6 if key == "ngram" else 0)
+            bs.observe(n, [0, 1, 2, 3][:n], cost[n])
+        return bs.pick("eagle", left=20)  # 20 tokens at 4 / 1.2 s save 11.7 s over decoding
+    assert run(0.0) == 4
+    assert run(0.9) == 1
+
+
 def test_state_round_trips_through_json():
     """What the engine keeps across processes (budget_memory.BudgetMemory) carries as the Budget itself does;
     something else is refused."""
