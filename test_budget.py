@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from budget import Budget, Budgets, Policy, StepBudget, pays_back
+from budget import Budget, Budgets, StepBudget, pays_back
 from draft import Accepted, Drafter, chain_tree
 
 
