@@ -22,11 +22,12 @@ class Budget:
         assert self.sizes[0] == 1, "autoregressive decoding (size 1) is always a choice"
         nodes = self.nodes = self.sizes[-1]
         self.start = start if start in self.sizes else nodes
-        self.pass_s = pass_s  # {size: seconds} of the target's pass on this machine (budget_memory.pass_costs), or None
+        self.pass_s = pass_s  # {size: seconds} of the target's pass here (budget_memory.pass_costs), or None
         self.settle = settle  # steps of a size before its time counts (the first ones may pay one-time set-up)
         # seconds of probes and of every step; Budgets shares one dict so the cap holds for the request
         self.spent = {"probe": 0.0, "total": 0.0} if spent is None else spent
-        self.decay, self.probe, self.max_gap, self.probe_share, self.probing = decay, probe, max_gap, probe_share, False
+        self.decay, self.probe, self.max_gap, self.probe_share = decay, probe, max_gap, probe_share
+        self.probing = False
         self.hits, self.trials = [0.0] * nodes, [0.0] * nodes  # decayed counts per node rank (rank 0: the root)
         self.time, self.timed = {}, {}  # size -> running mean step seconds, steps timed
         self.steps = self.last_probe = self.probes = 0
@@ -104,13 +105,15 @@ class Budget:
         self.chosen[new] = self.chosen.get(new, 0) + 1
         self.probing = False
 
-    def trial_size(self) -> int:
+    def trial_size(self, sizes: list[int] | None = None) -> int:
         """A trial's draft: the start while the size times are not known, else one size past the best speculative
-        one (the whole draft cost a trial 2.2 decode steps on Zen 4 with chains of 11; a size up finds depth)."""
-        if any(self.timed.get(s, 0) < self.settle for s in (self.start, 1)) or len(self.sizes) < 2:
-            return self.start
-        best = max(self.sizes[1:], key=self.rate)
-        return min([s for s in self.sizes if s > best], default=best)
+        one (the whole draft cost a trial 2.2 decode steps on Zen 4 with chains of 11; a size up finds depth);
+        sizes: those a trial may draft (default all)."""
+        sizes = sizes or self.sizes
+        if any(self.timed.get(s, 0) < self.settle for s in (self.start, 1)) or len(sizes) < 2:
+            return self.start if self.start in sizes else sizes[-1]
+        best = max(sizes[1:], key=self.rate)
+        return min([s for s in sizes if s > best], default=best)
 
     def best_without(self, sizes: list[int]) -> int | None:
         alt = [s for s in self.sizes if s not in sizes]
@@ -185,13 +188,13 @@ def pays_back(setup: float, left: float, rate: float, rate_without: float) -> bo
 
 
 class Policy:
-    """Which of the sources a drafter offers drafts the next step (that source's Budget then picks the size): the one
-    whose steps emitted the most tokens per second on this request, or none (an autoregressive step) where none
-    beats decoding. Explore, then exploit: a source first offered gets `trials` steps, where may_try says its set-up
-    pays back; a source that loses is tried again after a gap that doubles while it keeps losing (gap..max_gap
-    steps: one that never pays costs a bounded share), every gap back to `gap` when the leader stops beating
-    decoding, and the next step again after a trial that beat the leader (one that starts paying is taken up).
-    Rates decay per step of their source, so the policy follows sources that pay by stretches."""
+    """Which of the sources a drafter offers drafts the next step (that source's Budget then picks the size, an
+    autoregressive step among them): the one with the most tokens per second on this request (rate). Explore, then
+    exploit: a source first offered gets `trials` steps, where may_try says its set-up pays back; a source that
+    loses is tried again after a gap that doubles while it keeps losing (gap..max_gap steps: one that never pays
+    costs a bounded share), every gap back to `gap` when the leader stops beating decoding, and the next step again
+    after a trial that beat the leader (one that starts paying is taken up). Rates decay per step of their source,
+    so the policy follows sources that pay by stretches."""
 
     def __init__(self, trials: int = 2, gap: int = 8, max_gap: int = 64, decay: float = 0.8):
         self.trials, self.gap0, self.max_gap, self.decay = trials, gap, max_gap, decay
@@ -199,20 +202,26 @@ class Policy:
         self.gap, self.last = {}, {}  # source -> steps before its next trial, the step it was last chosen
         self.steps, self.trying, self.leader, self.bar = 0, False, None, 0.0
 
+    estimate = None  # source -> its Budget's best estimated rate (Budgets sets it; None: the measured rate alone)
+
     def rate(self, s) -> float:
-        return self.tok[s] / self.sec[s] if self.sec.get(s) else 0.0
+        """Tokens per second of source s's steps: its Budget's estimate at its best size once it has one (per rank
+        acceptance and per size times: a trial's larger draft does not lower it), else the steps' measured rate."""
+        est = self.estimate(s) if self.estimate is not None and self.n.get(s) else 0.0
+        return est or (self.tok[s] / self.sec[s] if self.sec.get(s) else 0.0)
 
     def choose(self, sources: list, ar_rate: float = 0.0, may_try=lambda s: True):
         """A source of sources, or None (ar_rate: tokens per second of an autoregressive step, 0: not known)."""
         self.steps += 1
         tried = [s for s in sources if self.n.get(s, 0) >= self.trials]
         best = max(tried, key=self.rate, default=None)
-        if best is not None and self.rate(best) < ar_rate:
-            best = None
-        if best is None and self.leader is not None:  # the leader stopped paying: what else does, soon
+        # below decoding, the best still drafts: its Budget weighs its sizes against an autoregressive step (one
+        # place for that choice; this rate also counts its trials' larger drafts)
+        pays = best is not None and self.rate(best) >= ar_rate
+        if not pays and self.leader is not None:  # the leader stopped paying: what else does, soon
             self.gap = {}
-        self.leader, self.trying = best, True
-        self.bar = self.rate(best) if best is not None else ar_rate  # what a trial must beat to come back at once
+        self.leader, self.trying = best if pays else None, True
+        self.bar = max(self.rate(best) if best is not None else 0.0, ar_rate)  # what a trial must beat to come back
         for s in sources:
             if s not in tried and may_try(s):  # explore
                 return self.take(s)
@@ -256,6 +265,7 @@ class Budgets:
         self.sizes_of, self.start_of = sizes_of, start_of
         self.setup_of = setup_of  # setup_of(key, b): seconds a draft of b nodes pays once first (0: none)
         self.policy = policy or Policy()
+        self.policy.estimate = self.estimate
         self.spent = {"probe": 0.0, "total": 0.0}  # one probe cap for the request (Budget.probe_share)
         self.emitted = 0  # tokens of the steps observed
         self.steps = self.served = 0  # steps observed; those a source without a set-up drafted
@@ -285,6 +295,14 @@ class Budgets:
             new.time[1], new.timed[1] = ar.time[1], max(ar.timed[1], new.timed.get(1, 0))
         return new
 
+    def estimate(self, key) -> float:
+        """Source key's best estimated rate over its speculative sizes that need no set-up (0: none, or unknown)."""
+        bud = self.of.get(key)
+        if bud is None or not bud.time:
+            return 0.0
+        free = [s for s in bud.sizes[1:] if self.setup_of is None or self.setup_of(key, s) <= 0]
+        return max((bud.rate(s) for s in free), default=0.0)
+
     def ar_rate(self) -> float:
         t = [x.time[1] for x in self.of.values() if x.timed.get(1, 0)]
         return 1.0 / t[0] if t and t[0] > 0 else 0.0
@@ -299,7 +317,7 @@ class Budgets:
         self.chosen, self.key = key, keys[0] if key is None else key
         bud = self.budget(self.key)
         b = bud.pick()
-        new = 1 if key is None else bud.trial_size() if trial else b  # neither; a trial: one size past the best
+        new = 1 if key is None else self.trial_size(self.key) if trial else b  # neither; a trial: a size past the best
         if new != b:
             bud.instead(b, new)
             b = new
@@ -315,11 +333,18 @@ class Budgets:
                 b = a
         return b
 
+    def trial_size(self, key) -> int:
+        """What a trial of source key drafts: past its best size, but among the sizes without a set-up where it has
+        some (the hybrid's merged tree would start the head for a chain's trial: 0.15 s on a RAG prompt on Zen 4)."""
+        bud = self.budget(key)
+        free = [s for s in bud.sizes if s == 1 or self.setup_of is None or self.setup_of(key, s) <= 0]
+        return bud.trial_size(free if len(free) > 1 else None)
+
     def may_try(self, key, keys: list, left: float) -> bool:
         """Whether the policy may try source key: its set-up (if any) pays back at its Budget's best estimate
         against the best of decoding and the other sources offered."""
         bud = self.budget(key)
-        setup = self.setup_of(key, bud.trial_size()) if self.setup_of is not None else 0.0
+        setup = self.setup_of(key, self.trial_size(key)) if self.setup_of is not None else 0.0
         if setup <= 0:
             return True
         best = max((bud.rate(s) for s in bud.sizes[1:]), default=0.0) if bud.time else 0.0

@@ -409,6 +409,27 @@ def test_a_trial_drafts_one_size_past_the_sources_best():
             sizes[n] = sizes.get(n, 0) + 1
         bs.observe(n, [0, 1][:n], cost[n])
     assert sizes and set(sizes) == {4}, sizes
+    # the hybrid's chain source: past its best size (the chain alone, 4 here) is the merged tree, which needs the
+    # head's set-up; a trial keeps to the sizes without one
+    chain = trained(8, [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0], {1: 1.0, 2: 1.1, 4: 1.2, 8: 2.0})
+    assert chain.trial_size() == 8
+    bs = Budgets(8, memory={"ngram3": chain}, settle=1, setup_of=lambda key, b: 5.0 if b == 8 else 0.0)
+    assert bs.trial_size("ngram3") == 4
+    assert Budgets(8, memory={"ngram3": chain}, settle=1).trial_size("ngram3") == 8
+
+
+def test_the_policy_rates_a_source_by_its_budgets_best_size():
+    """Once a source has drafted, the policy rates it by its Budget's estimate at its best size without a set-up
+    (per rank acceptance, per size times), so a trial's larger draft, measured slower, does not push a source
+    that pays at its best size below decoding; before, by what its steps measured."""
+    cost = {1: 1.0, 2: 1.1, 4: 1.8, 8: 4.0}
+    chain = trained(8, [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], cost)  # 2 tokens / 1.1 s at size 2
+    bs = Budgets(8, memory={"ngram3": chain}, settle=1, setup_of=lambda key, b: 5.0 if b == 8 else 0.0)
+    assert bs.policy.rate("ngram3") == 0.0
+    bs.pick(["ngram3", "eagle"])
+    bs.observe(bs.of["ngram3"].trial_size() if bs.key == "ngram3" else 1, [0, 1], 4.0)  # a slow trial
+    assert bs.policy.rate("ngram3") == pytest.approx(max(bs.of["ngram3"].rate(s) for s in (2, 4)))
+    assert bs.policy.rate("ngram3") > 1.5 > bs.policy.tok["ngram3"] / bs.policy.sec["ngram3"]
 
 
 def test_a_set_up_weighed_against_decoding_counts_the_steps_other_sources_leave():
