@@ -1,6 +1,7 @@
 """The C kernels' loader: csrc/'s .c files compiled into one shared library per flag set, cached in cache_dir() under
 a hash of the sources, flags and compiler. SIGNATURES types each entry point and the ctypes structs mirror
-csrc/nanospec.h's field for field. Also the per-machine cache of measured answers (cache_dir, cached, JSON helpers).
+csrc/nanospec.h's field for field. Also the per-machine cache of measured answers (cache_dir, cached, JSON helpers),
+kept only when measured on a quiet machine.
 """
 import ctypes
 import hashlib
@@ -205,11 +206,40 @@ def merge_json(path: Path, key: str, value):
         pass
 
 
+MAX_WAIT = 0.1  # seconds this process's threads waited for a CPU per second of a measurement, past which it is
+# not stored: quiet runs waited 0.001-0.015 s a second, and with one busy process beside them 0.69-0.81 s while
+# they ran 3-5x slower (Zen 4, 2 cores, pass timings): a figure taken then would steer every later run
+
+
+def run_delay() -> float | None:
+    """Seconds this process's threads have waited on a run queue (Linux schedstat), None where it is not known."""
+    total, seen = 0, False
+    for p in Path("/proc/self/task").glob("*/schedstat"):
+        try:
+            total += int(p.read_text().split()[1])
+            seen = True
+        except (OSError, ValueError, IndexError):
+            pass
+    return total / 1e9 if seen else None
+
+
+def measured_quietly(compute):
+    """(compute(), whether the process kept its CPUs meanwhile: waited at most MAX_WAIT s a second, or unknown)."""
+    d0, t0 = run_delay(), time.perf_counter()
+    value = compute()
+    d1, wall = run_delay(), time.perf_counter() - t0
+    return value, d0 is None or d1 is None or d1 - d0 <= MAX_WAIT * max(wall, 1e-3)
+
+
 def cached(key: str, compute) -> bool:
-    """A per-machine yes/no answer: cache_dir()/cpu_gemm.json[key], computed once (compute()) and stored."""
+    """A per-machine yes/no answer: cache_dir()/cpu_gemm.json[key], computed (compute()) and stored once measured
+    on a quiet machine (measured_quietly; else it serves this process and the next one measures again)."""
     f = cache_dir() / "cpu_gemm.json"
     data = read_json(f)
     if key not in data:
-        data[key] = bool(compute())
-        merge_json(f, key, data[key])
+        value, quiet = measured_quietly(lambda: bool(compute()))
+        if not quiet:
+            return value
+        data[key] = value
+        merge_json(f, key, value)
     return data[key]

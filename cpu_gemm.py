@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import cbuild
-from cbuild import cache_dir, cached, cpu_supported, merge_json, read_json  # noqa: F401 (used as cpu_gemm.*)
+from cbuild import cache_dir, cached, cpu_supported, measured_quietly, merge_json, read_json  # noqa: F401 (cpu_gemm.*)
 
 ENV = "NANOSPEC_CPU_GEMM"  # auto (default) | kernel | torch
 ISA_ENV = "NANOSPEC_CPU_ISA"  # auto (default): the best kernel this CPU runs | avx2: the portable one

@@ -29,6 +29,13 @@ def test_pass_costs_are_measured_once_per_machine(tiny, monkeypatch, tmp_path):
     costs = pass_costs(m, 10)
     assert sorted(costs) == [1, 2, 4, 8, 10] and all(v > 0 for v in costs.values()) and len(calls) == 1
     assert budgets[-1].of["eagle"].pass_s == costs
+    # timings taken while the process waited for its CPUs serve that request and are measured again next time
+    import cbuild
+    waited = iter(range(0, 10 ** 6, 1000))  # 1000 s waited during every measurement
+    monkeypatch.setattr(cbuild, "run_delay", lambda: float(next(waited)))
+    busy = pass_costs(m, 10, extra=(3,))
+    assert sorted(busy) == [1, 2, 3, 4, 8, 10] and calls[1:] == [[3]]
+    assert sorted(pass_costs(m, 10, extra=(3,))) == [1, 2, 3, 4, 8, 10] and calls[1:] == [[3], [3]]
 
 
 def test_budget_memory_outlives_the_process_where_asked(tiny, tmp_path, monkeypatch):

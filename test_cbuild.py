@@ -1,9 +1,11 @@
 """The C loader: a broken source fails loudly where the kernel is required (the compiler's message in the error)
 and with one stderr line and the PyTorch fallback otherwise; the cache key follows every included header."""
+import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,3 +92,25 @@ def test_builds_once_and_says_so(tmp_path, monkeypatch, capsys):
     assert len(so) == 1 and cbuild.source_hash(flags, src) in so[0].name
     del cbuild._LIBS[cbuild.source_hash(flags, src)]  # as a new process: found in the cache, not built
     assert cbuild.load(flags, src=src).one() == 1 and capsys.readouterr().err == ""
+
+
+def test_answers_measured_on_a_busy_machine_are_not_kept(tmp_path, monkeypatch):
+    """cached() keeps an answer only where its measurement waited for a CPU at most MAX_WAIT s a second (Linux
+    schedstat run delay): a busy machine's answer serves the process and the next one measures again; an
+    unknown delay (no schedstat) counts as quiet. The process's own delay is read for real."""
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
+    waited = iter([0.0, 5.0, 1.0, 1.001])  # 5 s waited during the first measurement, 1 ms in the second
+    monkeypatch.setattr(cbuild, "run_delay", lambda: next(waited))
+    calls = []
+    measure = lambda: calls.append(time.sleep(0.05)) or True  # 50 ms: 1 ms waited is 0.02 s a second
+    assert cbuild.cached("k", measure) and not (tmp_path / "cpu_gemm.json").exists()
+    assert cbuild.cached("k", measure) and len(calls) == 2
+    assert json.loads((tmp_path / "cpu_gemm.json").read_text()) == {"k": True}
+    assert cbuild.cached("k", lambda: calls.append(1) or False) and len(calls) == 2  # read back, not measured
+    monkeypatch.setattr(cbuild, "run_delay", lambda: None)
+    assert cbuild.measured_quietly(lambda: 3) == (3, True)
+    monkeypatch.undo()
+    d = cbuild.run_delay()
+    assert d is None or d >= 0.0
+    if Path("/proc/self/task").is_dir():
+        assert d is not None
