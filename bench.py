@@ -48,7 +48,6 @@ from pathlib import Path
 import torch
 
 import draft_config as dc
-import generate
 from bench_latency import latency_mode
 from bench_methods import Method, build_method, expand_methods, fmt_k, parse_k, run_benchmark
 from bench_report import (_f, check_targets, command_line, figure1, human_bytes, make_plots, md_table, state_table,
@@ -57,7 +56,8 @@ from bench_workload import (SHAPES, TASK_TITLES, WARMUP_PROMPT, ensure_cache, lo
                             self_freq_file, shape_args, write_random_eagle3)
 from download import CheckpointError, resolve_checkpoint
 from exact import machine_id
-from generate import UsageError, load_target
+from engine import DEFAULT_HEAD, load_target
+from errors import UsageError
 from model import ModelError
 from sampling import Sampling
 from vocab import FullVocab
@@ -193,7 +193,7 @@ def run(args, log) -> int:
 
     heads, head_info = {}, {}
     e3 = args.eagle3
-    shipped = getattr(generate, "DEFAULT_HEAD", None)  # trained by eagle_train.py for the default model
+    shipped = DEFAULT_HEAD  # trained by eagle_train.py for the default model
     if e3 is None and args.checkpoint is None and not args.random_head and shipped and (Path(shipped) / "config.json").is_file():
         e3 = str(shipped)
         head_info["eagle3"] = f"shipped default head ({shipped})"

@@ -31,7 +31,7 @@ import cpu_forward
 import cpu_gemm
 from download import resolve_checkpoint
 from exact import machine_id
-from generate import Engine
+from engine import Engine
 from tokenizer import Tokenizer
 from model import load_model
 

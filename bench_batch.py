@@ -25,7 +25,7 @@ from batch import BatchEngine
 from bench_workload import load_questions, select_questions
 from cpu_gemm import machine_id
 from errors import UsageError
-from generate import DEFAULT_HEAD, Engine, load_target
+from engine import DEFAULT_HEAD, Engine, load_target
 
 CONFIGS = ("AR", "auto", "forced")
 STEADY = "AR, full batch"  # run_steady: decode-only tokens/s, every step the whole batch (llama-batched-bench's S_TG)

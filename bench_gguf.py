@@ -35,7 +35,7 @@ import quant
 from bench_methods import Method, diagnose, first_diff, run_benchmark
 from bench_workload import Question, load_questions, select_questions
 from errors import UsageError
-from generate import build_engine, load_target
+from engine import build_engine, load_target
 
 METHODS = ("ar", "default", "full", "chain", "lookup")
 
@@ -158,7 +158,7 @@ def bytes_per_token(records: list[dict], target_bytes: int, draft_bytes: int) ->
 def parity(model, tok, questions: list[Question], a, n: int = 64) -> list[dict]:
     """Greedy agreement with llama-completion over n tokens: equal, or where they part and the target's gap (its
     text tokenized again: the two tokenizers agree, bench_tokenizer.py)."""
-    from generate import Engine
+    from engine import Engine
     rows, e = [], Engine(model)
     cmd = [str(Path(a.llama_cpp) / "llama-completion"), "-m", str(a.target_gguf), "-no-cnv", "--no-warmup",
            "--no-display-prompt", "-t",

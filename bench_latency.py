@@ -11,7 +11,7 @@ import cuda_gather
 from bench_report import command_line, md_table
 from eagle import EagleConfig, EagleHead, attach
 from bench_workload import shape_args
-from generate import UsageError
+from errors import UsageError
 from model import ModelArgs, Transformer
 from vocab import FreqVocab, FullVocab, make_vocab
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 import draft_config as dc
-from generate import Engine, UsageError, build_engine
+from engine import Engine, build_engine
+from errors import UsageError
 from model import Transformer
 
 

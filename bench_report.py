@@ -39,7 +39,7 @@ def aggregate(recs: list[dict]) -> dict:
     if steps:
         per = lambda k: ph.get(k, 0.0) / steps * 1000
         # LM head = projection + log-softmax over the active rows when the drafter's _logp was timed (the
-        # vocabulary-dependent part of drafting); generate.py's own lm_head phase otherwise (the PyTorch loop:
+        # vocabulary-dependent part of drafting); engine.py's own lm_head phase otherwise (the PyTorch loop:
         # the projection only; the C search, which calls no _logp, times projection, log-softmax and top-k)
         lm = per("drafter_logp") or per("lm_head")
         out["step_ms"] = dict(

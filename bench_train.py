@@ -23,7 +23,7 @@ from eagle_ckpt import init_from
 from eagle_data import TrainError, read_records
 from eagle_train import DTYPES, autocast_ctx, collate, make_batches
 from eagle_ttt import TTTLoss, aux_layer_ids, loss_columns, new_head, target_pass
-from generate import one_line_errors
+from errors import one_line_errors
 from model import ModelError, load_model
 
 PARTS = ("loss columns", "target pass", "head forward + loss", "backward", "optimizer")

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from generate import UsageError
+from errors import UsageError
 from tokenizer import Tokenizer
 from model import ModelArgs, Transformer
 from sampling import Sampling, logits_to_probs, sample_from

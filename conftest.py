@@ -15,7 +15,7 @@ from model import load_model
 # exact.py caches this machine's invariance answers on disk; tests start from an empty cache of their own
 # (subprocesses inherit it) so that they always exercise the check and never touch the user's cache
 os.environ["NANOSPEC_CACHE"] = tempfile.mkdtemp(prefix="nanospec-test-cache-")
-# the CLI's budget memory outlives its process (generate.Engine's budget_cache): off, so that no test starts
+# the CLI's budget memory outlives its process (engine.Engine's budget_cache): off, so that no test starts
 # from another's; test_generate turns it on where it tests it
 os.environ["NANOSPEC_BUDGET_CACHE"] = "off"
 # bf16 models use cpu_gemm's kernel wherever it builds (not a timing check's verdict on tiny shapes), so runs

@@ -15,7 +15,7 @@ import vocab as vc
 from draft_config import DraftConfig
 from eagle import load_eagle
 from eagle_ttt import rope_cache, ttt_forward
-from generate import build_engine
+from engine import build_engine
 from model import Transformer
 
 KS = (1, 4, 8, 10)
@@ -90,7 +90,7 @@ def recall_table(target: Transformer, head, recs: list[dict], steps: int = 4, vo
 
 
 def accept_hist(target: Transformer, prompts: list[list[int]], c: DraftConfig, max_new_tokens: int) -> dict:
-    """Greedy speculative decoding with c's head through generate.Engine, the whole tree verified every step:
+    """Greedy speculative decoding with c's head through engine.Engine, the whole tree verified every step:
     {tokens a step emitted (bonus included): steps}, over every prompt."""
     saved = target.aux_layers  # build_engine points them at the head's; the caller's are put back
     try:

@@ -37,7 +37,7 @@ from eagle_ckpt import CKPT_FORMAT, CKPT_NAME, atomic_save, export_head, init_fr
 from eagle_data import (TrainError, answer_conversations, check_held_out, dataset_records, log, magpie_data, progress,
                         read_conversations, read_records, write_records)
 from eagle_ttt import TTTLoss, aux_layer_ids, head_from_config, loss_columns, new_head, target_pass
-from generate import one_line_errors
+from errors import one_line_errors
 from model import ModelError, load_model
 from tokenizer import Tokenizer
 

@@ -1,249 +1,26 @@
-"""CLI and decode loops: prefill, autoregressive decode, speculative steps, sampling, streaming, stats.
+"""CLI: generate text from a prompt, a chat or a file of prompts (the engine itself is engine.py).
 
     python generate.py                                   # embedded SmolLM2-135M-Instruct, "capital of France"
     python generate.py --checkpoint meta-llama/Llama-3.1-8B-Instruct --prompt "Hi" --device cuda --compile
 """
 import argparse
-import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
 import batch
-import cpu_forward
 import draft_config as dc
-import graphs
-from budget import StepBudget
-from budget_memory import BudgetMemory, pass_costs
-from download import CheckpointError, models_table, resolve_checkpoint
-from draft import Accepted, Prefill, Tree, chain_tree, stop_at
-from errors import UsageError
-from exact import PassRows, Planner
-from model import ModelError, Transformer, causal_recent, load_model, tree_mask, tree_recent
-from sampling import Sampling, accept_greedy, accept_greedy_host, accept_sample, logits_to_probs, sample
-from stats import PHASES, Clock, Stats, sync
+from download import models_table
+from engine import DEFAULT_HEAD, Engine, build_engine, load_target
+from errors import UsageError, one_line_errors
+from model import Transformer
+from sampling import Sampling
+from stats import Stats
 from tokenizer import Streamer, Tokenizer
 
 DEFAULT_PROMPT = "What is the capital of France?"
-DEFAULT_HEAD = Path(__file__).resolve().parent / "heads" / "SmolLM2-135M-Instruct-eagle3-sharegpt"  # eagle_train.py, on ShareGPT
-
-
-def accepted_tokens(host: list[int]) -> tuple[int, list[int], list[int]]:
-    """[L, bonus, path tokens (root first)..., path node indices...] -> (L, emitted tokens, accepted nodes)."""
-    L, P = host[0], (len(host) - 2) // 2
-    return L, host[3:2 + L] + [host[1]], host[2 + P:2 + P + L]
-
-
-class Engine:
-    """Holds the target (and optionally a drafter with its draft vocabulary); one generation at a time."""
-
-    def __init__(self, model: Transformer, sampling: Sampling = Sampling(), compile: bool = False, drafter=None,
-                 max_seq: int = 4096, backend: str = "inductor", exact: bool | None = None, budget: bool = False,
-                 budget_cache: str | None = None):
-        self.model, self.sampling, self.drafter, self.budget, self.compiled = model, sampling, drafter, budget, compile
-        self.device = model.norm.weight.device
-        self.decode_fn = self._decode_one
-        # a one-node tree's accepted path and length (_spec_decode), made once: no allocation inside a step
-        self.root_path = (torch.zeros(1, dtype=torch.long, device=self.device),
-                          torch.ones((), dtype=torch.long, device=self.device))
-        self.verify_step, self.advance_step = self._spec_verify, self._spec_advance
-        # CUDA graphs need fixed buffer addresses: one KV cache of max_seq slots for every request
-        graphed = compile and self.device.type == "cuda"
-        self.planner = Planner(model, exact, min(max_seq, model.args.max_position_embeddings) if graphed else None,
-                               drafter)
-        # --no-exact: passes from this size run the PyTorch layers (cpu_forward.layers_from); the model holds the
-        # setting of the engine running on it (engines may share a model), so each request sets it
-        self.layers_from = cpu_forward.layers_from(model) if exact is False else None
-        self.R_dec = self.R_ver = PassRows(1, 1)  # rows of the decode and verify passes of the current request
-        # compiled: the drafter's update and next draft run as one step (eager keeps them apart to time each)
-        self.fused_steps = compile and drafter is not None and drafter.graphable
-        if compile:
-            graphs.compile_steps(self, backend)
-        # budget_cache: the caller's key of its drafter and sampling settings: the budget memory outlives the process
-        key = f"exact={exact} compile={compile} {budget_cache}" if budget_cache is not None else None
-        self.memory = BudgetMemory(model, drafter, key if budget and drafter is not None else None)
-
-    def _decode_one(self, tok: Tensor, pos: Tensor) -> Tensor:
-        # padded to R_dec rows (exact mode): the pad rows write KV slots the next step overwrites before any read
-        R = self.R_dec.gemm
-        p = pos + torch.arange(R, device=pos.device)
-        logits = self.model(tok.expand(1, R), p, recent=causal_recent(p) if self.planner.attention else None,
-                            attn_rows=self.R_dec.attn)[:, 0]
-        return sample(logits, self.sampling)
-
-    def _verify(self, tokens: Tensor, depth: Tensor, anc: Tensor, n: Tensor):
-        # one target pass over the tree: positions n + depth, KV slots n + node index; pad nodes see only themselves
-        m, N = self.model, tokens.shape[0]
-        R = max(self.R_ver.gemm, N)
-        if N < R:
-            tokens, depth = torch.cat([tokens, tokens.new_zeros(R - N)]), torch.cat([depth, depth.new_zeros(R - N)])
-            anc = torch.block_diag(anc, torch.eye(R - N, dtype=torch.bool, device=anc.device))
-        mask = tree_mask(m.seq_range, anc, n)
-        recent = tree_recent(anc, depth, n) if self.planner.attention else None
-        logits, hid, aux = m(tokens[None], n + depth, mask=mask, cache_pos=n + torch.arange(R, device=n.device),
-                             return_hidden=True, recent=recent, attn_rows=max(self.R_ver.attn, R))
-        return logits[0, :N], hid[:, :N], (aux[:, :N] if aux is not None else None)
-
-    def _prefill(self, ptoks: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor | None]:
-        # logits of the last max(1, min(T, rows)) positions, the last row projected alone: same bits in every mode
-        T = ptoks.shape[0]
-        _, hid, aux = self.model(ptoks[None], torch.arange(T, device=ptoks.device), return_hidden=True,
-                                 compute_logits=False)
-        last = self.model.lm_head(hid[0, -1:])  # [1, V]
-        R = min(T, rows)
-        return (torch.cat([self.model.lm_head(hid[0, T - R:-1]), last]) if R > 1 else last), hid, aux
-
-    def warmup(self):
-        """A tiny generation, so one-time kernel set-up is not billed to the first prompt."""
-        saved, self.drafter = self.drafter, None
-        try:
-            self.generate([0, 1], 2)
-        finally:
-            self.drafter = saved
-
-    @torch.no_grad()
-    def generate(self, prompt: list[int], max_new_tokens: int, on_tokens=None) -> tuple[list[int], Stats]:
-        T = len(prompt)
-        if T == 0:
-            raise UsageError("empty prompt")
-        self.model.layers_from = self.layers_from
-        if self.drafter is not None:
-            return self._generate_spec(prompt, max_new_tokens, on_tokens)
-        m, dev = self.model, self.device
-        S, self.R_dec = self.planner.plan(T, max_new_tokens, 1)
-        m.setup_caches(1, S)
-        graphs.follow_buffers((self.decode_fn,), m, None)
-        st = Stats(extra=dict(exact=self.planner.exact))
-        tok, out, n = self._spec_prefill(prompt, st)
-        if on_tokens:
-            on_tokens(out)
-        t0, pos = time.perf_counter(), n.view(1)
-        while len(out) < max_new_tokens and out[-1] not in m.args.eos_ids:
-            tok = self.decode_fn(tok.view(1, 1), pos)
-            pos += 1
-            out.append(int(tok))  # the one host sync per token: needed for eos and streaming
-            st.target_forwards += 1
-            if on_tokens:
-                on_tokens(out[-1:])
-        sync(dev)
-        st.decode_s, st.new_tokens = time.perf_counter() - t0, len(out)
-        return out, st
-
-    def _spec_verify(self, tree: Tree, n: Tensor) -> tuple[Tensor, Accepted]:
-        # a step's first static-shape, sync-free half: target pass, acceptance, KV compaction (then _spec_advance)
-        if tree.tokens.shape[0] == 1 and self.R_ver.gemm == 1 and not self.planner.attention:
-            return self._spec_decode(tree, n)
-        logits, hid, aux = self._verify(tree.tokens, tree.depth, tree.anc, n)  # [N, V], [1, N, d], [1, N, 3d]
-        if self.sampling.greedy and self.device.type == "cpu" and not torch.compiler.is_compiling():
-            # eager CPU: host-list acceptance, KV moves in one C call (small device ops met cold caches: 1.02-1.06x)
-            p, L, bonus = accept_greedy_host(tree, logits)
-            if tree.tokens.shape[0] > 1:
-                n0 = int(n)
-                self.model.compact_kv([n0 + i for i in p], n0)
-            toks = tree.tokens.tolist()
-            host = torch.tensor([L, bonus] + [toks[i] for i in p] + p)  # the Accepted holds views of it
-            return host, Accepted(tree, host[2 + len(p):], host[0], host[1], logits, hid, aux, n)
-        path, L, bonus = (accept_greedy(tree, logits) if self.sampling.greedy else
-                          accept_sample(tree, logits_to_probs(logits, self.sampling)))
-        if tree.tokens.shape[0] > 1:  # the accepted path's KV moves to slots n .. n + L - 1
-            self.model.compact_kv(n + path, n)
-        host = torch.cat([L.view(1), bonus.view(1), tree.tokens[path], path])  # what the host needs, in one sync
-        return host, Accepted(tree, path, L, bonus, logits, hid, aux, n)
-
-    def _spec_decode(self, tree: Tree, n: Tensor) -> tuple[Tensor, Accepted]:
-        """_spec_verify of a one-node tree as the decode step runs it: 25 fewer small ops (7.21 -> 6.90 ms a step)."""
-        logits, hid, aux = self.model(tree.tokens[None], n.view(1), return_hidden=True)
-        bonus = sample(logits[0], self.sampling).view(())
-        path, L = self.root_path  # never written: every reader indexes with them
-        host = torch.cat([L.view(1), bonus.view(1), tree.tokens, path])
-        return host, Accepted(tree, path, L, bonus, logits[0], hid, aux, n)
-
-    def _spec_advance(self, a: Accepted) -> Tree:
-        # one graph: the vocabulary gather on the copy stream overlaps the draft backbone
-        self.drafter.update(a)
-        return self.drafter.draft(a.bonus.view(1), a.n + a.L)
-
-    def _generate_spec(self, prompt: list[int], max_new_tokens: int, on_tokens=None) -> tuple[list[int], Stats]:
-        d, eos = self.drafter, set(self.model.args.eos_ids)
-        S, fit = self._spec_setup(prompt, max_new_tokens)
-        st = Stats(phase_s=dict.fromkeys(PHASES, 0.0), extra=dict(exact=self.planner.exact))
-        tok, out, n = self._spec_prefill(prompt, st)
-        if on_tokens:
-            on_tokens(out)
-        clock = Clock(st.phase_s)
-        b = fit.pick(out)  # nodes the next step verifies; 1 = an autoregressive step (no draft)
-        tree = self._draft(tok, n, b, fit, clock)
-        while len(out) < max_new_tokens and out[-1] not in eos:
-            sub = tree.prefix(b)
-            self.R_ver = self.planner.pass_rows(sub.tokens.shape[0], S)
-            with clock("verify"):
-                host, acc = self.verify_step(sub, n)  # target pass over the tree, acceptance, KV compaction
-            with clock("sync"):
-                L, emitted, nodes = accepted_tokens(host.tolist())  # the one host sync of the step
-            acc = dataclasses.replace(acc, tree=tree)  # the drafter learns from every drafted token (NanoSpec)
-            fit.observe(b, nodes, clock.lap())
-            b = fit.pick(out + emitted)
-            tree = self._advance(acc, b, fit, clock)  # the drafter's update, then the next draft
-            n = n + L
-            st.target_forwards += 1
-            st.accept_hist[L] = st.accept_hist.get(L, 0) + 1
-            emitted = stop_at(emitted, out, max_new_tokens, eos)
-            out += emitted
-            if on_tokens and emitted:
-                on_tokens(emitted)
-        sync(self.device)
-        st.decode_s, st.new_tokens = time.perf_counter() - clock.t0, len(out)
-        st.extra.update(d.stats(), **fit.finish())
-        lm = st.extra.pop("lm_head_s", 0.0)  # drafting time spent in the LM head (eager only)
-        st.phase_s["lm_head"], st.phase_s["draft"] = lm, st.phase_s["draft"] - lm
-        return out, st
-
-    def _spec_setup(self, prompt: list[int], max_new_tokens: int) -> tuple[int, StepBudget]:
-        """Plans the request, sets up the caches and the drafter -> (KV slots S, the request's budget)."""
-        d = self.drafter
-        S, self.R_ver = self.planner.plan(len(prompt), max_new_tokens, d.nodes)
-        pass_s = pass_costs(self.model, d.nodes, d.budget_sizes() or ()) if self.budget else None  # before caches
-        self.model.setup_caches(1, S)
-        d.setup(S)
-        graphs.follow_buffers((self.verify_step, self.advance_step), self.model, d)
-        # eager CPU steps pay no one-time set-up per shape: one timing step of each end of the budget range
-        settle = 1 if self.device.type == "cpu" and not self.compiled else 2
-        return S, StepBudget(d, prompt, max_new_tokens, self.memory if self.budget else None, settle, pass_s)
-
-    def _spec_prefill(self, prompt: list[int], st: Stats) -> tuple[Tensor, list[int], Tensor]:
-        t0 = time.perf_counter()
-        ptoks = torch.tensor(prompt, device=self.device)
-        logits, hid, aux = self._prefill(ptoks, self.drafter.prompt_logits if self.drafter else 0)
-        tok = sample(logits[-1:], self.sampling)  # [1]
-        if self.drafter is not None:
-            self.drafter.prefill(Prefill(ptoks, tok, logits, hid, aux))
-        out, n = [int(tok)], torch.tensor(len(prompt), device=self.device)
-        st.prefill_s, st.target_forwards = time.perf_counter() - t0, 1
-        return tok, out, n
-
-    def _draft(self, root: Tensor, n: Tensor, b: int, fit: StepBudget, clock: Clock) -> Tree:
-        with clock("draft"):
-            return self.drafter.draft(root, n, fit.draft_size(b)) if b > 1 else chain_tree(root)
-
-    def _advance(self, a: Accepted, b: int, fit: StepBudget, clock: Clock) -> Tree:
-        """The next step's tree: update + draft (one step where fused); autoregressive runs catch up at once."""
-        # a CUDA graph's outputs are rewritten by its next replay: what outlives the step gets its own copy
-        own = graphs.owned if isinstance(self.verify_step, graphs.Graphed) else lambda x: x
-        if fit.hold(a, b, keep=own):
-            return chain_tree(own(a.bonus.view(1)))
-        if self.fused_steps and b > 1 and not fit.pending:
-            if (vocab := getattr(self.drafter, "vocab", None)) is not None:
-                vocab.wait()  # an eager update still on the copy stream: the replay must not overtake it
-            with clock("draft"):
-                return self.advance_step(a)
-        a = fit.catch_up(a)
-        with clock("update"):
-            self.drafter.update(own(a) if self.drafter.keeps_steps else a)
-        return self._draft(own(a.bonus.view(1)), a.n + a.L, b, fit, clock)
 
 
 def parse_args(argv=None):
@@ -290,34 +67,6 @@ def read_prompt(arg: str | None) -> str:
             raise UsageError(f"prompt file not found: {f}")
         return f.read_text()
     return arg
-
-
-def load_target(checkpoint: str | None, device: str = "cpu", dtype: str = "bfloat16"
-                ) -> tuple[Transformer, Tokenizer, Path]:
-    """The target model, its tokenizer and folder, from an HF folder or hub id (None: the embedded default model)."""
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise UsageError(f"unknown device {device!r}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda requested but CUDA is not available")
-    path = resolve_checkpoint(checkpoint)
-    tok = Tokenizer(path)
-    model = load_model(path, dtype=getattr(torch, dtype), device=dev)
-    if not model.args.eos_ids:
-        raise UsageError(f"no eos_token_id in {path}/generation_config.json or config.json")
-    return model, tok, path
-
-
-def build_engine(model: Transformer, tok: Tokenizer | None, draft: dc.DraftConfig = dc.DraftConfig(),
-                 sampling: Sampling = Sampling(), *, compile: bool = False, max_seq: int = 4096,
-                 backend: str = "inductor", exact: bool | None = None, head=None, budget: bool = True,
-                 budget_cache: bool = False) -> Engine:
-    """The engine with its drafter; budget=False verifies the whole tree; budget_cache=True: memory across runs."""
-    sampling.validate(model.args.vocab_size)
-    drafter = dc.make_drafter(draft, model, sampling, tok, head)
-    return Engine(model, sampling, compile=compile, drafter=drafter, max_seq=max_seq, backend=backend, exact=exact,
-                  budget=budget, budget_cache=f"{draft} {sampling}" if budget_cache else None)
 
 
 def stats_line(st: Stats, model: Transformer) -> str:
@@ -396,17 +145,6 @@ def chat_loop(engine: Engine, tok: Tokenizer, args) -> int:
         print(stats_line(st, engine.model), file=sys.stderr)
         messages.append({"role": "assistant", "content": tok.decode(out)})
     return 0
-
-
-def one_line_errors(fn, args, errors=(UsageError, ModelError, CheckpointError, ValueError)) -> int:
-    """fn(args), with bad input reported as one line and exit code 2."""
-    try:
-        return fn(args)
-    except errors as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
 
 
 def main(argv=None) -> int:

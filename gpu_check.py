@@ -35,7 +35,7 @@ from batch import BatchEngine
 import cuda_gather
 from download import resolve_checkpoint
 from eagle import load_eagle
-from generate import Engine, build_engine, load_target
+from engine import Engine, build_engine, load_target
 
 REPO = Path(__file__).resolve().parent
 HEAD = REPO / "heads" / "SmolLM2-135M-Instruct-eagle3-sharegpt"

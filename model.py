@@ -14,12 +14,9 @@ from torch import Tensor
 import cpu_forward
 import cpu_gemm
 import quant
+from errors import ModelError
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
-
-class ModelError(Exception):
-    """A user-facing problem with a checkpoint (one-line message)."""
 
 
 @dataclass

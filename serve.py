@@ -35,7 +35,7 @@ import draft_config as dc
 from batch import TARGET, BatchEngine
 from download import CheckpointError
 from errors import UsageError
-from generate import DEFAULT_HEAD, load_target
+from engine import DEFAULT_HEAD, load_target
 from model import ModelError
 from sampling import Sampling
 

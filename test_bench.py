@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import bench
-import generate
+import engine
 from conftest import write_eagle_head, write_tiny_hf
 
 
@@ -74,18 +74,18 @@ def test_bench_writes_reports(tiny_bench, tmp_path, capsys):
 
 
 def test_bench_guard_fires_on_tampered_output(tiny_bench, tmp_path, monkeypatch, capsys):
-    real = generate.accept_greedy
+    real = engine.accept_greedy
 
     def wrong_bonus(tree, logits):  # a subtly broken acceptance: the bonus token is off by one
         path, L, bonus = real(tree, logits)
         return path, L, (bonus + 1) % logits.shape[-1]
-    real_host = generate.accept_greedy_host
+    real_host = engine.accept_greedy_host
 
     def wrong_bonus_host(tree, logits):  # the same fault in eager CPU steps' host-side acceptance
         path, L, bonus = real_host(tree, logits)
         return path, L, (bonus + 1) % logits.shape[-1]
-    monkeypatch.setattr(generate, "accept_greedy", wrong_bonus)
-    monkeypatch.setattr(generate, "accept_greedy_host", wrong_bonus_host)
+    monkeypatch.setattr(engine, "accept_greedy", wrong_bonus)
+    monkeypatch.setattr(engine, "accept_greedy_host", wrong_bonus_host)
     rc = bench.main(argv(tiny_bench, tmp_path, "--methods", "ngram", "--categories", "qa", "--freq-corpus", "4x48"))
     err = capsys.readouterr().err
     assert rc == 1

@@ -17,6 +17,7 @@ from budget import Budget, Policy
 from conftest import write_eagle_head, write_tiny_hf
 from eagle import load_eagle
 from exact import Invariance
+import engine
 import generate as g
 from generate import Engine, main
 from sampling import Sampling, accept_greedy, best_path, logits_to_probs, sample_from
@@ -218,7 +219,7 @@ def test_sampler_catches_a_biased_acceptance(tmp_path, monkeypatch, kind):
 
     def wrong(tree, probs):
         return accept_greedy(tree, torch.nn.functional.one_hot(tree.tokens[tree.parents.clamp(min=0)] * 0 + tree.tokens[1], probs.shape[-1]).float())
-    monkeypatch.setattr(g, "accept_sample", lambda tree, probs: accept_sample_biased(tree, probs))
+    monkeypatch.setattr(engine, "accept_sample", lambda tree, probs: accept_sample_biased(tree, probs))
     with pytest.raises(AssertionError):
         test_speculative_sampling_is_exact(tmp_path, monkeypatch, kind, Sampling(1.0), None)
 

@@ -123,7 +123,7 @@ def servers(folders, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(folders):
-    """Batch-1 greedy outputs of the tiny model (generate.Engine in this process): (prompt ids, max_new) -> ids."""
+    """Batch-1 greedy outputs of the tiny model (engine.Engine in this process): (prompt ids, max_new) -> ids."""
     m = load_model(folders / "tiny", dtype=torch.bfloat16)
     eng, tok, cache = Engine(m), Tokenizer(folders / "tiny"), {}
 
