@@ -295,13 +295,16 @@ class Budgets:
             new.time[1], new.timed[1] = ar.time[1], max(ar.timed[1], new.timed.get(1, 0))
         return new
 
+    def free(self, key, bud: Budget) -> list[int]:
+        """Source key's sizes that need no set-up (size 1 always)."""
+        return [s for s in bud.sizes if s == 1 or self.setup_of is None or self.setup_of(key, s) <= 0]
+
     def estimate(self, key) -> float:
         """Source key's best estimated rate over its speculative sizes that need no set-up (0: none, or unknown)."""
         bud = self.of.get(key)
         if bud is None or not bud.time:
             return 0.0
-        free = [s for s in bud.sizes[1:] if self.setup_of is None or self.setup_of(key, s) <= 0]
-        return max((bud.rate(s) for s in free), default=0.0)
+        return max((bud.rate(s) for s in self.free(key, bud)[1:]), default=0.0)
 
     def ar_rate(self) -> float:
         t = [x.time[1] for x in self.of.values() if x.timed.get(1, 0)]
@@ -337,7 +340,7 @@ class Budgets:
         """What a trial of source key drafts: past its best size, but among the sizes without a set-up where it has
         some (the hybrid's merged tree would start the head for a chain's trial: 0.15 s on a RAG prompt on Zen 4)."""
         bud = self.budget(key)
-        free = [s for s in bud.sizes if s == 1 or self.setup_of is None or self.setup_of(key, s) <= 0]
+        free = self.free(key, bud)
         return bud.trial_size(free if len(free) > 1 else None)
 
     def may_try(self, key, keys: list, left: float) -> bool:

@@ -231,13 +231,13 @@ def measured_quietly(compute):
     return value, d0 is None or d1 is None or d1 - d0 <= MAX_WAIT * max(wall, 1e-3)
 
 
-def cached(key: str, compute) -> bool:
-    """A per-machine yes/no answer: cache_dir()/cpu_gemm.json[key], computed (compute()) and stored once measured
-    on a quiet machine (measured_quietly; else it serves this process and the next one measures again)."""
+def cached(key: str, compute):
+    """A per-machine measured answer (JSON): cache_dir()/cpu_gemm.json[key], computed (compute()) and stored once
+    measured on a quiet machine (measured_quietly; else it serves this process and the next one measures again)."""
     f = cache_dir() / "cpu_gemm.json"
     data = read_json(f)
     if key not in data:
-        value, quiet = measured_quietly(lambda: bool(compute()))
+        value, quiet = measured_quietly(compute)
         if not quiet:
             return value
         data[key] = value

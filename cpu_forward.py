@@ -117,7 +117,7 @@ def attach(model):
     stack = Stack(model.args, model.layers)
     key = (f"{cpu_gemm.machine_id()} fused pass {shape_key(model.args)} vs layers with "
            f"{'kernel' if layers_kernel else 'torch'} GEMM, worth {ROWS_WORTH}")
-    if gemm == "auto" and not cpu_gemm.cached(key, lambda: fused_wins(model, stack, packs, layers_kernel)):
+    if gemm == "auto" and not cpu_gemm.cached(key, lambda: bool(fused_wins(model, stack, packs, layers_kernel))):
         cpu_gemm.switch(layers_kernel)  # the PyTorch layers, with the GEMM cpu_gemm's check chose
         for m, p in packs.items():
             m.packed = p if layers_kernel else None
@@ -154,15 +154,7 @@ def layers_from(model, reps: int = 3) -> int | None:
     if model.cpu_pass is None or any(isinstance(m, quant.QLinear) for m in model.modules()):
         return None
     key = f"{cpu_gemm.machine_id()} layers with torch GEMMs from, against the {shape_key(model.args)} at {LAYER_SIZES}"
-    f = cpu_gemm.cache_dir() / "cpu_gemm.json"
-    data = cpu_gemm.read_json(f)
-    if key not in data:
-        value, quiet = cpu_gemm.measured_quietly(lambda: _layers_from(model, reps))
-        if not quiet:  # (a busy machine's figure serves this process only)
-            return value
-        data[key] = value
-        cpu_gemm.merge_json(f, key, value)
-    return data[key]
+    return cpu_gemm.cached(key, lambda: _layers_from(model, reps))
 
 
 @torch.no_grad()

@@ -228,7 +228,7 @@ def choose(shapes: list[tuple[int, int]], rows=(1, 16), reps: int = 5) -> bool:
         on = m == "kernel" and kernel() is not None
     else:
         counts = {s: shapes.count(s) for s in sorted(set(shapes))}
-        on = cached(f"{machine_id()} {counts} rows {list(rows)}", lambda: _faster(counts, rows, reps))
+        on = cached(f"{machine_id()} {counts} rows {list(rows)}", lambda: bool(_faster(counts, rows, reps)))
     switch(on)
     return on
 
