@@ -73,6 +73,14 @@ class Budget:
     def rate(self, b: int) -> float:
         return self.tokens(b) / self.seconds(b)
 
+    def hoped(self, b: int, evidence: float) -> float:
+        """rate(b), but where the first rank has under `evidence` decayed trials, at the untried prior (1/2 a rank):
+        what a one-time set-up is weighed by. One unlucky step (a draft model's 7-chain on an 8-token warm-up, one
+        node accepted) had priced its drafts below decoding for every later request."""
+        if self.trials[1] >= evidence:
+            return self.rate(b)
+        return (1.0 + 0.5 * (b - 1)) / self.seconds(b)
+
     def pick(self) -> int:
         ends = [s for s in (self.start, 1) if self.timed.get(s, 0) < self.settle]
         if ends:
@@ -257,7 +265,7 @@ class Budgets:
     """One Budget per source of drafts (the drafter's budget_keys), each with its own sizes_of(key), start_of(key),
     and the Policy that picks the source where the drafter offers several."""
 
-    START_EVIDENCE = 2.0  # decayed steps of a source's first rank past which no probe pays its set-up (start_probe)
+    START_EVIDENCE = 2.0  # decayed steps of a source's first rank past which its set-up is weighed on them
 
     def __init__(self, nodes: int, sizes_of=None, start_of=None, memory: dict | None = None, setup_of=None,
                  policy: "Policy | None" = None, **kw):
@@ -324,16 +332,21 @@ class Budgets:
         if new != b:
             bud.instead(b, new)
             b = new
-        setup = self.setup_of(self.key, b) if self.setup_of is not None and b > 1 else 0.0
-        if setup > 0 and not trial:  # a set-up the policy did not weigh: where it pays back within the request
-            # against decoding, on the steps the other sources leave (what they drafted so far, they keep drafting)
-            left = left * (1 - self.served / self.steps) if self.steps else left
-            need = [s for s in bud.sizes if s > 1 and self.setup_of(self.key, s) > 0]
-            a = (bud.best_without(need) or 1) if bud.time else 1
-            if not (bud.time and pays_back(setup, left, bud.rate(b), bud.rate(a))) and \
-                    not self.start_probe(bud, setup, left):
-                bud.instead(b, a)
-                b = a
+        need = [s for s in bud.sizes if s > 1 and self.setup_of(self.key, s) > 0] if self.setup_of else []
+        if need and not trial and key is not None:  # a set-up the policy did not weigh: where it pays back within the request against
+            # decoding, on the steps the other sources leave (what they drafted so far, they keep drafting); a source
+            # that drafts nothing without it is weighed at its hoped rate while its evidence is thin
+            ev = self.START_EVIDENCE
+            alone = len(self.free(self.key, bud)) == 1 and bud.time  # no draft of its own without the set-up
+            h = max(need, key=lambda s: bud.hoped(s, ev)) if alone else b
+            if h in need:
+                left = left * (1 - self.served / self.steps) if self.steps else left
+                a = (bud.best_without(need) or 1) if bud.time else 1
+                pays = bud.time and pays_back(self.setup_of(self.key, h), left, bud.hoped(h, ev), bud.rate(a))
+                new = h if pays else a
+                if new != b:
+                    bud.instead(b, new)
+                    b = new
         return b
 
     def trial_size(self, key) -> int:
@@ -350,18 +363,9 @@ class Budgets:
         setup = self.setup_of(key, self.trial_size(key)) if self.setup_of is not None else 0.0
         if setup <= 0:
             return True
-        best = max((bud.rate(s) for s in bud.sizes[1:]), default=0.0) if bud.time else 0.0
+        best = max((bud.hoped(s, self.START_EVIDENCE) for s in bud.sizes[1:]), default=0.0) if bud.time else 0.0
         other = max([self.ar_rate()] + [self.policy.rate(k) for k in keys if k != key])
         return pays_back(setup, left, best, other)
-
-    def start_probe(self, bud: Budget, setup: float, left: float) -> bool:
-        # a probe pays the set-up while evidence is thin: one unlucky step would lock the head out for good
-        share = bud.probe_share * self.spent["total"] * (1 + left / max(self.emitted, 1))
-        if (not bud.probing or bud.nodes < 2 or bud.trials[1] >= self.START_EVIDENCE
-                or self.spent["probe"] + setup > share):
-            return False
-        self.spent["probe"] += setup
-        return True
 
     def keep(self):
         if self.memory is not None:
@@ -413,8 +417,11 @@ class StepBudget:
         """Nodes the next step verifies (1: an autoregressive step, no draft); out: the tokens so far."""
         if self.budgets is None:
             return self.d.nodes
-        # tokens still to come: as many again as so far (a request's length is not known), at most max_new's
-        b = self.budgets.pick(self.d.budget_keys(self.prompt + out), min(self.max_new - len(out), len(out)))
+        # tokens still to come (a request's length is not known): as many again as so far, or what the engine's
+        # requests ran to where that is more, at most max_new's
+        n = len(out)
+        b = self.budgets.pick(self.d.budget_keys(self.prompt + out),
+                              min(self.max_new - n, max(n, getattr(self.memory, "length", 0.0) - n)))
         self.d.budget_use(self.budgets.key)
         return b
 
@@ -446,5 +453,6 @@ class StepBudget:
         if self.budgets is None:
             return {}
         self.budgets.keep()
+        self.memory.ran(self.budgets.emitted)
         self.memory.save()
         return self.budgets.stats()

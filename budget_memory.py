@@ -37,8 +37,11 @@ class BudgetMemory:
     (the caller's drafter and sampling settings) it outlives the process in budget.json, keyed also by machine,
     model, pass and device; NANOSPEC_BUDGET_CACHE=off keeps it in the process."""
 
+    LENGTH_DECAY = 0.8  # the expected length follows the last few requests
+
     def __init__(self, model: Transformer, drafter, key: str | None):
         self.drafter, self.sources, self.where = drafter, {}, None
+        self.length = 0.0  # new tokens the engine's requests ran to (decayed mean; 0: none yet)
         if key is not None and os.environ.get("NANOSPEC_BUDGET_CACHE", "on") != "off":
             self.where = (cpu_gemm.cache_dir() / "budget.json",
                           f"{pass_key(model)} {model.norm.weight.device.type} {key}")
@@ -49,14 +52,18 @@ class BudgetMemory:
             return
         d = cpu_gemm.read_json(self.where[0]).get(self.where[1])
         try:
-            rate = float(d.get("start_rate", 0.0))
+            rate, length = float(d.get("start_rate", 0.0)), float(d.get("length", 0.0))
             self.sources = {k: Budget.from_state(v) for k, v in d["sources"].items()}
         except (TypeError, KeyError, AttributeError, ValueError):
             return
-        self.drafter.start_rate = rate
+        self.drafter.start_rate, self.length = rate, max(length, 0.0)
+
+    def ran(self, tokens: int):
+        """A request emitted `tokens` new tokens."""
+        self.length = tokens if not self.length else self.LENGTH_DECAY * self.length + (1 - self.LENGTH_DECAY) * tokens
 
     def save(self):
         if self.where is not None:
             cpu_gemm.merge_json(*self.where, dict(sources={k: b.state() for k, b in self.sources.items()},
-                                                  start_rate=self.drafter.start_rate))
+                                                  start_rate=self.drafter.start_rate, length=self.length))
 

@@ -466,11 +466,12 @@ def test_state_round_trips_through_json():
             Budget.from_state(bad)
 
 
-def test_a_probe_may_start_a_set_up_that_thin_evidence_holds_back():
+def test_thin_evidence_does_not_lock_a_set_up_out():
     """One unlucky step carried in the engine's memory (the head's tree with nothing accepted: ~0.02 a node)
-    must not lock a set-up out for good: while the source's first rank has under START_EVIDENCE decayed steps, a
-    probe pays the set-up within the probe share, and the head's steps then speak for themselves; with more
-    evidence, or where the set-up does not fit the probe share, the probes keep decoding autoregressively."""
+    must not lock a set-up out for good: while the source's first rank has under START_EVIDENCE decayed steps, the
+    set-up is weighed at the untried prior (Budget.hoped), so it is paid where the tokens left would repay it
+    there, and the head's steps then speak for themselves; with more evidence, pays_back weighs the evidence, and
+    a set-up the tokens left could not repay even at the prior is never paid."""
     cost = {1: 1.0, 2: 1.05, 4: 1.2, 8: 2.0}
 
     def unlucky(trials):
@@ -492,12 +493,13 @@ def test_a_probe_may_start_a_set_up_that_thin_evidence_holds_back():
         return picks, bs
 
     picks, bs = request(1.0, 2.0)
-    assert picks[:4] == [1] * 4 and picks[4] == 2  # the first probe starts the head (2 s <= 5% of 4 s x 11:
-    # 40 tokens to come after 4)
-    assert bs.spent["probe"] >= 2.0 and picks[5:].count(2) >= 25  # then its steps show it pays (and the
-    # speculating budget's own probes every 4 steps: an autoregressive step, the next size up)
-    assert request(Budgets.START_EVIDENCE, 2.0)[0] == [1] * 40  # enough evidence: pays_back decides
-    assert request(1.0, 100.0)[0] == [1] * 40  # a set-up past the probe share: never
+    # the first step starts the head: at the prior its whole tree, 4.5 tokens in 2 s, saves 22 s over 40 tokens
+    assert picks[0] == 8 and unlucky(1.0).hoped(8, Budgets.START_EVIDENCE) == pytest.approx(2.25)
+    assert unlucky(1.0).rate(8) < 1.0 / cost[1]  # what the one step alone says: below decoding
+    assert picks[1:].count(2) >= 25  # then its steps show it pays (and the speculating budget's own probes every
+    # 4 steps: an autoregressive step, the next size up)
+    assert request(Budgets.START_EVIDENCE, 2.0)[0] == [1] * 40  # enough evidence: pays_back weighs it
+    assert request(1.0, 100.0)[0] == [1] * 40  # 22 s saved at the prior do not repay 100 s: never
 
 
 class Keyed(Drafter):
@@ -517,8 +519,11 @@ class Keyed(Drafter):
 
 
 class Memory:
-    def __init__(self):
-        self.sources, self.saved = {}, 0
+    def __init__(self, length=0.0):
+        self.sources, self.saved, self.length, self.runs = {}, 0, length, []
+
+    def ran(self, tokens):
+        self.runs.append(tokens)
 
     def save(self):
         self.saved += 1
@@ -538,7 +543,28 @@ def test_step_budget_fits_or_verifies_the_whole_tree():
     fit.observe(4, [0, 1], 1.5)
     assert fit.budgets.of["k"].time[4] == 1.0
     st = fit.finish()
-    assert mem.saved == 1 and set(mem.sources) == {"k"} and st["budget_hist"] == {"4": 1}
+    assert mem.saved == 1 and set(mem.sources) == {"k"} and st["budget_hist"] == {"4": 1} and mem.runs == [2]
+
+
+def test_the_tokens_left_follow_the_engines_requests():
+    """The tokens a request is expected to emit still: as many again as so far, or, where the engine's earlier
+    requests ran longer, up to their length, at most max_new's."""
+    lefts = []
+
+    class Seen(Budgets):
+        def pick(self, keys, left=float("inf")):
+            lefts.append(left)
+            return 1
+    import budget
+    real, budget.Budgets = budget.Budgets, Seen
+    try:
+        for length in (0.0, 100.0):
+            fit = StepBudget(Keyed(), [1], 60, Memory(length), settle=1)
+            for n in (0, 10, 40, 55):
+                fit.pick(list(range(n)))
+    finally:
+        budget.Budgets = real
+    assert lefts == [0, 10, 20, 5, 60, 50, 20, 5]  # (100 tokens: 60 at the start, 50 after 10)
 
 
 def test_autoregressive_steps_wait_for_one_catch_up():
