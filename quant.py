@@ -274,28 +274,47 @@ def _unpanels(e: Tensor, N: int) -> Tensor:
     return e.reshape(P, G, PN, KB).permute(0, 2, 1, 3).reshape(P * PN, G * KB)[:N]
 
 
-def pack_planes(q: Tensor, bits: int) -> tuple[Tensor, Tensor | None]:
+def pack_planes(q: Tensor, bits: int, k: bool = False) -> tuple[Tensor, Tensor | None]:
     """Codes [N, K] -> the kernel's code bytes [panels, K / KB, PANEL KB bits / 8] (8 bits; else the low nibbles)
-    and, for 5 and 6 bits, the high bits' bytes [panels, K / KB, PANEL KB (bits - 4) / 8]."""
+    and, for 5 and 6 bits, the high bits' bytes [panels, K / KB, PANEL KB (bits - 4) / 8]. k (klayout): the
+    factorized K-quant tiles' layout, per k pair's 4 vectors of 32 values: 32 bytes a vector pair (vector 2 h's
+    value j in byte j's low nibble, 2 h + 1's in its high one) and 32 bytes of 2-bit high fields (5 and 6 bits:
+    vector v's value j at bits 2 v of byte j)."""
     e = _panels(q)
     if bits == 8:
         return e.to(torch.int8).contiguous(), None
     P, G, E = e.shape
-    runs = (e & 15).to(torch.uint8).reshape(P, G, E // (2 * qc()), 2, qc())
+    run = 32 if k else qc()
+    runs = (e & 15).to(torch.uint8).reshape(P, G, E // (2 * run), 2, run)
     low = (runs[..., 0, :] | (runs[..., 1, :] << 4)).reshape(P, G, E // 2).contiguous()
-    return low, None if bits == 4 else pack_bits(e >> 4, bits - 4).contiguous()
+    if bits == 4:
+        return low, None
+    if k:
+        h = (e >> 4).to(torch.uint8).reshape(P, G, E // 32, 32)
+        return low, sum(h[:, :, v] << (2 * v) for v in range(E // 32)).to(torch.uint8).contiguous()
+    return low, pack_bits(e >> 4, bits - 4).contiguous()
 
 
-def unpack_planes(low: Tensor, high: Tensor | None, N: int, bits: int) -> Tensor:
+def unpack_planes(low: Tensor, high: Tensor | None, N: int, bits: int, k: bool = False) -> Tensor:
     """pack_planes' inverse: the codes [N, K]."""
     if bits == 8:
         return _unpanels(low, N)
     P, G, B = low.shape
-    b = low.reshape(P, G, B // qc(), qc())
+    run = 32 if k else qc()
+    b = low.reshape(P, G, B // run, run)
     e = torch.stack([b & 15, b >> 4], dim=3).reshape(P, G, 2 * B)
     if high is not None:
-        e = e | (unpack_bits(high, bits - 4) << 4)
+        if k:
+            h = torch.stack([(high >> (2 * v)) & 3 for v in range(2 * B // 32)], 2).reshape(P, G, 2 * B)
+        else:
+            h = unpack_bits(high, bits - 4)
+        e = e | (h << 4)
     return _unpanels(e, N)
+
+
+def klayout(qw: QWeight) -> bool:
+    """Whether qw (a K-quant) takes the factorized tiles' layout: the AVX-512 BF16 kernel's (csrc/gemm_kquant.h)."""
+    return cpu_gemm.ISA == "avx512bf16" and qw.subscales is not None and qw.bits in (4, 5, 6)
 
 
 def pack_groups(t: Tensor) -> Tensor:
@@ -313,14 +332,14 @@ def unpack_groups(t: Tensor, N: int) -> Tensor:
 
 def to_kernel(qw: QWeight) -> QWeight:
     """qw's tensors in the kernel's layout (a QWeight of packed tensors: codes, high, and per-group ones)."""
-    low, high = pack_planes(qw.values(), qw.bits)
+    low, high = pack_planes(qw.values(), qw.bits, klayout(qw))
     g = lambda t: None if t is None else pack_groups(t)
     return QWeight(low, g(qw.scales), g(qw.offsets), qw.bits, high, g(qw.subscales), g(qw.submins), qw.zero)
 
 
 def from_kernel(kq: QWeight, N: int) -> QWeight:
     """to_kernel's inverse (the checkpoint layout of a kernel-layout QWeight's N rows)."""
-    q = unpack_planes(kq.codes, kq.high, N, kq.bits)
+    q = unpack_planes(kq.codes, kq.high, N, kq.bits, klayout(kq))
     g = lambda t: None if t is None else unpack_groups(t, N)
     if kq.bits == 8:
         codes, high = q.contiguous(), None
@@ -701,7 +720,7 @@ def swap_linears(model: nn.Module, sd: dict, where: str, packed: dict | None = N
 
 # the kernel's layout of a quantized checkpoint, saved beside it once per ISA: later loads map it as it is
 # (the 1.5B Q4_K_M GGUF: 1 s and 1.1 GB resident, against 5 s and a 3.8 GB peak packing it at each load)
-KERNEL_LAYOUT = "1"  # bump when pack_planes / pack_groups change
+KERNEL_LAYOUT = "2"  # bump when pack_planes / pack_groups change
 
 
 def _kernel_cache(folder, files, fast: bool) -> tuple:

@@ -130,18 +130,69 @@ def test_gguf_blocks_are_gguf_dequantized_values(kind):
 @needs_kernel
 def test_block_types_kernel_is_the_bf16_kernel_on_dequantized_weights():
     """Every GGUF type (and a chain of three types in one matrix, as a Q4_K_M file's q | k | v) gives the bf16
-    GEMM's bits on its dequantized matrix, for register tiles of 1-6 rows, widened panels, tails and padded panels."""
+    GEMM's bits on its dequantized matrix, for register tiles of 1-6 rows, widened panels, tails and padded panels;
+    but the K-quants on the AVX-512 BF16 kernel, which multiply their codes unwidened (test_kquant_products...):
+    there a chain gives each part's own products."""
     rng = np.random.default_rng(7)
     P = cpu_gemm.PANEL
     for kind in GGUF_KINDS:
         for N, K in [(P + 9, 256), (2 * P, 512)]:
             qw = quant.from_gguf(gguf_blocks(kind, N, K, rng), kind, K)
-            _same_as_bf16(quant.KernelWeight.of(quant.to_kernel(qw), K), qw.dequantize(), (kind, N, K))
+            if not quant.klayout(qw):
+                _same_as_bf16(quant.KernelWeight.of(quant.to_kernel(qw), K), qw.dequantize(), (kind, N, K))
     parts = [quant.from_gguf(gguf_blocks(k, n, 256, rng), k, 256) for k, n in (("Q4_K", 2 * P), ("Q5_0", P),
                                                                                ("Q6_K", P + 5))]
-    kw = quant.KernelWeight.stack([quant.KernelWeight.of(quant.to_kernel(q), 256) for q in parts],
-                                  [q.N for q in parts])
-    _same_as_bf16(kw, torch.cat([q.dequantize() for q in parts]), "chain")
+    kws = [quant.KernelWeight.of(quant.to_kernel(q), 256) for q in parts]
+    kw = quant.KernelWeight.stack(kws, [q.N for q in parts])
+    if not any(quant.klayout(q) for q in parts):
+        _same_as_bf16(kw, torch.cat([q.dequantize() for q in parts]), "chain")
+    else:
+        g = torch.Generator().manual_seed(5)
+        rows = [q.N for q in parts]
+        x, b = torch.randn(13, 256, generator=g).bfloat16(), torch.randn(sum(rows), generator=g).bfloat16()
+        bs = b.split(rows)
+        for r in (1, 2, 5, 7, 13):
+            alone = torch.cat([quant.kernel_linear(x[:r], k, q.N, bb) for k, q, bb in zip(kws, parts, bs)], 1)
+            assert torch.equal(quant.kernel_linear(x[:r], kw, b.shape[0], b), alone), r
+
+
+@needs_kernel
+@pytest.mark.skipif(cpu_gemm.ISA != "avx512bf16", reason="the factorized K-quant tiles are the AVX-512 BF16 kernel's")
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_kquant_products_are_the_dequantized_matrix_times_x(kind):
+    """A K-quant's codes multiplied unwidened, sub-block by sub-block (csrc/gemm_kquant.h): every product is the
+    gguf package's dequantized values (unrounded) times x, to fp32 sums, rounded to bf16 once; the same bits for
+    every row count (register tiles of 1-6 rows, widened panels, tails and padded panels), thread count and bias;
+    and the kernel layout round-trips."""
+    import gguf
+    rng = np.random.default_rng(11 + ["Q4_K", "Q5_K", "Q6_K"].index(kind))
+    P = cpu_gemm.PANEL
+    for N, K in [(P + 9, 256), (2 * P, 512), (3 * P, 768)]:
+        raw = gguf_blocks(kind, N, K, rng)
+        ref = np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]), dtype=np.float32)
+        ref = torch.from_numpy(ref.reshape(N, K)).double()
+        qw = quant.from_gguf(raw, kind, K)
+        kq = quant.to_kernel(qw)
+        assert quant.klayout(qw) and torch.equal(quant.from_kernel(kq, N).dequantize(), qw.dequantize())
+        kw = quant.KernelWeight.of(kq, K)
+        g = torch.Generator().manual_seed(N)
+        x, b = torch.randn(13, K, generator=g).bfloat16(), torch.randn(N, generator=g).bfloat16()
+        full = quant.kernel_linear(x, kw, N, b)
+        for r in (1, 2, 3, 5, 7, 13):
+            assert torch.equal(quant.kernel_linear(x[:r], kw, N, b), full[:r]), (kind, N, K, r)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(quant.kernel_linear(x, kw, N, b), full)
+        finally:
+            torch.set_num_threads(threads)
+        exact = x.double() @ ref.T + b.double()
+        # one bf16 rounding (half a unit in the last place: up to 2^-8 relative) and the fp32 sums' (sub-block chains of
+        # x times 128 + q, then s and c = m - 128 s: 2^-16 of those terms is 2^8 of fp32's unit roundoff); a wrong
+        # code or scale would be off by about |x| s
+        s_abs = qw.scale_offset()[0].double().abs()
+        tol = exact.abs() * 2.0 ** -8 + (x.double().abs() @ (ref.abs() + 128 * s_abs).T) * 2.0 ** -16
+        assert ((full.double() - exact).abs() <= tol).all(), (kind, N, K)
 
 
 def _same_as_bf16(kw, dq, what):

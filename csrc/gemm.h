@@ -42,8 +42,17 @@ typedef void (*tile_fn)(const void* x, long kx, const Packed* W, const uint16_t*
 /* panel pd of a quantized part W widened to pack()'s bf16 layout, into dst [panel x K] (each ISA's header) */
 static void widen_panel(const Packed* W, long pd, long K, uint16_t* dst);
 
-#define NFMT 5  /* bf16, int8, and 4, 5, 6-bit codes */
+#define NFMT 8  /* bf16, int8, 4, 5, 6-bit codes; the AVX-512 BF16 build's K-quant tiles: 4, 5-6 bits, widened */
 static inline int fmt(long bits) { return bits == 16 ? 0 : bits == 8 ? 1 : bits == 4 ? 2 : bits == 5 ? 3 : 4; }
+#if defined(__AVX512BF16__)
+#define KQ 1  /* K-quants on the factorized tiles (gemm_kquant.h) */
+static void kwiden_panel(const Packed* W, long pd, long K, uint16_t* dst);
+#else
+#define KQ 0
+#endif
+static inline int fmt_of(const Packed* W) {
+    return KQ && W->sup && W->bits != 8 ? (W->bits == 4 ? 5 : 6) : fmt(W->bits);
+}
 static inline long wbits(long bits) { return bits == 5 || bits == 6 ? 4 : bits; }  /* bits a code in w */
 static inline long hbits(long bits) { return bits == 5 || bits == 6 ? bits - 4 : 0; }  /* bits a code in h */
 
@@ -88,10 +97,10 @@ static inline __attribute__((always_inline)) void group_sm(const Packed* W, long
    hide the latency; row blocks of at most 48 keep a block's x in L2 while the panels stream. While a panel computes,
    the next one is prefetched into L2, so memory and arithmetic overlap: all of it by the first tile (spread = 0),
    or, where the row block has several tiles, a share by each (spread = 1: a lone tile streams its panel with
-   the hardware prefetcher; spread = 2: a lone tile prefetches all of it, as with 0). The later tiles find their
-   panel in cache and give the hardware prefetcher no misses to follow. Row-invariant by construction when each
-   tile computes every output the same way whatever its height or width; a chain's parts (W->next) each keep their
-   own format, panel by panel. */
+   the hardware prefetcher, but a K-quant's; spread = 2: a lone tile prefetches all of it, as with 0). The later
+   tiles find their panel in cache and give the hardware prefetcher no misses to follow. Row-invariant by
+   construction when each tile computes every output the same way whatever its height or width; a chain's parts
+   (W->next) each keep their own format, panel by panel. */
 static __thread uint16_t* widen_buf;  /* each thread's widened panel (tiled()), grown as needed, kept */
 static __thread long widen_cap;
 
@@ -109,7 +118,7 @@ static void tiled(const tile_fn (*tiles)[7], const tile_fn (*halves)[7], long mt
         const long q = i / S, e = (q + 1) * S < i1 ? (q + 1) * S : i1;  /* this thread's part of pair q: [i, e) */
         const long mb = M * (q / NP) / NB, mend = M * (q / NP + 1) / NB, p = q % NP;
         const Packed* Wp = part_of(W, p);
-        const int f = fmt(Wp->bits);
+        const int f = fmt_of(Wp);
         long rows = mend - mb, nt = (rows + mtmax - 1) / mtmax;
         const char* next = 0;
         long L = 0;  /* 64-byte lines of the next panel */
@@ -122,7 +131,7 @@ static void tiled(const tile_fn (*tiles)[7], const tile_fn (*halves)[7], long mt
            tiles over it, not every tile widening every code (the same bits: a quantized tile widens in registers
            to these bf16 values). Measured on Zen 5, a pass of the default model's int4 GEMMs: 16 rows 7.3 ms
            widening per tile, 5.9 widening once (bf16 5.9); 64 rows 25.6 and 17.1 (bf16 17.1) */
-        const int fw = f && nt > 1 ? 0 : f;
+        const int fw = f && nt > 1 ? (f >= 5 ? 7 : 0) : f;
         const uint16_t* wide = 0;
         if (f && nt > 1) {
             if (widen_cap < panel * K) {
@@ -130,14 +139,20 @@ static void tiled(const tile_fn (*tiles)[7], const tile_fn (*halves)[7], long mt
                 widen_cap = panel * K;
                 widen_buf = aligned_alloc(64, (widen_cap * 2 + 63) / 64 * 64);
             }
+#if KQ
+            if (f >= 5) kwiden_panel(Wp, p - Wp->p0, K, widen_buf); else
+#endif
             widen_panel(Wp, p - Wp->p0, K, widen_buf);
             wide = widen_buf;
         }
         long m = mb;
+        /* a lone K-quant tile prefetches all of the next panel (spread 1 or not): decoding its codes, it leaves
+           the hardware prefetcher behind (the 1.5B Q4_K_M model's one-row pass on Zen 4: 40 to 33 ms a token) */
+        const int lone = spread != 1 || f >= 5;
         for (long t = 0; t < nt; t++) {
             long h = (mend - m) / (nt - t) + ((mend - m) % (nt - t) != 0);
             long l0 = spread && nt > 1 ? L * t / nt : 0,
-                 l1 = spread && nt > 1 ? L * (t + 1) / nt : (t == 0 && spread != 1 ? L : 0);
+                 l1 = spread && nt > 1 ? L * (t + 1) / nt : (t == 0 && lone ? L : 0);
             if (e - i == S) tiles[fw][h](x, kx, Wp, wide, b, y, yf, N, m, p, l1 > l0 ? next : 0, l0, l1);
             else halves[fw][h](x, kx, Wp, wide, b, y, yf, N, m, 2 * p + i % 2, l1 > l0 ? next : 0, l0, l1);
             m += h;
