@@ -23,6 +23,7 @@ os.environ["NANOSPEC_BUDGET_CACHE"] = "off"
 os.environ.setdefault("NANOSPEC_CPU_GEMM", "kernel")
 # the one-time build (and its stderr note) happens here, once per test run, not inside a test that reads stderr
 import cpu_gemm  # noqa: E402
+import quant  # noqa: E402
 
 cpu_gemm.kernel()
 
@@ -199,10 +200,8 @@ GGUF_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 GGUF_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
                  "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-# where each block type keeps its fp16 scales (the rest of a block: codes, or packed integer scales)
-GGUF_F16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
-               "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,)}
-
+GGUF_F16_AT = quant.GGUF_F16_AT
+gguf_blocks = quant.random_blocks  # (tests call it by this name)
 
 def gguf_byte_chars():
     """GPT-2's printable stand-ins for the 256 bytes, in byte order."""
@@ -214,18 +213,6 @@ def gguf_byte_chars():
             cs.append(256 + n)
             n += 1
     return [chr(c) for _, c in sorted(zip(bs, cs))]
-
-
-def gguf_blocks(kind, N, K, rng):
-    """Random blocks of a GGUF type [N, K / block * block bytes] uint8: random codes and integer scales, fp16
-    scales of a trained model's size (the gguf package quantizes only some types)."""
-    import gguf
-    per, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
-    raw = rng.integers(0, 256, size=(N, K // per, nbytes), dtype=np.uint8)
-    for at in GGUF_F16_AT[kind]:
-        d = rng.uniform(2e-3, 2e-2, size=(N, K // per)).astype(np.float16)
-        raw[..., at:at + 2] = d.view(np.uint8).reshape(N, K // per, 2)
-    return raw.reshape(N, -1)
 
 
 def llama_cpp_permute(w, n_head):

@@ -198,6 +198,24 @@ def unpack_bits(p: Tensor, b: int) -> Tensor:
 
 # ---------------------------------------------------------------- GGUF blocks as they are
 
+# where each block type keeps its fp16 scales (the rest of a block: codes, or packed integer scales)
+GGUF_F16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
+               "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,)}
+
+
+def random_blocks(kind: str, N: int, K: int, rng):
+    """Random blocks of a GGUF type [N, K / block * block bytes] uint8 (numpy): random codes and integer scales,
+    fp16 scales of a trained model's size (tests, kernel benchmarks: the gguf package quantizes only some types)."""
+    import gguf
+    import numpy as np
+    per, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    raw = rng.integers(0, 256, size=(N, K // per, nbytes), dtype=np.uint8)
+    for at in GGUF_F16_AT[kind]:
+        d = rng.uniform(2e-3, 2e-2, size=(N, K // per)).astype(np.float16)
+        raw[..., at:at + 2] = d.view(np.uint8).reshape(N, K // per, 2)
+    return raw.reshape(N, -1)
+
+
 # bytes per block, weights per block
 GGUF_TYPES = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32),
               "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
