@@ -81,12 +81,15 @@ static void kwiden_panel(const Packed* W, long pd, long K, uint16_t* dst) {
 }
 
 /* MT rows of x times panel p of K-quant part W (BITS 4, or 6 for 5 and 6 bits; 16: wide holds the panel's 128 +
-   code values). Up to 2 rows, the panel's 4 vectors at once (4 chains for the latency); more, one half of it at a
-   time (2 x MT chains and as many accumulators in registers) */
+   code values). Few rows, the panel's 4 vectors at once (4 chains for the latency); more, one half of it at a
+   time (2 x MT chains and as many accumulators in registers). Each output's chains and FMAs are the same either
+   way. */
 static inline __attribute__((always_inline)) void ktile(const uint32_t* x, long K2, const Packed* W,
         const uint16_t* wide, const uint16_t* b, uint16_t* y, float* yf, long N, long m0, long p, const char* pf,
         long l0, long l1, const int MT, const int BITS) {
-    const int HV = MT <= 2 ? 4 : 2;
+    /* 3-4 rows decoding their codes: the whole panel too (1.2-1.4x a half at a time, Zen 4); widened, 4 rows a
+       half (the same or better at 8 rows, where 2 tiles of 4 share a panel) */
+    const int HV = MT <= 2 || (MT <= 4 && BITS != 16) ? 4 : 2;
     const long pd = p - W->p0, K = 2 * K2, GK = W->group / 2, NG = K2 / GK, XB = K / 16, xs = W->group / 16;
     const uint8_t* q = (const uint8_t*)W->w + pd * 64 * K2;
     const uint8_t* hp = BITS == 6 ? W->h + pd * 32 * K2 : 0;
