@@ -104,12 +104,10 @@ def run(args) -> int:
     model, tok, _ = load_target(args.checkpoint, args.device, args.dtype)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     if args.prompts is not None:
-        if args.exact and model.cpu_pass is None:
-            raise UsageError("--exact batches need the fused CPU pass (bf16 on a CPU with AVX2): without it a "
-                             "sequence's output can differ from its batch-1 output at near ties")
-        sampling.validate(model.args.vocab_size)
-        args.batch = 8 if args.batch is None else args.batch
-        return batch.run_prompts(model, tok, args, sampling, dc.from_flags(args, DEFAULT_HEAD))
+        return batch.run_prompts(model, tok, args.prompts, sampling, dc.from_flags(args, DEFAULT_HEAD),
+                                 batch=8 if args.batch is None else args.batch, max_new_tokens=args.max_new_tokens,
+                                 raw=args.raw, budget=args.budget == "auto", exact=args.exact,
+                                 cuda_graphs=args.compile, seed=args.seed, ordered=args.ordered, as_json=args.json)
     exact = args.exact if args.exact is not None else (None if model.cpu_pass is not None else False)
     engine = build_engine(model, tok, dc.from_flags(args, DEFAULT_HEAD), sampling, compile=args.compile,
                           max_seq=args.max_seq, exact=exact, budget=args.budget == "auto", budget_cache=True)

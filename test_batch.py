@@ -11,6 +11,7 @@ import torch
 import cpu_forward
 import cpu_gemm
 import model as M
+import batch
 from batch import BatchEngine
 import draft_config as dc
 from conftest import one_line_error, write_eagle_head, write_tiny_hf
@@ -329,6 +330,25 @@ def test_cli_prompts_file(target, tmp_path, monkeypatch, capsys):
         assert main(["--checkpoint", str(target), "--prompt", p, "--raw", "--draft", "none", "--json",
                      "--max-new-tokens", str(n), "--dtype", "float32"]) == 0
         assert json.loads(capsys.readouterr().out)["text"] == x["text"], p
+
+
+def test_run_prompts_is_a_library_call(target, tmp_path, monkeypatch, capsys):
+    """batch.run_prompts takes its settings as parameters (no command line): the CLI's lines for the same file; a
+    batch asked to be exact without the fused CPU pass is refused."""
+    from engine import load_target
+    monkeypatch.setenv(cpu_gemm.ENV, "torch")
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('hello there\n{"prompt": "abc", "seed": 3}\n')
+    model, tok, _ = load_target(str(target), "cpu", "float32")
+    assert batch.run_prompts(model, tok, str(f), Sampling(), batch=2, max_new_tokens=6, raw=True, ordered=True,
+                             as_json=True) == 0
+    lib = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert main(["--checkpoint", str(target), "--prompts", str(f), "--batch", "2", "--ordered", "--json", "--raw",
+                 "--max-new-tokens", "6", "--dtype", "float32", "--draft", "none"]) == 0
+    cli = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["text"] for x in lib[:-1]] == [x["text"] for x in cli[:-1]] and lib[-1]["prompts"] == 2
+    with pytest.raises(UsageError, match="fused CPU pass"):
+        batch.run_prompts(model, tok, str(f), Sampling(), exact=True)
 
 
 @pytest.mark.parametrize("content,flags,words", [
