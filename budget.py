@@ -333,9 +333,10 @@ class Budgets:
             bud.instead(b, new)
             b = new
         need = [s for s in bud.sizes if s > 1 and self.setup_of(self.key, s) > 0] if self.setup_of else []
-        if need and not trial and key is not None:  # a set-up the policy did not weigh: where it pays back within the request against
-            # decoding, on the steps the other sources leave (what they drafted so far, they keep drafting); a source
-            # that drafts nothing without it is weighed at its hoped rate while its evidence is thin
+        if need and not trial and key is not None:  # a set-up the policy did not weigh: where it pays back
+            # within the request against decoding, on the steps the other sources leave (what they drafted so far,
+            # they keep drafting); a source that drafts nothing without it is weighed at its hoped rate while its
+            # evidence is thin
             ev = self.START_EVIDENCE
             alone = len(self.free(self.key, bud)) == 1 and bud.time  # no draft of its own without the set-up
             h = max(need, key=lambda s: bud.hoped(s, ev)) if alone else b
