@@ -14,7 +14,8 @@ target pass), and the weight bytes read per emitted token against the autoregres
 LM head with the full vocabulary against NanoSpec's window, the peak resident memory of the engine and of
 llama.cpp, and (`--parity N`) greedy agreement with llama.cpp over 64 tokens, with the target's logit gap where
 they part. Methods: `ar`, `default` (what `generate.py --checkpoint` runs), `full` (the default with the draft's
-whole LM head), `chain` (the draft's chain, full vocabulary, whole tree every step), `lookup` (prompt lookup alone).
+whole LM head), `chain` (the draft model alone, full vocabulary, its whole tree every step), `chain-nanospec` (the
+same with NanoSpec's window), `lookup` (prompt lookup alone).
 """
 import argparse
 import json
@@ -37,7 +38,8 @@ from bench_workload import Question, load_questions, select_questions
 from errors import UsageError
 from engine import build_engine, load_target
 
-METHODS = ("ar", "default", "full", "chain", "lookup")
+METHODS = ("ar", "default", "full", "chain", "chain-nanospec", "lookup")
+NANOSPEC = ("default", "chain-nanospec")  # the methods whose draft scores a NanoSpec window
 
 
 def parse_args(argv=None):
@@ -84,10 +86,12 @@ def engines(model, tok, a, methods: list[str]) -> list[Method]:
         raise UsageError(f"{a.checkpoint} has no named draft: give --draft")
     base = dc.DraftConfig(draft or "none", "nanospec", ngram=None)
     configs = {"ar": dc.DraftConfig("none"), "default": base, "full": replace(base, vocab="full"),
-               "chain": dc.DraftConfig(draft or "none", "full", ngram=False), "lookup": dc.DraftConfig("ngram")}
+               "chain": dc.DraftConfig(draft or "none", "full", ngram=False),
+               "chain-nanospec": dc.DraftConfig(draft or "none", "nanospec", ngram=False),
+               "lookup": dc.DraftConfig("ngram")}
     out = []
     for name in methods:
-        e = build_engine(model, tok, configs[name], budget=name not in ("ar", "chain"))
+        e = build_engine(model, tok, configs[name], budget=name not in ("ar", "chain", "chain-nanospec"))
         out.append(Method(name, "ar" if name == "ar" else "eagle", engine=e))
     return out
 
@@ -214,7 +218,7 @@ def run(a) -> int:
         command=" ".join(sys.argv), cpu=cpu_name(), threads=torch.get_num_threads(), prompts=len(qs),
         max_new_tokens=a.max_new_tokens, records=records, peers=peer_runs, mismatches=mismatches,
         bytes_per_token=bytes_per_token(records, target_bytes, draft_bytes), target_bytes=target_bytes,
-        lm_head=lm_head_costs(next(m for m in methods if m.name == "default")) if "default" in a.methods else None,
+        lm_head=lm_head_costs(nano) if (nano := next((m for m in methods if m.name in NANOSPEC), None)) else None,
         rss_mb=dict(engine=rss_mb(), llama_cpp=max((p["rss_mb"] for p in peer_runs if p["rss_mb"]), default=None)),
         parity=parity(model, tok, qs[:a.parity], a) if a.parity and peers else None)
     md = markdown(report)

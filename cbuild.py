@@ -22,7 +22,7 @@ P, L, INT, F32, I64, F64 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.
 
 class RowsDst(ctypes.Structure):
     _fields_ = [("rows", P), ("P", P), ("W", P), ("V", L), ("nslots", L), ("K", L), ("panel", L), ("kb", L),
-                ("place", P)]
+                ("place", P), ("fast", L), ("Ws", P), ("Wm", P), ("Ps", P), ("Pm", P)]
 
 
 class Packed(ctypes.Structure):

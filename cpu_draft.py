@@ -57,15 +57,15 @@ def topk_rows(x: Tensor, rows: Tensor | None, k: int) -> Tensor:
 
 def append(v, new: Tensor, valid: Tensor) -> bool:
     """NanoSpec's _append in C where it applies (CPU, cpu_gemm's row writer, eager); else False."""
-    if (torch.compiler.is_compiling() or new.device.type != "cpu" or not v.c_rows or v.packed is None
-            or not switched_on() or append_kernel() is None):
+    if torch.compiler.is_compiling() or new.device.type != "cpu" or not switched_on() or append_kernel() is None:
+        return False
+    rows = v.rows_dst()
+    if rows is None:
         return False
     new, valid = new.long().contiguous(), valid.to(torch.bool).contiguous()
     n = new.shape[0]
     cand, slot = torch.empty(2 * n, dtype=torch.int64), torch.empty(2 * n, dtype=torch.int64)
     flags = torch.empty(2 * n, dtype=torch.uint8)
-    rows = cbuild.RowsDst(v.rows.data_ptr(), v.packed.data_ptr(), v.weight.data_ptr(), v.V, v.W, v.weight.shape[1],
-                          cpu_gemm.PANEL, cpu_gemm.KB, cpu_gemm._SLOT.data_ptr())
     w = cbuild.Window(v.V, v.W, v.ring.data_ptr(), v.head.data_ptr(), v.count_.data_ptr(), v.slot_of_.data_ptr(),
                       v.token_of_.data_ptr(), v.winner.data_ptr(), v.fill_tok.data_ptr(), int(v.has_fill),
                       v.ids.data_ptr(), v.bias.data_ptr(), rows)

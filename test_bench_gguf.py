@@ -36,12 +36,12 @@ def test_the_report(files, tmp_path, capsys, monkeypatch):
     rc = bench_gguf.main(["--checkpoint", str(files / "target.gguf"), "--draft", str(files / "draft.gguf"),
                           "--llama-cpp", str(files / "bin"), "--workload", "spec-bench", "--questions",
                           str(files / "q.jsonl"), "--limit", "1", "--max-new-tokens", "12", "--parity", "1",
-                          "--methods", "ar,default,full,chain,lookup", "--out", str(tmp_path)])
+                          "--methods", "ar,default,full,chain,chain-nanospec,lookup", "--out", str(tmp_path)])
     out = capsys.readouterr()
     assert rc == 0, out.err
     r = json.loads(next(tmp_path.glob("bench_gguf_*.json")).read_text())
-    assert {x["method"] for x in r["records"]} == {"ar", "default", "full", "chain", "lookup"}
-    assert not r["mismatches"] and len(r["records"]) == 5 * r["prompts"] == 10
+    assert {x["method"] for x in r["records"]} == {"ar", "default", "full", "chain", "chain-nanospec", "lookup"}
+    assert not r["mismatches"] and len(r["records"]) == 6 * r["prompts"] == 12
     # the peer's own peak memory (a shell script's), not this process's pages a fork copied
     assert r["rss_mb"]["llama_cpp"] is None or r["rss_mb"]["llama_cpp"] < r["rss_mb"]["engine"] / 4
     peers = {x["method"]: x["tokens_per_s"] for x in r["peers"]}

@@ -370,3 +370,39 @@ def test_packed_rows_follow_the_window(W, n_fill, monkeypatch):
     assert full.packed is not None and freq.packed is not None
     for x, rows in ((full, weight), (freq, weight[[7, 3, 250, 99]])):
         torch.testing.assert_close(x.logits(h)[0].float(), h.float() @ rows.float().T, rtol=0.02, atol=0.05)
+
+
+@pytest.mark.skipif(not cpu_gemm.VNNI or cpu_gemm.kernel() is None, reason="needs AVX-512 VNNI and a C compiler")
+@pytest.mark.parametrize("W,n_fill,c_append", [(64, 0, "on"), (100, 0, "on"), (100, 150, "on"), (100, 40, "off")])
+def test_a_fast_heads_window_copies_its_codes(W, n_fill, c_append, monkeypatch):
+    """A draft model's 4-bit LM head on the integer GEMM (quant.QLinear.make_fast): the window copies its rows as they
+    are (nibbles shared by two rows a byte, panels of 64, W = 100: a part panel). After every update, each active
+    slot scores exactly what the whole head scores for its token (same codes, row-invariant GEMM), free slots -inf,
+    the window's tokens as with the widened head, through the C append and the PyTorch one."""
+    import quant
+    monkeypatch.setenv("NANOSPEC_CPU_DRAFT", c_append)
+    V, d = 300, 64
+    g = torch.Generator().manual_seed(W + n_fill)
+    head = quant.QLinear(quant.quantize(torch.randn(V, d, generator=g) * 0.1, quant.Scheme(4, 32)))
+    assert head.make_fast() and vocab.fast_rows(head)
+    fill = torch.randperm(V, generator=g)[:n_fill] if n_fill else None
+    v = vocab.make_vocab("nanospec", head, w_max=W, k_pre=2, k_ver=3, fill=fill)
+    wide = NanoSpecVocab(head.weight, W, 2, 3, fill=fill)
+    assert v.src is head and v.rows is None and v.weight is None
+    assert v.state_bytes() < wide.state_bytes() - W * d  # 4-bit codes and fp16 scales, not bf16 rows
+    h = torch.randn(3, d, generator=g).bfloat16()
+    prompt = torch.randint(0, V, (30,), generator=g)
+    for x in (v, wide):
+        x.reset(prompt, torch.randint(0, V, (30, 2), generator=torch.Generator().manual_seed(1)))
+    for step in range(30):
+        args = (torch.randint(0, V, (12,), generator=g), torch.rand(12, generator=g) < 0.8,
+                torch.randint(0, V, (3, 3), generator=g), torch.rand(3, generator=g) < 0.7)
+        v.update(*args)
+        wide.update(*args)
+        s, ids = v.logits(h)
+        sw, idw = wide.logits(h)
+        on = torch.isfinite(s[0])
+        assert torch.equal(ids, idw) and torch.equal(on, torch.isfinite(sw[0])) and on.any(), step
+        assert torch.equal(s[:, on], head(h)[:, ids[on]]) and torch.isneginf(s[:, ~on]).all(), step
+        assert torch.equal(v.token_of, wide.token_of) and torch.equal(v.count, wide.count)
+    assert vocab.make_vocab("nanospec", head, w_max=W, ablation="noasync").src is None  # its widened rows

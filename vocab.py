@@ -13,9 +13,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
+import cbuild
 import cpu_draft
 import cpu_gemm
 import cuda_gather
+import quant
 import vocab_freq
 
 
@@ -23,6 +25,14 @@ def packed_copy(rows):
     """cpu_gemm's packed copy of LM-head rows [N, d] where this machine chose its kernel, else None. Why: a drafting
     level scores top-k rows at once (measured: 8 rows x 3072 NanoSpec rows, 1.9 ms with torch, 0.3 ms packed)."""
     return cpu_gemm.pack(rows) if cpu_gemm.enabled() and cpu_gemm.usable(rows) else None
+
+
+def fast_rows(weight) -> bool:
+    """weight is a draft model's 4-bit LM head on the integer GEMM (quant.QLinear.make_fast) and the C row writer is
+    built: NanoSpec's window copies its rows as they are. Why: widened, the 0.5B Qwen's 16,384-row window is 29 MB
+    of bf16 a draft step, against 9 MB of codes and scales (and the head's 272 MB widened copy is never made)."""
+    return (isinstance(weight, torch.nn.Module) and getattr(weight, "fast", False) and weight.codes.is_cpu
+            and cpu_gemm.c_function("write_rows") is not None)
 
 
 def nbytes(*ts):
@@ -107,7 +117,9 @@ class NanoSpecVocab:
     On CUDA, update() runs on the copy stream: index the `ids` logits() returned before the next update()."""
 
     def __init__(self, weight, w_max=3072, k_pre=3, k_ver=3, ablation=None, max_append=None, fill=None):
-        V, d = weight.shape
+        # a fast 4-bit head (fast_rows): the window's rows in its layout; other quantized heads arrive widened
+        self.src = weight if ablation != "noasync" and fast_rows(weight) else None
+        V, d = (weight.out_features, weight.in_features) if self.src is not None else weight.shape
         if ablation not in ABLATIONS:
             raise ValueError(f"unknown ablation {ablation!r}; choose from {ABLATIONS}")
         if w_max < 1:
@@ -118,9 +130,11 @@ class NanoSpecVocab:
             raise ValueError(f"k_pre and k_ver must be >= 1, got {k_pre}, {k_ver}")
         if max_append is not None and max_append > w_max:
             raise ValueError(f"w_max ({w_max}) smaller than one step's append width ({max_append})")
-        self.weight, self.V, self.W, self.width = weight, V, w_max, w_max
+        self.weight = None if self.src is not None else weight
+        self.V, self.W, self.width = V, w_max, w_max
         self.k_pre, self.k_ver, self.ablation = k_pre, k_ver, ablation
-        dev = weight.device
+        dev, dtype = (weight.codes.device, torch.bfloat16) if self.src is not None else (weight.device, weight.dtype)
+        self.device, self.copies = dev, ablation != "noasync"  # copies: the active rows kept contiguous
         self.ring = torch.full((w_max + 1,), -1, dtype=torch.long, device=dev)
         self.head = torch.zeros((), dtype=torch.long, device=dev)
         self.count_ = torch.zeros(V + 1, dtype=torch.int32, device=dev)
@@ -128,13 +142,25 @@ class NanoSpecVocab:
         self.token_of_ = torch.full((w_max + 1,), -1, dtype=torch.long, device=dev)
         self.winner = torch.zeros(V + 1, dtype=torch.int32, device=dev)
         self.ids = torch.zeros(w_max, dtype=torch.long, device=dev)
-        self.bias = torch.full((w_max,), float("-inf"), dtype=weight.dtype, device=dev)
-        self.rows = None if ablation == "noasync" else torch.zeros(w_max, d, dtype=weight.dtype, device=dev)
-        # cpu_gemm's layout of rows, plus row W: the sink masked writes go to, never scored
-        self.packed = None if self.rows is None else packed_copy(weight.new_zeros(w_max + 1, d))
-        self.c_rows = self.rows is not None and cpu_gemm.writes_rows(self.rows, self.packed, weight)
+        self.bias = torch.full((w_max,), float("-inf"), dtype=dtype, device=dev)
+        self.rows = self.packed = self.kw = self.dst = None
+        self.c_rows = False
+        if self.src is not None:  # the window's codes, scales and offsets (panels of 64), written by C only
+            P, s = -(-w_max // 64), self.src
+            self.codes = torch.zeros(P, d // 4, 128, dtype=torch.uint8)
+            self.scales, self.offsets = (torch.zeros(P, d // 32, 64, dtype=torch.float16) for _ in range(2))
+            self.kw = quant.KernelWeight(self.codes, self.scales, self.offsets, 4, 32, fast=True)
+            self.src_tensors = (s.codes, s.scales, s.offsets)  # what dst points into, kept alive with it
+            self.dst = cbuild.RowsDst(0, self.codes.data_ptr(), s.codes.data_ptr(), V, w_max, d, 64, 0, None, 1,
+                                      s.scales.data_ptr(), s.offsets.data_ptr(), self.scales.data_ptr(),
+                                      self.offsets.data_ptr())
+        elif self.copies:
+            self.rows = torch.zeros(w_max, d, dtype=dtype, device=dev)
+            # cpu_gemm's layout of rows, plus row W: the sink masked writes go to, never scored
+            self.packed = packed_copy(weight.new_zeros(w_max + 1, d))
+            self.c_rows = cpu_gemm.writes_rows(self.rows, self.packed, weight)
         self._arange_w = torch.arange(w_max, device=dev)
-        self._inf = torch.tensor(float("-inf"), dtype=weight.dtype, device=dev)
+        self._inf = torch.tensor(float("-inf"), dtype=dtype, device=dev)
         self.fill_tok = torch.full((w_max + 1,), -1, dtype=torch.long, device=dev)
         self.fill_slot_ = None  # [V+1] with fill only
         fill = None if ablation == "nofill" or fill is None else torch.as_tensor(fill, dtype=torch.long).reshape(-1)
@@ -168,7 +194,11 @@ class NanoSpecVocab:
 
     def logits(self, h):
         self.wait()
-        if self.rows is None:  # "noasync": indexed GEMM over non-contiguous weight rows
+        if self.kw is not None:
+            if torch.compiler.is_compiling():
+                return torch.ops.nanospec.linear_packed(h, self.kw.address(), self.W, self.bias), self.ids
+            return quant.kernel_linear(h, self.kw, self.W, self.bias), self.ids
+        if not self.copies:  # "noasync": indexed GEMM over non-contiguous weight rows
             return F.linear(h, self.weight.index_select(0, self.ids), self.bias), self.ids
         # bias is 0 for active slots, -inf for free ones: the mask rides in the GEMM epilogue
         return cpu_gemm.linear(h, self.rows, self.bias, self.packed), self.ids  # [..., W], [W]
@@ -224,7 +254,7 @@ class NanoSpecVocab:
         dead_slot = torch.where(died, self.slot_of_[cand].long(), W)
         self.token_of_.index_fill_(0, dead_slot, -1)
         self.slot_of_.index_fill_(0, torch.where(died, cand, V), -1)
-        if self.has_fill and self.rows is not None:  # a freed slot's fill row back, before born rows take it
+        if self.has_fill and self.copies:  # a freed slot's fill row back, before born rows take it
             back = self.fill_tok[dead_slot]                           # [2n] (-1: none, or the sink)
             self._write_rows(back.clamp(min=0), torch.where(back >= 0, dead_slot, W))
         # k-th born token takes the k-th free slot (cumsum ranks, no sort); a W-long window never needs more
@@ -239,11 +269,15 @@ class NanoSpecVocab:
         self.slot_of_[V:].fill_(-1)  # (fill_, not x[V] = -1: that copies from the host, illegal in a CUDA graph)
         self.token_of_[W:].fill_(-1)
         self._outputs()
-        if self.rows is not None:  # only the newly active rows (born tokens are all in `new`)
+        if self.copies:  # only the newly active rows (born tokens are all in `new`)
             self._write_rows(new, slot[:n])
 
     def _write_rows(self, tok, slot):
         """rows[slot[i]] = weight[tok[i]] (and the packed copy) where slot[i] < W; static shapes."""
+        if self.dst is not None:
+            tok, slot = tok.long().contiguous(), slot.long().contiguous()
+            cpu_gemm.c_function("write_rows")(cbuild.ptr(self.dst), tok.data_ptr(), slot.data_ptr(), tok.numel())
+            return
         if self.c_rows and self.packed is not None:  # (reset() rebuilds the packed copy once, after)
             cpu_gemm.write_rows_(self.rows, self.packed, self.weight, tok, slot)
             return
@@ -273,7 +307,7 @@ class NanoSpecVocab:
         self.ids.zero_()
         self.bias.fill_(float("-inf"))
         if self.has_fill:  # every slot is free: all score their fill tokens
-            if self.rows is not None:
+            if self.copies:
                 self._write_rows(self.fill_tok[: self.W].clamp(min=0),
                                  torch.where(self.fill_tok[: self.W] >= 0, self._arange_w, self.W))
             self._outputs()
@@ -282,7 +316,7 @@ class NanoSpecVocab:
         """Rebuild the window from the stream [p_0, topk_0[:k_pre], p_1, ...], its last W entries. "ext": only the
         target's top-k_pre at the last prompt position, so the first draft step has candidates."""
         self.wait()
-        dev = self.weight.device
+        dev = self.device
         prompt_ids = torch.as_tensor(prompt_ids, device=dev).reshape(-1).long()
         if prompt_topk is not None:
             prompt_topk = torch.as_tensor(prompt_topk, device=dev).long()
@@ -329,7 +363,17 @@ class NanoSpecVocab:
 
     def state_bytes(self):
         return nbytes(self.ring, self.head, self.count_, self.slot_of_, self.token_of_, self.winner, self.ids,
-                      self.bias, self._arange_w, self._inf, self.fill_tok, self.fill_slot_, self.rows, self.packed)
+                      self.bias, self._arange_w, self._inf, self.fill_tok, self.fill_slot_, self.rows, self.packed,
+                      *((self.codes, self.scales, self.offsets) if self.kw is not None else ()))
+
+    def rows_dst(self):
+        """The C row writer's view of the window's copies (cbuild.RowsDst), or None where C does not write them."""
+        if self.dst is not None:
+            return self.dst
+        if not (self.c_rows and self.packed is not None):
+            return None
+        return cbuild.RowsDst(self.rows.data_ptr(), self.packed.data_ptr(), self.weight.data_ptr(), self.V, self.W,
+                              self.weight.shape[1], cpu_gemm.PANEL, cpu_gemm.KB, cpu_gemm._SLOT.data_ptr())
 
 
 def nanospec_state_bytes(V, d, w_max=3072, dtype=torch.float16, **kw):
@@ -346,12 +390,15 @@ def make_vocab(spec, weight, *, w_max=3072, k_pre=3, k_ver=3, ablation=None, eos
         raise ValueError(f"ablation {ablation!r} only applies to the 'nanospec' vocabulary, not {spec!r}")
     if spec == "full":
         return FullVocab(weight)
-    if isinstance(weight, torch.nn.Module):  # a quantized LM head: its rows widened once for the window's copies
+    if spec == "nanospec" and ablation != "noasync" and fast_rows(weight):
+        pass  # a draft model's 4-bit head: the window copies its rows as they are
+    elif isinstance(weight, torch.nn.Module):  # another quantized LM head: its rows widened once for the copies
         weight = weight.weight
     if spec == "nanospec":
         if isinstance(fill, (str, os.PathLike)):
             # the file's ranking as it is: eos enters with the target's top-k when it is likely
-            fill = vocab_freq.load_freq_file(fill, weight.shape[0])[:w_max]
+            V = weight.out_features if isinstance(weight, torch.nn.Module) else weight.shape[0]
+            fill = vocab_freq.load_freq_file(fill, V)[:w_max]
         return NanoSpecVocab(weight, w_max, k_pre, k_ver, ablation, max_append, fill)
     if spec.startswith("freq:"):
         path, k = spec[len("freq:"):], None

@@ -77,7 +77,7 @@ void nanospec_append(const Window* w, const int64_t* new_in, const uint8_t* vali
     const int64_t* fill_tok = w->fill_tok;
     const int has_fill = w->has_fill;
     uint16_t* bias = w->bias;
-    const RowsDst* rows = w->dst.rows ? &w->dst : 0;
+    const RowsDst* rows = w->dst.rows || w->dst.fast ? &w->dst : 0;
     const long m = 2 * n;
     long nv = 0, h = *head;
     for (long e = 0; e < n; e++) {  /* the r-th valid id goes to ring position (head + r) % W */

@@ -5,9 +5,11 @@
 
 /* A packed copy's row writer (cpu_gemm.write_rows_): the buffer rows [nslots, K], its packed copy P (pack()'s
    layout: panels of `panel` rows, k in groups of kb, row c of a panel at place[c] among a group's panel slots),
-   and the source matrix W [V, K] */
+   and the source matrix W [V, K]. fast: W and P hold Packed.fast codes (gemm_fast.h's layout, no rows buffer),
+   Ws, Wm and Ps, Pm their fp16 scales and offsets */
 typedef struct {
-    uint16_t* rows; uint16_t* P; const uint16_t* W; long V, nslots, K, panel, kb; const int64_t* place;
+    uint16_t* rows; void* P; const void* W; long V, nslots, K, panel, kb; const int64_t* place;
+    long fast; const uint16_t *Ws, *Wm; uint16_t *Ps, *Pm;
 } RowsDst;
 
 /* A weight matrix W [N, K] packed for the GEMM (quant.py's module docstring has the layouts). bits 16: w holds
