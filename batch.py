@@ -28,8 +28,9 @@ from torch import Tensor
 import cpu_draft
 import cpu_forward
 import graphs
+from budget import StepBudget
 from budget_batch import BatchBudget
-from budget_memory import pass_costs
+from budget_memory import BudgetMemory, pass_costs
 from draft import Accepted, Prefill, Tree, chain_tree, chained, stop_at
 from draft_config import make_drafters
 from errors import UsageError
@@ -57,6 +58,8 @@ class Seq:
     policy: object = None  # budget.Policy where its drafter offers several sources; its choice, its step's share
     chosen: str | None = None
     step_s: float = 0.0
+    alone: StepBudget | None = None  # its budget while it runs alone: the batch-1 engine's (budget.py)
+    paid: float = 0.0  # one-time set-up seconds its drafter paid in the step
     accepted: list = field(default_factory=list)  # tokens each step emitted
     # streaming: the latest step's tokens, who proposed each (TARGET: the target's own; else its drafter's
     # source, as accepted_from counts them), and the steps that verified a tree of its drafter's
@@ -90,10 +93,13 @@ class BatchEngine:
         self.eos = set() if ignore_eos else set(model.args.eos_ids)
         # (timed before the caches; the model holds the setting of the engine stepping it: each step sets it)
         self.layers_from = model.layers_from = None if exact else cpu_forward.layers_from(model)
+        alone_pass = None
         if drafters and budget:  # the pass's cost by rows, measured once per machine (before the caches: it
             cap = batch * drafters[0].nodes  # sets up its own): a budget that had to learn it drafted too little
             rows = sorted({min(1 << i, cap) for i in range(cap.bit_length() + 1)} | {batch})
             measured = pass_costs(model, 1, rows) or {}
+            d = drafters[0]
+            alone_pass = pass_costs(model, d.nodes, d.budget_sizes() or ())
         model.setup_caches(1, max_seq, slots=(batch + cuda_graphs) * max_seq)
         self.drafters = drafters or None
         self.spare = 0 if not drafters else drafters[0].nodes  # slots past a sequence's tokens for its tree
@@ -106,6 +112,11 @@ class BatchEngine:
             for r, t in (measured.items() if budget else ()):
                 self.budget.pass_s.observe(r, t)
             self._top = max(d.reads_top, 1)  # the target's top-k kept per accepted position (drafter.reads_top)
+            # one sequence alone steps as the batch-1 engine does: its budget (probes, per-source policy) reads
+            # what this engine's earlier requests paid. Why: the batch's rule, fresh each request, had a lone
+            # server request speculate on 12-21% of its steps against the batch-1 engine's (issue 52)
+            self.memory = BudgetMemory(model, d, None) if budget else None
+            self._alone = lambda s: StepBudget(s.drafter, s.prompt, s.max_new, self.memory, 1, alone_pass)
         self.free, self.waiting, self.running = list(range(batch)), deque(), []
         self.stepped = []  # the sequences the latest step advanced (their new, new_from)
         self.submitted = 0
@@ -151,6 +162,7 @@ class BatchEngine:
             s = self.waiting.popleft()
             s.slot, rows = self.free.pop(0) * self.S, rows + len(s.prompt)
             s.drafter = self.drafters[s.slot // self.S] if self.drafters else None
+            s.alone = self._alone(s) if self.drafters and not self.fixed else None
             admit.append(s)
         riders = self.running if admit else []
         seqs = admit + riders or self.running
@@ -184,6 +196,8 @@ class BatchEngine:
             if (s.out and s.out[-1] in self.eos) or len(s.out) >= s.max_new:
                 s.t_done = time.perf_counter()
                 done.append(s)
+                if s.alone is not None:  # what its sources paid, for the next request
+                    s.alone.finish()
         for s in done:
             self.running.remove(s)
             self.free.append(s.slot // self.S)
@@ -262,10 +276,17 @@ class BatchEngine:
         Sequences without a draft this step cost a row and a few list appends (the budget turns drafting off
         under load: the step is then a decode step)."""
         t0, dev = time.perf_counter(), self.device
-        sizes = [s.drafter.nodes for s in seqs] if self.fixed else \
-            self.budget.choose(seqs, lambda s: s.drafter.budget_keys(s.prompt + s.out))
-        for s in ([] if self.fixed else seqs):
-            s.drafter.budget_use(s.key)
+        alone = seqs[0].alone if len(seqs) == 1 else None
+        if self.fixed:
+            sizes = [s.drafter.nodes for s in seqs]
+        elif alone is not None:
+            sizes = [alone.pick(seqs[0].out)]
+            seqs[0].key, seqs[0].chosen = alone.budgets.key, None  # (the batch's policy has no step to observe)
+        else:
+            sizes = self.budget.choose(seqs, lambda s: s.drafter.budget_keys(s.prompt + s.out))
+            for s in seqs:
+                s.drafter.budget_use(s.key)
+        nodes = {}  # each sequence's accepted node indices, root first
         trees, cost = {}, {}  # cost: seconds a tree adds to the step besides its rows (drafting, host work)
         for i, (s, b) in enumerate(zip(seqs, sizes)):
             trees[i], cost[i] = self._draft(s, b)
@@ -295,7 +316,7 @@ class BatchEngine:
         for r, i in enumerate(ar):  # what its drafter will read when it catches up: views into the step's tensors
             s = seqs[i]
             s.pending.append((held, r, s.out[-1], nxt[r], s.n))
-            out[i], s.n = [nxt[r]], s.n + 1
+            out[i], s.n, nodes[i] = [nxt[r]], s.n + 1, [0]
             if not self.fixed:
                 self.budget.observe_seq(s, 1, [0])
         r = len(ar)
@@ -308,6 +329,7 @@ class BatchEngine:
                 L, bonus, path = int(Lt), int(bt), p.tolist()
             self.model.compact_kv([s.slot + s.n + j for j in path[:L]], s.slot + s.n)  # the path's KV to n .. n + L - 1
             toks_i = t.tokens.tolist()
+            nodes[i] = path[:L]
             if not self.fixed:
                 self.budget.observe_seq(s, b, path[:L])
             a = Accepted(t, torch.tensor(path, device=dev), torch.tensor(L, device=dev),
@@ -323,12 +345,15 @@ class BatchEngine:
                 self.budget.observe_draft(s.key, b, cost[i] + time.perf_counter() - tl)
         if not self.fixed:
             self.budget.observe(r, t2 - t1, sum(len(e) for e in out), time.perf_counter() - t0)
+        if alone is not None:  # (less a set-up paid inside: billed to one size, it would look slow for good)
+            alone.observe(sizes[0], nodes[0], time.perf_counter() - t0 - seqs[0].paid)
         return out, src
 
     def _draft(self, s: Seq, b: int) -> tuple[Tree | None, float]:
         """(s's tree of b nodes, or None for no draft (b = 1); its drafter's seconds less one-time set-ups). The
         drafter first catches up with the steps it has not seen (only to draft, or once HELD are waiting: one
         update over many steps costs about what one does)."""
+        s.paid = 0.0
         if b == 1 and len(s.pending) < self.HELD:
             return None, 0.0
         t0, d = time.perf_counter(), s.drafter
@@ -347,7 +372,8 @@ class BatchEngine:
             d.update(steps[0] if len(steps) == 1 else chained(steps, states=d.reads_states, top=self._top))
         tree = d.draft(torch.tensor([s.out[-1]], device=self.device), torch.tensor(s.n, device=self.device), b) \
             if b > 1 else None
-        seconds = time.perf_counter() - t0 - d.setup_paid()
+        s.paid = d.setup_paid()
+        seconds = time.perf_counter() - t0 - s.paid
         if tree is None and not self.fixed:
             self.budget.observe_draft(s.key, 1, seconds)
         if d.start_rate:  # what a set-up costs per waiting token, as measured: every sequence's drafter prices it

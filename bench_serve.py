@@ -125,7 +125,10 @@ async def one(client, model: str, prompt: str, max_tokens: int) -> Record:
 async def level(url: str, prompts: list[str], clients: int, requests: int, max_tokens: int) -> tuple[list, float]:
     """`clients` closed-loop clients through `requests` prompts -> (records, wall seconds)."""
     import openai
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    # a new connection per request: a kept-alive one that the server closes as the next request goes out drops
+    # it ("Server disconnected without sending a response": llama-server, after about 20 requests on one)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600,
+                                default_headers={"Connection": "close"})
     model = (await client.models.list()).data[0].id
     todo, out = list(range(requests)), []
 

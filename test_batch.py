@@ -106,6 +106,27 @@ def test_speculative_sequences_are_their_batch1_output(target, tmp_path, monkeyp
         assert 0 < eng.budget.stats()["speculated_share"] < 1, eng.budget.stats()
 
 
+def test_a_sequence_alone_steps_on_the_batch1_budget(target, tmp_path, monkeypatch):
+    """While one sequence runs alone, its sizes come from the batch-1 engine's budget (budget.StepBudget: probes,
+    the per-source policy, the engine's memory of earlier requests), not the batch's rule; with two or more, from
+    the batch's (BatchBudget.choose); each finished lone budget leaves its sources and length to the next request;
+    every output its batch-1 output."""
+    if cpu_forward.kernel() is None:
+        pytest.skip("needs x86-64 with AVX2+FMA and a C compiler")
+    m = load(target, True, monkeypatch)
+    prompts = [PROMPTS[4], PROMPTS[0], PROMPTS[1]]
+    ref = batch1(m, prompts, 24)
+    alone, together = [], []
+    pick, choose = batch.StepBudget.pick, batch.BatchBudget.choose
+    monkeypatch.setattr(batch.StepBudget, "pick", lambda self, out: alone.append(len(out)) or pick(self, out))
+    monkeypatch.setattr(batch.BatchBudget, "choose", lambda self, seqs, key_of: together.append(len(seqs))
+                        or choose(self, seqs, key_of))
+    eng = BatchEngine(m, batch=2, max_seq=128, drafters=dc.make_drafters(drafting("hybrid", target, tmp_path), m, 2))
+    assert eng.generate_batch(prompts, 24) == ref
+    assert alone and together and set(together) == {2}
+    assert eng.memory.sources and eng.memory.length > 0
+
+
 def test_a_prompt_that_fills_its_range_and_a_batch_of_one(target, tmp_path, monkeypatch):
     """A sequence whose prompt, new tokens and tree fill its range exactly, in a batch of one, and a prompt one
     token longer refused before it runs."""
