@@ -13,8 +13,10 @@ from eagle import load_eagle
 from model import load_model
 
 # exact.py caches this machine's invariance answers on disk; tests start from an empty cache of their own
-# (subprocesses inherit it) so that they always exercise the check and never touch the user's cache
-os.environ["NANOSPEC_CACHE"] = tempfile.mkdtemp(prefix="nanospec-test-cache-")
+# (subprocesses inherit it, and processes that import this file again, as spawned ranks do, take it back from
+# NANOSPEC_TEST_CACHE) so that they always exercise the check and never touch the user's cache
+os.environ["NANOSPEC_CACHE"] = os.environ.get("NANOSPEC_TEST_CACHE") or tempfile.mkdtemp(prefix="nanospec-test-cache-")
+os.environ["NANOSPEC_TEST_CACHE"] = os.environ["NANOSPEC_CACHE"]
 # the CLI's budget memory outlives its process (engine.Engine's budget_cache): off, so that no test starts
 # from another's; test_generate turns it on where it tests it
 os.environ["NANOSPEC_BUDGET_CACHE"] = "off"

@@ -12,6 +12,7 @@ import torch
 
 import batch
 import draft_config as dc
+import tp
 from download import models_table
 from engine import DEFAULT_HEAD, Engine, build_engine, load_target
 from errors import UsageError, one_line_errors
@@ -101,14 +102,20 @@ def run(args) -> int:
     if args.prompts is not None and args.compile and torch.device(args.device).type != "cuda":
         raise UsageError("--compile with --prompts replays the batch's decode steps as CUDA graphs: "
                          "it needs --device cuda")
+    if tp.launched() and (args.prompts is not None or args.chat or args.compile):
+        raise UsageError("tensor parallelism runs one --prompt at a time, eager: drop --prompts, --chat and --compile")
+    ranks = tp.setup(args.device)  # torchrun --nproc_per_node N: tensor parallel (tp.py)
     model, tok, _ = load_target(args.checkpoint, args.device, args.dtype)
+    tp.shard(model)
+    tp.sync_budget()
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     if args.prompts is not None:
         return batch.run_prompts(model, tok, args.prompts, sampling, dc.from_flags(args, DEFAULT_HEAD),
                                  batch=8 if args.batch is None else args.batch, max_new_tokens=args.max_new_tokens,
                                  raw=args.raw, budget=args.budget == "auto", exact=args.exact,
                                  cuda_graphs=args.compile, seed=args.seed, ordered=args.ordered, as_json=args.json)
-    exact = args.exact if args.exact is not None else (None if model.cpu_pass is not None else False)
+    # exact by default where it costs nothing (the fused pass) and under TP (each rank's layers, as one process's)
+    exact = args.exact if args.exact is not None else (None if model.cpu_pass is not None else ranks > 1)
     engine = build_engine(model, tok, dc.from_flags(args, DEFAULT_HEAD), sampling, compile=args.compile,
                           max_seq=args.max_seq, exact=exact, budget=args.budget == "auto", budget_cache=True)
     torch.manual_seed(args.seed)

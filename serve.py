@@ -28,6 +28,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import draft_config as dc
+import tp
 from errors import UsageError
 from serve_loop import EngineLoop, Job, Metrics
 from serve_request import ApiError, Output, Params, parse_request
@@ -295,6 +296,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
+        if tp.launched():
+            raise UsageError("serve.py runs in one process: tensor parallelism (torchrun) serves nothing yet")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

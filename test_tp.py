@@ -1,0 +1,137 @@
+"""tp.py: two ranks over gloo (torch.multiprocessing.spawn) on a tiny random model, against one process on the same
+PyTorch layers: the same logits bit for bit, the same greedy tokens for AR and each drafter (prompt lookup, EAGLE-3
+with NanoSpec, the hybrid under the budget whose choices rank 0 broadcasts), the same sampled tokens from the same
+seed; quantized weights and a world size that does not divide a layer's outputs are one-line errors."""
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import cpu_forward
+import cpu_gemm
+import draft_config as dc
+import model as M
+import quant
+import tp
+from conftest import write_eagle_head, write_tiny_hf
+from engine import build_engine
+from errors import UsageError
+from sampling import Sampling
+
+PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6, 7]
+ENV = {cpu_gemm.ENV: "kernel", cpu_forward.ENV: "on"}  # the ranks load the model with the fused pass, as the CLI
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    path, _ = write_tiny_hf(root / "target", hidden_size=192, intermediate_size=256, num_hidden_layers=3,
+                            num_attention_heads=3, num_key_value_heads=1, vocab_size=300, max_position_embeddings=256)
+    write_eagle_head(root / "head", json.loads((path / "config.json").read_text()), version=3, seed=1)
+    return path, root / "head"
+
+
+def run_all(path, head) -> dict:
+    """What a rank (or one process) computes: a prompt's logits, each drafter's greedy tokens, sampled tokens."""
+    m = M.load_model(path, dtype=torch.bfloat16)
+    fused = m.cpu_pass is not None
+    m = tp.shard(m)
+    tp.sync_budget()
+    m.setup_caches(1, 64)
+    with torch.no_grad():
+        out = {"logits": m(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))[0], "fused": fused}
+    # every slice on the kernel, as one process's layers (the fused pass had taken the layers' packed copies)
+    out["packed"] = [x.packed is not None for x in m.modules() if isinstance(x, M.Linear)]
+    configs = {"ar": dc.DraftConfig("none"), "ngram": dc.DraftConfig("ngram", spec_k=4),
+               "eagle": dc.DraftConfig(str(head), "nanospec", 4, 3, 10, w_max=64, ngram=False),
+               "hybrid": dc.DraftConfig(str(head), "nanospec", 4, 3, 10, spec_k=4, w_max=64, ngram=True)}
+    for name, c in configs.items():
+        e = build_engine(m, None, c, exact=True, budget=name == "hybrid")
+        out[name] = e.generate(PROMPT, 24)[0]
+    e = build_engine(m, None, configs["ngram"], Sampling(0.8), exact=True)
+    torch.manual_seed(3)
+    out["sampled"] = e.generate(PROMPT, 24)[0]
+    return out
+
+
+def _rank(r: int, world: int, init: str, path, head, out: str):
+    os.environ.update(ENV)
+    torch.set_num_threads(1)  # (two ranks on two cores)
+    os.environ["NANOSPEC_BUDGET_CACHE"] = "off"
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=r, world_size=world)
+    try:
+        res = run_all(path, head)
+        if r == 0:
+            torch.save(res, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(cpu_gemm.kernel() is None, reason="needs x86-64 with AVX2+FMA and a C compiler")
+def test_two_ranks_are_one_process(files, tmp_path, monkeypatch):
+    """The ranks load the model with the fused CPU pass; one process runs its PyTorch layers (what TP runs)."""
+    monkeypatch.setenv(cpu_gemm.ENV, "kernel")
+    monkeypatch.setenv(cpu_forward.ENV, "off")
+    monkeypatch.setenv("NANOSPEC_BUDGET_CACHE", "off")
+    path, head = files
+    mp.spawn(_rank, args=(2, str(tmp_path / "init"), path, head, str(tmp_path / "out.pt")), nprocs=2)
+    got, ref = torch.load(tmp_path / "out.pt"), run_all(path, head)
+    assert got["fused"] and not ref["fused"] and all(got["packed"]) and len(got["packed"]) == 3 * 7 + 1
+    assert torch.equal(got["logits"], ref["logits"])
+    for name in ("ar", "ngram", "eagle", "hybrid", "sampled"):
+        assert got[name] == ref[name], name
+    assert ref["ngram"] == ref["ar"] == ref["eagle"] == ref["hybrid"] and ref["sampled"] != ref["ar"]
+
+
+def _errors(r: int, world: int, init: str, path, out: str):
+    os.environ.update(ENV)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=r, world_size=world)
+    try:
+        msgs = []
+        m = M.load_model(path, dtype=torch.bfloat16)
+        m.layers[0].mlp.up_proj = quant.QLinear(quant.quantize(m.layers[0].mlp.up_proj.weight.float(),
+                                                               quant.Scheme(4, 32)))
+        for fn in (lambda: tp.shard(m), lambda: tp.split(torch.nn.Linear(8, 5), "odd", r, world)):
+            try:
+                fn()
+                msgs.append(None)
+            except UsageError as e:
+                msgs.append(str(e))
+        if r == 0:
+            torch.save(msgs, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_what_does_not_shard_is_a_one_line_error(files, tmp_path):
+    path, _ = files
+    mp.spawn(_errors, args=(2, str(tmp_path / "init"), path, str(tmp_path / "out.pt")), nprocs=2)
+    quantized, odd = torch.load(tmp_path / "out.pt")
+    assert quantized.startswith("tensor parallelism shards bf16") and "layers.0.mlp.up_proj" in quantized
+    assert odd == "tensor parallelism: odd has 5 outputs, which 2 ranks do not divide"
+
+
+def test_one_process_is_unchanged(files):
+    path, _ = files
+    m = M.load_model(path, dtype=torch.bfloat16)
+    q = m.layers[0].self_attn.q_proj
+    assert tp.world() == 1 and tp.shard(m) is m and m.layers[0].self_attn.q_proj is q and not tp.launched()
+
+
+def test_what_tp_does_not_run_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """Under a launcher (WORLD_SIZE > 1) the batch engine, chat, --compile and the server refuse before joining."""
+    import generate
+    import serve
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    (tmp_path / "p.txt").write_text("hi\n")
+    for argv in (["--prompts", str(tmp_path / "p.txt")], ["--chat"], ["--compile"]):
+        assert generate.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == ["error: tensor parallelism runs one --prompt at a time, eager: drop --prompts, --chat and "
+                       "--compile"], argv
+    assert serve.main([]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: serve.py runs in one process: tensor parallelism (torchrun) serves nothing yet"]

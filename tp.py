@@ -1,0 +1,147 @@
+"""Tensor parallelism over torch.distributed, applied to a loaded Transformer from outside (gpt-fast's tp.py):
+
+    torchrun --nproc_per_node 2 generate.py --prompt "..."      # rank 0 prints; gloo on CPU, NCCL on CUDA
+
+Every linear layer of the decoder is split by its output rows: each rank computes its slice of the outputs from the
+whole input, and the slices are gathered (all_gather) before the next operation, which every rank then runs on the
+whole tensor (norms, RoPE, attention, the residual adds, the LM head: replicated). Why every layer column-parallel
+(issue 53): an output element is one rank's whole dot product, summed in the order one process sums it, so a TP run
+gives one process's logits bit for bit. Megatron's layout (o_proj and down_proj split by input rows, their partial
+sums all-reduced) sums each output across ranks in another order.
+
+The fused CPU pass runs every layer in one C call, with no place for the gathers: under TP the model runs its
+PyTorch layers (the cpu_gemm kernel per linear), in exact mode unless --no-exact. Drafters are replicated: every
+rank drafts the same tree from the same inputs with no communication, and the budget's choice of size and source
+(timed on each rank) is rank 0's, broadcast every step (sync_budget).
+"""
+import atexit
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+import cpu_gemm
+import quant
+from budget import Budgets
+from errors import UsageError
+from model import Linear, Transformer
+
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if world() > 1 else 0
+
+
+def launched() -> bool:
+    """Started by torchrun (or another launcher that sets WORLD_SIZE) with more than one process."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def setup(device: str = "cpu") -> int:
+    """Join the launcher's process group (gloo on CPU, NCCL on CUDA, each rank its local GPU); other ranks than 0
+    print nothing. -> the world size."""
+    if not launched():
+        return 1
+    if not dist.is_initialized():
+        cuda = torch.device(device).type == "cuda"
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+        atexit.register(dist.destroy_process_group)
+    if rank() != 0:
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+    return world()
+
+
+class Gathered(nn.Module):
+    """A linear layer's slice of output rows on this rank; forward gathers every rank's slice, in rank order."""
+
+    def __init__(self, part: nn.Module, n: int):
+        super().__init__()
+        self.part, self.out_features = part, n
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.part(x).contiguous()
+        parts = [torch.empty_like(y).view(torch.uint8) for _ in range(world())]
+        dist.all_gather(parts, y.view(torch.uint8))  # the bits as bytes (gloo moves neither int16 nor every float)
+        return torch.cat(parts, -1).view(y.dtype)
+
+
+def split(m: nn.Module, name: str, r: int, w: int) -> nn.Module:
+    """Rank r's rows of the linear layer m (one of w equal slices)."""
+    if isinstance(m, quant.QLinear):
+        raise UsageError(f"tensor parallelism shards bf16, fp16 and fp32 weights; {name} is quantized "
+                         f"({m.bits} bits): load the checkpoint widened")
+    N, K = m.weight.shape
+    if N % w:
+        raise UsageError(f"tensor parallelism: {name} has {N} outputs, which {w} ranks do not divide")
+    rows = slice(r * N // w, (r + 1) * N // w)
+    part = Linear(K, N // w, bias=m.bias is not None, device="meta")
+    part.weight = nn.Parameter(m.weight.detach()[rows].clone(), requires_grad=False)
+    if m.bias is not None:
+        part.bias = nn.Parameter(m.bias.detach()[rows].clone(), requires_grad=False)
+    return part
+
+
+def shard(model: Transformer) -> Transformer:
+    """Split every decoder linear layer of model across the process group's ranks (in place); the fused CPU pass
+    off. World size 1: model unchanged."""
+    w, r = world(), rank()
+    if w == 1:
+        return model
+    for i, layer in enumerate(model.layers):
+        for path in PROJECTIONS:
+            owner, attr = path.split(".")
+            parent = getattr(layer, owner)
+            m = getattr(parent, attr)
+            setattr(parent, attr, Gathered(split(m, f"layers.{i}.{path}", r, w), m.weight.shape[0]))
+    model.cpu_pass = None
+    cpu_gemm.pack_linears(model)  # every linear on the kernel, as one process's PyTorch layers run them
+    check_same(model)
+    return model
+
+
+def check_same(model: Transformer):
+    """Every rank loaded the same model: a one-line error on every rank otherwise (a rank with other weights would
+    gather slices of another function)."""
+    a = model.args
+    sig = torch.tensor([a.n_layers, a.dim, a.vocab_size, a.n_heads, a.n_kv_heads,
+                        float(model.norm.weight.detach().float().sum())], dtype=torch.float64)
+    every = [torch.empty_like(sig) for _ in range(world())]
+    dist.all_gather(every, sig)
+    if any(not torch.equal(x, every[0]) for x in every):
+        raise UsageError("tensor parallelism: the ranks loaded different models")
+
+
+def broadcast_ints(values: list[int]) -> list[int]:
+    t = torch.tensor(values, dtype=torch.long)
+    dist.broadcast(t, 0)
+    return t.tolist()
+
+
+def sync_budget():
+    """Budgets.pick returns rank 0's size and source on every rank: each rank times its own steps, and ranks that
+    drafted different trees would gather slices of different passes."""
+    if world() == 1 or getattr(Budgets.pick, "tp_synced", False):
+        return
+    own = Budgets.pick
+
+    def pick(self, keys, left: float = float("inf")) -> int:
+        b = own(self, keys, left)
+        keys = [keys] if isinstance(keys, str) else list(keys)
+        b, k, chosen = broadcast_ints([b, keys.index(self.key), int(self.chosen is not None)])
+        self.key = keys[k]
+        self.budget(self.key)  # (rank 0's source, its Budget made here where this rank had not drafted it)
+        self.chosen = self.key if chosen else None
+        return b
+
+    pick.tp_synced = True
+    Budgets.pick = pick
