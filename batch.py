@@ -114,7 +114,7 @@ class BatchEngine:
             self._top = max(d.reads_top, 1)  # the target's top-k kept per accepted position (drafter.reads_top)
             # one sequence alone steps as the batch-1 engine does: its budget (probes, per-source policy) reads
             # what this engine's earlier requests paid. Why: the batch's rule, fresh each request, had a lone
-            # server request speculate on 12-21% of its steps against the batch-1 engine's (issue 52)
+            # server request speculate on 12-21% of its steps (serve.py 1.05x llama-server at one client; 1.3x now)
             self.memory = BudgetMemory(model, d, None) if budget else None
             self._alone = lambda s: StepBudget(s.drafter, s.prompt, s.max_new, self.memory, 1, alone_pass)
         self.free, self.waiting, self.running = list(range(batch)), deque(), []

@@ -1,7 +1,8 @@
 """tp.py: two ranks over gloo (torch.multiprocessing.spawn) on a tiny random model, against one process on the same
 PyTorch layers: the same logits bit for bit, the same greedy tokens for AR and each drafter (prompt lookup, EAGLE-3
 with NanoSpec, the hybrid under the budget whose choices rank 0 broadcasts), the same sampled tokens from the same
-seed; quantized weights and a world size that does not divide a layer's outputs are one-line errors."""
+seed; int8 and int4 targets too (their codes split with their scales); a layer on the draft models' integer GEMM
+and a world size that does not divide a layer's outputs are one-line errors."""
 import json
 import os
 
@@ -15,6 +16,7 @@ import cpu_gemm
 import draft_config as dc
 import model as M
 import quant
+import quantize
 import tp
 from conftest import write_eagle_head, write_tiny_hf
 from engine import build_engine
@@ -31,6 +33,9 @@ def files(tmp_path_factory):
     path, _ = write_tiny_hf(root / "target", hidden_size=192, intermediate_size=256, num_hidden_layers=3,
                             num_attention_heads=3, num_key_value_heads=1, vocab_size=300, max_position_embeddings=256)
     write_eagle_head(root / "head", json.loads((path / "config.json").read_text()), version=3, seed=1)
+    for mode in ("int8", "int4"):
+        assert quantize.main(["--checkpoint", str(path), "--mode", mode, "--groupsize", "32",
+                              "--out", str(root / mode)]) == 0
     return path, root / "head"
 
 
@@ -57,13 +62,26 @@ def run_all(path, head) -> dict:
     return out
 
 
+def run_quantized(path) -> dict:
+    """The int8 and int4 checkpoints beside path: each one's logits and greedy tokens."""
+    out = {}
+    for mode in ("int8", "int4"):
+        m = tp.shard(M.load_model(path.parent / mode, dtype=torch.bfloat16))
+        assert isinstance(getattr(m.layers[0].mlp.up_proj, "part", m.layers[0].mlp.up_proj), quant.QLinear)
+        m.setup_caches(1, 64)
+        with torch.no_grad():
+            out[mode] = m(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))[0]
+        out[mode + " tokens"] = build_engine(m, None, dc.DraftConfig("none"), exact=True).generate(PROMPT, 24)[0]
+    return out
+
+
 def _rank(r: int, world: int, init: str, path, head, out: str):
     os.environ.update(ENV)
     torch.set_num_threads(1)  # (two ranks on two cores)
     os.environ["NANOSPEC_BUDGET_CACHE"] = "off"
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=r, world_size=world)
     try:
-        res = run_all(path, head)
+        res = run_all(path, head) | run_quantized(path)
         if r == 0:
             torch.save(res, out)
     finally:
@@ -78,11 +96,12 @@ def test_two_ranks_are_one_process(files, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOSPEC_BUDGET_CACHE", "off")
     path, head = files
     mp.spawn(_rank, args=(2, str(tmp_path / "init"), path, head, str(tmp_path / "out.pt")), nprocs=2)
-    got, ref = torch.load(tmp_path / "out.pt"), run_all(path, head)
+    got, ref = torch.load(tmp_path / "out.pt"), run_all(path, head) | run_quantized(path)
     assert got["fused"] and not ref["fused"] and all(got["packed"]) and len(got["packed"]) == 3 * 7 + 1
     assert torch.equal(got["logits"], ref["logits"])
-    for name in ("ar", "ngram", "eagle", "hybrid", "sampled"):
+    for name in ("ar", "ngram", "eagle", "hybrid", "sampled", "int8 tokens", "int4 tokens"):
         assert got[name] == ref[name], name
+    assert torch.equal(got["int8"], ref["int8"]) and torch.equal(got["int4"], ref["int4"])
     assert ref["ngram"] == ref["ar"] == ref["eagle"] == ref["hybrid"] and ref["sampled"] != ref["ar"]
 
 
@@ -92,8 +111,9 @@ def _errors(r: int, world: int, init: str, path, out: str):
     try:
         msgs = []
         m = M.load_model(path, dtype=torch.bfloat16)
-        m.layers[0].mlp.up_proj = quant.QLinear(quant.quantize(m.layers[0].mlp.up_proj.weight.float(),
-                                                               quant.Scheme(4, 32)))
+        up = m.layers[0].mlp.up_proj = quant.QLinear(quant.quantize(m.layers[0].mlp.up_proj.weight.float(),
+                                                                    quant.Scheme(4, 32)))
+        fast = up.make_fast()  # (AVX-512 VNNI builds)
         for fn in (lambda: tp.shard(m), lambda: tp.split(torch.nn.Linear(8, 5), "odd", r, world)):
             try:
                 fn()
@@ -101,7 +121,7 @@ def _errors(r: int, world: int, init: str, path, out: str):
             except UsageError as e:
                 msgs.append(str(e))
         if r == 0:
-            torch.save(msgs, out)
+            torch.save((fast, *msgs), out)
     finally:
         dist.destroy_process_group()
 
@@ -109,8 +129,9 @@ def _errors(r: int, world: int, init: str, path, out: str):
 def test_what_does_not_shard_is_a_one_line_error(files, tmp_path):
     path, _ = files
     mp.spawn(_errors, args=(2, str(tmp_path / "init"), path, str(tmp_path / "out.pt")), nprocs=2)
-    quantized, odd = torch.load(tmp_path / "out.pt")
-    assert quantized.startswith("tensor parallelism shards bf16") and "layers.0.mlp.up_proj" in quantized
+    fast, draft_gemm, odd = torch.load(tmp_path / "out.pt")
+    assert draft_gemm == ("tensor parallelism: layers.0.mlp.up_proj is on the draft models' integer GEMM, not a "
+                          "target's") if fast else draft_gemm is None
     assert odd == "tensor parallelism: odd has 5 outputs, which 2 ranks do not divide"
 
 

@@ -4,8 +4,8 @@
 
 Every linear layer of the decoder is split by its output rows: each rank computes its slice of the outputs from the
 whole input, and the slices are gathered (all_gather) before the next operation, which every rank then runs on the
-whole tensor (norms, RoPE, attention, the residual adds, the LM head: replicated). Why every layer column-parallel
-(issue 53): an output element is one rank's whole dot product, summed in the order one process sums it, so a TP run
+whole tensor (norms, RoPE, attention, the residual adds, the LM head: replicated). Why every layer column-parallel:
+an output element is one rank's whole dot product, summed in the order one process sums it, so a TP run
 gives one process's logits bit for bit. Megatron's layout (o_proj and down_proj split by input rows, their partial
 sums all-reduced) sums each output across ranks in another order.
 
@@ -77,17 +77,20 @@ class Gathered(nn.Module):
 
 def split(m: nn.Module, name: str, r: int, w: int) -> nn.Module:
     """Rank r's rows of the linear layer m (one of w equal slices)."""
-    if isinstance(m, quant.QLinear):
-        raise UsageError(f"tensor parallelism shards bf16, fp16 and fp32 weights; {name} is quantized "
-                         f"({m.bits} bits): load the checkpoint widened")
-    N, K = m.weight.shape
+    q = isinstance(m, quant.QLinear)
+    N, K = (m.out_features, m.in_features) if q else m.weight.shape
     if N % w:
         raise UsageError(f"tensor parallelism: {name} has {N} outputs, which {w} ranks do not divide")
     rows = slice(r * N // w, (r + 1) * N // w)
-    part = Linear(K, N // w, bias=m.bias is not None, device="meta")
+    bias = None if m.bias is None else m.bias.detach()[rows].clone()
+    if q:  # its rows in the checkpoint's layout (codes with their scales and offsets), laid out for the kernel again
+        if m.fast:
+            raise UsageError(f"tensor parallelism: {name} is on the draft models' integer GEMM, not a target's")
+        return quant.QLinear(m.rows().take(torch.arange(rows.start, rows.stop)), bias)
+    part = Linear(K, N // w, bias=bias is not None, device="meta")
     part.weight = nn.Parameter(m.weight.detach()[rows].clone(), requires_grad=False)
-    if m.bias is not None:
-        part.bias = nn.Parameter(m.bias.detach()[rows].clone(), requires_grad=False)
+    if bias is not None:
+        part.bias = nn.Parameter(bias, requires_grad=False)
     return part
 
 
@@ -102,7 +105,7 @@ def shard(model: Transformer) -> Transformer:
             owner, attr = path.split(".")
             parent = getattr(layer, owner)
             m = getattr(parent, attr)
-            setattr(parent, attr, Gathered(split(m, f"layers.{i}.{path}", r, w), m.weight.shape[0]))
+            setattr(parent, attr, Gathered(split(m, f"layers.{i}.{path}", r, w), m.out_features))
     model.cpu_pass = None
     cpu_gemm.pack_linears(model)  # every linear on the kernel, as one process's PyTorch layers run them
     check_same(model)
