@@ -102,8 +102,8 @@ def run(args) -> int:
     if args.prompts is not None and args.compile and torch.device(args.device).type != "cuda":
         raise UsageError("--compile with --prompts replays the batch's decode steps as CUDA graphs: "
                          "it needs --device cuda")
-    if tp.launched() and (args.prompts is not None or args.chat or args.compile):
-        raise UsageError("tensor parallelism runs one --prompt at a time, eager: drop --prompts, --chat and --compile")
+    if tp.launched() and (args.chat or args.compile):
+        raise UsageError("tensor parallelism runs eager, without --chat: drop --chat and --compile")
     ranks = tp.setup(args.device)  # torchrun --nproc_per_node N: tensor parallel (tp.py)
     model, tok, _ = load_target(args.checkpoint, args.device, args.dtype)
     tp.shard(model)

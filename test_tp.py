@@ -1,7 +1,7 @@
 """tp.py: two ranks over gloo (torch.multiprocessing.spawn) on a tiny random model, against one process on the same
 PyTorch layers: the same logits bit for bit, the same greedy tokens for AR and each drafter (prompt lookup, EAGLE-3
 with NanoSpec, the hybrid under the budget whose choices rank 0 broadcasts), the same sampled tokens from the same
-seed; int8 and int4 targets too (their codes split with their scales); a layer on the draft models' integer GEMM
+seed, the batch engine's outputs one process's; int8 and int4 targets too (their codes split with their scales); a layer on the draft models' integer GEMM
 and a world size that does not divide a layer's outputs are one-line errors."""
 import json
 import os
@@ -19,11 +19,13 @@ import quant
 import quantize
 import tp
 from conftest import write_eagle_head, write_tiny_hf
+from batch import BatchEngine
 from engine import build_engine
 from errors import UsageError
 from sampling import Sampling
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6, 7]
+BATCH = [PROMPT, [40, 41, 40, 41, 40], [3, 4], list(range(20, 50))]
 ENV = {cpu_gemm.ENV: "kernel", cpu_forward.ENV: "on"}  # the ranks load the model with the fused pass, as the CLI
 
 
@@ -59,6 +61,9 @@ def run_all(path, head) -> dict:
     e = build_engine(m, None, configs["ngram"], Sampling(0.8), exact=True)
     torch.manual_seed(3)
     out["sampled"] = e.generate(PROMPT, 24)[0]
+    # the batch engine, its budget's sizes rank 0's (the hybrid: a tree, a chain or none per sequence and step)
+    b = BatchEngine(m, batch=2, max_seq=128, drafters=dc.make_drafters(configs["hybrid"], m, 2))
+    out["batch"] = b.generate_batch(BATCH, 16)
     return out
 
 
@@ -99,6 +104,7 @@ def test_two_ranks_are_one_process(files, tmp_path, monkeypatch):
     got, ref = torch.load(tmp_path / "out.pt"), run_all(path, head) | run_quantized(path)
     assert got["fused"] and not ref["fused"] and all(got["packed"]) and len(got["packed"]) == 3 * 7 + 1
     assert torch.equal(got["logits"], ref["logits"])
+    assert got["batch"] == ref["batch"]
     for name in ("ar", "ngram", "eagle", "hybrid", "sampled", "int8 tokens", "int4 tokens"):
         assert got[name] == ref[name], name
     assert torch.equal(got["int8"], ref["int8"]) and torch.equal(got["int4"], ref["int4"])
@@ -143,16 +149,14 @@ def test_one_process_is_unchanged(files):
 
 
 def test_what_tp_does_not_run_is_a_one_line_error(tmp_path, monkeypatch, capsys):
-    """Under a launcher (WORLD_SIZE > 1) the batch engine, chat, --compile and the server refuse before joining."""
+    """Under a launcher (WORLD_SIZE > 1) chat, --compile and the server refuse before joining."""
     import generate
     import serve
     monkeypatch.setenv("WORLD_SIZE", "2")
-    (tmp_path / "p.txt").write_text("hi\n")
-    for argv in (["--prompts", str(tmp_path / "p.txt")], ["--chat"], ["--compile"]):
+    for argv in (["--chat"], ["--compile"]):
         assert generate.main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert err == ["error: tensor parallelism runs one --prompt at a time, eager: drop --prompts, --chat and "
-                       "--compile"], argv
+        assert err == ["error: tensor parallelism runs eager, without --chat: drop --chat and --compile"], argv
     assert serve.main([]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: serve.py runs in one process: tensor parallelism (torchrun) serves nothing yet"]

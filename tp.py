@@ -12,7 +12,7 @@ sums all-reduced) sums each output across ranks in another order.
 The fused CPU pass runs every layer in one C call, with no place for the gathers: under TP the model runs its
 PyTorch layers (the cpu_gemm kernel per linear), in exact mode unless --no-exact. Drafters are replicated: every
 rank drafts the same tree from the same inputs with no communication, and the budget's choice of size and source
-(timed on each rank) is rank 0's, broadcast every step (sync_budget).
+(timed on each rank) is rank 0's, broadcast every step (sync_budget), at batch 1 and in the batch engine.
 """
 import atexit
 import os
@@ -25,6 +25,7 @@ from torch import Tensor, nn
 import cpu_gemm
 import quant
 from budget import Budgets
+from budget_batch import BatchBudget
 from errors import UsageError
 from model import Linear, Transformer
 
@@ -131,14 +132,15 @@ def broadcast_ints(values: list[int]) -> list[int]:
 
 
 def sync_budget():
-    """Budgets.pick returns rank 0's size and source on every rank: each rank times its own steps, and ranks that
-    drafted different trees would gather slices of different passes."""
+    """The budgets return rank 0's sizes and sources on every rank: each rank times its own steps, and ranks that
+    drafted different trees would gather slices of different passes. Budgets.pick (one sequence) and
+    BatchBudget.choose (a batch's), each after its own choice, take rank 0's."""
     if world() == 1 or getattr(Budgets.pick, "tp_synced", False):
         return
-    own = Budgets.pick
+    pick, choose = Budgets.pick, BatchBudget.choose
 
-    def pick(self, keys, left: float = float("inf")) -> int:
-        b = own(self, keys, left)
+    def synced_pick(self, keys, left: float = float("inf")) -> int:
+        b = pick(self, keys, left)
         keys = [keys] if isinstance(keys, str) else list(keys)
         b, k, chosen = broadcast_ints([b, keys.index(self.key), int(self.chosen is not None)])
         self.key = keys[k]
@@ -146,5 +148,16 @@ def sync_budget():
         self.chosen = self.key if chosen else None
         return b
 
-    pick.tp_synced = True
-    Budgets.pick = pick
+    def synced_choose(self, seqs: list, key_of) -> list[int]:
+        sizes = choose(self, seqs, key_of)
+        offered = [[k] if isinstance(k, str) else list(k) for k in map(key_of, seqs)]
+        mine = [x for s, keys in zip(seqs, offered) for x in (keys.index(s.key), int(s.chosen is not None))]
+        got = broadcast_ints(sizes + mine)
+        for i, (s, keys) in enumerate(zip(seqs, offered)):
+            k, chosen = got[len(seqs) + 2 * i: len(seqs) + 2 * i + 2]
+            s.key = keys[k]
+            s.chosen = s.key if chosen else None
+        return got[:len(seqs)]
+
+    synced_pick.tp_synced = True
+    Budgets.pick, BatchBudget.choose = synced_pick, synced_choose
