@@ -3,6 +3,7 @@ PyTorch layers: the same logits bit for bit, the same greedy tokens for AR and e
 with NanoSpec, the hybrid under the budget whose choices rank 0 broadcasts), the same sampled tokens from the same
 seed, the batch engine's outputs one process's; int8 and int4 targets too (their codes split with their scales); a layer on the draft models' integer GEMM
 and a world size that does not divide a layer's outputs are one-line errors."""
+import datetime
 import json
 import os
 
@@ -25,6 +26,7 @@ from errors import UsageError
 from sampling import Sampling
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6, 7]
+LIMIT = datetime.timedelta(seconds=300)  # a rank left waiting on a failed one fails too, not the suite hanging
 BATCH = [PROMPT, [40, 41, 40, 41, 40], [3, 4], list(range(20, 50))]
 ENV = {cpu_gemm.ENV: "kernel", cpu_forward.ENV: "on"}  # the ranks load the model with the fused pass, as the CLI
 
@@ -84,12 +86,13 @@ def _rank(r: int, world: int, init: str, path, head, out: str):
     os.environ.update(ENV)
     torch.set_num_threads(1)  # (two ranks on two cores)
     os.environ["NANOSPEC_BUDGET_CACHE"] = "off"
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=r, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=r, world_size=world, timeout=LIMIT)
     try:
         res = run_all(path, head) | run_quantized(path)
         if r == 0:
             torch.save(res, out)
     finally:
+        dist.barrier()  # (no rank closes its connections while the other still sends)
         dist.destroy_process_group()
 
 
@@ -113,7 +116,7 @@ def test_two_ranks_are_one_process(files, tmp_path, monkeypatch):
 
 def _errors(r: int, world: int, init: str, path, out: str):
     os.environ.update(ENV)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=r, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=r, world_size=world, timeout=LIMIT)
     try:
         msgs = []
         m = M.load_model(path, dtype=torch.bfloat16)
@@ -129,6 +132,7 @@ def _errors(r: int, world: int, init: str, path, out: str):
         if r == 0:
             torch.save((fast, *msgs), out)
     finally:
+        dist.barrier()  # (no rank closes its connections while the other still sends)
         dist.destroy_process_group()
 
 
