@@ -1,8 +1,9 @@
 """tp.py: two ranks over gloo (torch.multiprocessing.spawn) on a tiny random model, against one process on the same
 PyTorch layers: the same logits bit for bit, the same greedy tokens for AR and each drafter (prompt lookup, EAGLE-3
 with NanoSpec, the hybrid under the budget whose choices rank 0 broadcasts), the same sampled tokens from the same
-seed, the batch engine's outputs one process's; int8 and int4 targets too (their codes split with their scales); a layer on the draft models' integer GEMM
-and a world size that does not divide a layer's outputs are one-line errors."""
+seed, the batch engine's outputs one process's; int8 and int4 targets too (their codes split with their scales);
+a layer on the draft models' integer GEMM and a world size that does not divide a layer's outputs are one-line
+errors."""
 import datetime
 import json
 import os
