@@ -33,6 +33,11 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
                "mlp.up_proj", "mlp.down_proj")
 
 
+def device() -> str:
+    """Where collectives' own tensors live: NCCL moves CUDA tensors only."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
 def world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -72,7 +77,7 @@ class Gathered(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         y = self.part(x).contiguous()
         parts = [torch.empty_like(y).view(torch.uint8) for _ in range(world())]
-        dist.all_gather(parts, y.view(torch.uint8))  # the bits as bytes (gloo moves neither int16 nor every float)
+        dist.all_gather(parts, y.view(torch.uint8))  # the bits as bytes: any dtype (gloo has no int16)
         return torch.cat(parts, -1).view(y.dtype)
 
 
@@ -118,7 +123,7 @@ def check_same(model: Transformer):
     gather slices of another function)."""
     a = model.args
     sig = torch.tensor([a.n_layers, a.dim, a.vocab_size, a.n_heads, a.n_kv_heads,
-                        float(model.norm.weight.detach().float().sum())], dtype=torch.float64)
+                        float(model.norm.weight.detach().float().sum())], dtype=torch.float64, device=device())
     every = [torch.empty_like(sig) for _ in range(world())]
     dist.all_gather(every, sig)
     if any(not torch.equal(x, every[0]) for x in every):
@@ -126,7 +131,7 @@ def check_same(model: Transformer):
 
 
 def broadcast_ints(values: list[int]) -> list[int]:
-    t = torch.tensor(values, dtype=torch.long)
+    t = torch.tensor(values, dtype=torch.long, device=device())
     dist.broadcast(t, 0)
     return t.tolist()
 
