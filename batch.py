@@ -15,12 +15,9 @@ tree's size for the batch's tokens per second, or none).
     engine.abort(index)                                             # a cancelled request: its range freed
 """
 import dataclasses
-import json
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -32,9 +29,8 @@ from budget import StepBudget
 from budget_batch import BatchBudget
 from budget_memory import BudgetMemory, pass_costs
 from draft import Accepted, Prefill, Tree, chain_tree, chained, stop_at
-from draft_config import make_drafters
 from errors import UsageError
-from model import Transformer, tree_mask
+from model import Plan, Transformer, tree_mask
 from sampling import Sampling, accept_sample, argmax, greedy_path, logits_to_probs
 
 
@@ -55,7 +51,7 @@ class Seq:
     pending: list = field(default_factory=list)
     budgets: dict = field(default_factory=dict)  # source -> budget.Budget (budget_batch.py)
     key: str = ""
-    policy: object = None  # budget.Policy where its drafter offers several sources; its choice, its step's share
+    policy: object = None  # budget_policy.Policy where its drafter offers several sources; its choice, its step's share
     chosen: str | None = None
     step_s: float = 0.0
     alone: StepBudget | None = None  # its budget while it runs alone: the batch-1 engine's (budget.py)
@@ -91,15 +87,16 @@ class BatchEngine:
         self.model, self.B, self.S, self.sampling, self.prefill_rows = model, batch, max_seq, sampling, prefill_rows
         self.device = model.norm.weight.device
         self.eos = set() if ignore_eos else set(model.args.eos_ids)
-        # (timed before the caches; the model holds the setting of the engine stepping it: each step sets it)
-        self.layers_from = model.layers_from = None if exact else cpu_forward.layers_from(model)
+        # what its passes return and run on (model.Plan): its heads' aux layers; exact=False: passes from the size
+        # cpu_forward.layers_from measures (before the caches) on the PyTorch layers
+        self.plan = Plan(drafters[0].aux_layers if drafters else (), None if exact else cpu_forward.layers_from(model))
         alone_pass = None
         if drafters and budget:  # the pass's cost by rows, measured once per machine (before the caches: it
             cap = batch * drafters[0].nodes  # sets up its own): a budget that had to learn it drafted too little
             rows = sorted({min(1 << i, cap) for i in range(cap.bit_length() + 1)} | {batch})
-            measured = pass_costs(model, 1, rows) or {}
+            measured = pass_costs(model, 1, rows, self.plan) or {}
             d = drafters[0]
-            alone_pass = pass_costs(model, d.nodes, d.budget_sizes() or ())
+            alone_pass = pass_costs(model, d.nodes, d.budget_sizes() or (), self.plan)
         model.setup_caches(1, max_seq, slots=(batch + cuda_graphs) * max_seq)
         self.drafters = drafters or None
         self.spare = 0 if not drafters else drafters[0].nodes  # slots past a sequence's tokens for its tree
@@ -156,7 +153,6 @@ class BatchEngine:
         riding along; else a verification (or a decode step) of every running one. -> the sequences that finished
         in it (eos or their token budget). Why ride along: a prefill step had stalled every running sequence, and
         with sequences finishing one by one (drafting), a batch of 64 ran twice as many prefill steps."""
-        self.model.layers_from = self.layers_from
         admit, rows = [], 0
         while self.waiting and self.free and (not admit or rows + len(self.waiting[0].prompt) <= self.prefill_rows):
             s = self.waiting.popleft()
@@ -231,7 +227,7 @@ class BatchEngine:
         slot = torch.cat([torch.full((len(s.prompt),), s.slot, device=dev) for s in seqs]
                          + [torch.tensor([s.slot for s in riders], dtype=torch.long, device=dev)])
         _, hid, aux = self.model(toks[None], pos, mask=self._mask(pos), mask_base=slot, cache_pos=slot + pos,
-                                 return_hidden=True, compute_logits=False)
+                                 return_hidden=True, compute_logits=False, plan=self.plan)
         P = sum(len(s.prompt) for s in seqs)
         last = torch.cat([torch.tensor([len(s.prompt) for s in seqs], device=dev).cumsum(0) - 1,
                           P + torch.arange(len(riders), device=dev)])
@@ -249,7 +245,8 @@ class BatchEngine:
             e += T
             R = max(1, min(T, d.prompt_logits))
             lg = logits[i:i + 1] if R == 1 else torch.cat([self.model.lm_head(hid[0, e - R:e - 1]), logits[i:i + 1]])
-            d.prefill(Prefill(toks[e - T:e], nxt[i:i + 1], lg, hid[:, e - T:e], None if aux is None else aux[:, e - T:e]))
+            d.prefill(Prefill(toks[e - T:e], nxt[i:i + 1], lg, hid[:, e - T:e],
+                              None if aux is None else aux[:, e - T:e]))
         if riders:  # their rows' own copies: views would keep the whole prefill's states alive
             rows, k = slice(e, e + len(riders)), len(seqs)
             held = (hid[:, rows].clone(), None if aux is None else aux[:, rows].clone(),
@@ -268,7 +265,8 @@ class BatchEngine:
 
     def decode_step(self, toks: Tensor, pos: Tensor, slot: Tensor) -> Tensor:
         """[R] tokens, positions and range starts -> [R, V] logits: static shapes per batch size, no host sync."""
-        return self.model(toks[None], pos, mask=self._mask(pos), mask_base=slot, cache_pos=slot + pos)[0]
+        return self.model(toks[None], pos, mask=self._mask(pos), mask_base=slot, cache_pos=slot + pos,
+                          plan=self.plan)[0]
 
     def _spec_step(self, seqs: list[Seq]) -> tuple[list[list[int]], list[list[str]]]:
         """One verification of every sequence's tree (its size from the budget) -> each one's emitted tokens, and
@@ -305,7 +303,7 @@ class BatchEngine:
             cost[i] += time.perf_counter() - tl
         t1 = time.perf_counter()
         logits, hid, aux = self.model(toks[None], pos, mask=torch.cat(mask), mask_base=base,
-                                      cache_pos=torch.cat(cache), return_hidden=True)
+                                      cache_pos=torch.cat(cache), return_hidden=True, plan=self.plan)
         logits = logits[0]
         nxt = self._sample(logits[:len(ar)], [seqs[i] for i in ar])
         pred = argmax(logits[len(ar):]).tolist() if trees else []
@@ -423,96 +421,3 @@ def node_sources(d, key: str, N: int) -> list[str]:
     """Who proposed each of the N nodes of d's latest tree: the hybrid records it per node (what its accepted_from
     counts); a lone drafter is its budget source (key: "eagle", "ngram3" -> "ngram")."""
     return getattr(d, "source", None) or [key.rstrip("0123456789") or "draft"] * N
-
-
-def read_prompts(path: str) -> list[dict]:
-    """One prompt a line: a JSON object {"prompt", optional "max_new_tokens", "temperature", "seed"} or plain text
-    -> [{"prompt", ...}]; a bad line is a UsageError naming it."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise UsageError(f"cannot read --prompts {path}: {e.strerror}") from None
-    out, kinds = [], {"max_new_tokens": int, "temperature": (int, float), "seed": int}
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if not line.lstrip().startswith("{"):
-            out.append({"prompt": line})
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{path} line {n} is not valid JSON ({e.msg})") from None
-        if not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-            raise UsageError(f"{path} line {n} has no \"prompt\" string")
-        for k, t in kinds.items():
-            if k in obj and (not isinstance(obj[k], t) or isinstance(obj[k], bool)):
-                raise UsageError(f"{path} line {n}: \"{k}\" must be a number" + (" (an integer)" if t is int else ""))
-        out.append(obj)
-    if not out:
-        raise UsageError(f"--prompts {path} holds no prompt")
-    return out
-
-
-def run_prompts(model: Transformer, tok, path: str, sampling: Sampling, draft=None, *, batch: int = 8,
-                max_new_tokens: int = 256, raw: bool = False, budget: bool = True, exact: bool | None = None,
-                cuda_graphs: bool = False, seed: int = 0, ordered: bool = False, as_json: bool = False) -> int:
-    """generate.py --prompts FILE --batch N: one JSON line per prompt of the file at path as it finishes (ordered: in
-    input order), then a summary on stderr (as_json: also as the last stdout line). draft: a DraftConfig (None: no
-    drafting); raw: the prompts without the chat template; budget: the fitted budget (else whole trees); exact:
-    None or True, the batch invariant arithmetic (False: plain); seed: prompt i's is seed + i unless its line
-    gives one. A prompt too long for the model gets a line with "error" and the others run."""
-    if exact and model.cpu_pass is None:
-        raise UsageError("--exact batches need the fused CPU pass (bf16 on a CPU with AVX2): without it a "
-                         "sequence's output can differ from its batch-1 output at near ties")
-    sampling.validate(model.args.vocab_size)
-    items = read_prompts(path)
-    chat = not raw and tok.chat_template is not None
-    ids = [tok.encode_chat([{"role": "user", "content": it["prompt"]}]) if chat else tok.encode(it["prompt"])
-           for it in items]
-    news = [it.get("max_new_tokens", max_new_tokens) for it in items]
-    if bad := [i for i, n in enumerate(news) if n < 1]:
-        raise UsageError(f"prompt {bad[0]}: max_new_tokens must be >= 1, got {news[bad[0]]}")
-    drafters = make_drafters(draft, model, batch, sampling, tok) if draft is not None else []
-    spare, limit = (drafters[0].nodes if drafters else 0), model.args.max_position_embeddings
-    errors = {i: f"{len(p)} prompt tokens + {n} new" + (f" + {spare} draft nodes" if spare else "")
-              + f" exceed the model's {limit} positions" for i, (p, n) in enumerate(zip(ids, news))
-              if len(p) + n + spare > limit}
-    ok = [i for i in range(len(items)) if i not in errors]
-    S = -(-max([len(ids[i]) + news[i] + spare for i in ok] or [1]) // 16) * 16  # every range fits the longest
-    eng = BatchEngine(model, batch, min(S, limit), sampling, drafters=drafters, budget=budget,
-                      exact=exact is not False, cuda_graphs=cuda_graphs)
-    for i in ok:
-        it = items[i]
-        s = Sampling(float(it["temperature"]), sampling.top_k, sampling.top_p) if "temperature" in it else sampling
-        eng.submit(ids[i], news[i], s, it.get("seed", seed + i), index=i)
-    t0, total, next_out = time.perf_counter(), 0, 0
-    pending = {i: dict(index=i, error=e) for i, e in errors.items()}
-    while True:
-        for i in sorted(pending) if not ordered else []:
-            print(json.dumps(pending.pop(i)), flush=True)
-        while ordered and next_out in pending:
-            print(json.dumps(pending.pop(next_out)), flush=True)
-            next_out += 1
-        if not eng.busy():
-            break
-        for s in eng.step():
-            total += len(s.out)
-            pending[s.index] = dict(index=s.index, text=tok.decode([t for t in s.out if t not in eng.eos]),
-                                    new_tokens=len(s.out), mean_accepted_length=round(
-                                        sum(s.accepted) / max(len(s.accepted), 1), 3),
-                                    seconds=round(s.t_done - s.t_submit, 4))
-    dt = time.perf_counter() - t0
-    dec = eng.steps["decode"]
-    share = (eng.budget.stats() if drafters and not eng.fixed else
-             dict(speculated_share=1.0 if drafters else 0.0, speculated_share_by_batch={}))
-    summary = dict(prompts=len(items), batch=batch, new_tokens=total, tokens_per_s=round(total / dt, 2),
-                   decode_tokens_per_s=round(eng.decode_tokens / max(eng.decode_s, 1e-9), 2), decode_steps=dec,
-                   prefill_steps=eng.steps["prefill"], occupancy=round(eng.rows / max(dec * batch, 1), 3),
-                   errors=len(errors), **share)
-    print(f"[{len(items)} prompts, batch {batch}: {total} new tokens, {summary['tokens_per_s']:.2f} tok/s, "
-          f"occupancy {summary['occupancy']:.0%}, speculated on {summary['speculated_share']:.0%} of sequence-steps"
-          + (f", {len(errors)} prompts too long" if errors else "") + "]", file=sys.stderr)
-    if as_json:
-        print(json.dumps(summary))
-    return 0

@@ -23,6 +23,7 @@ import torch
 import draft_config as dc
 from batch import BatchEngine
 from bench_workload import load_questions, select_questions
+from cpu_forward import layers_from
 from cpu_gemm import machine_id
 from errors import UsageError
 from engine import DEFAULT_HEAD, Engine, load_target
@@ -252,7 +253,7 @@ def main(argv=None) -> int:
     print(f"{path.name}, bf16, greedy, {args.max_new_tokens} new tokens max, 2 x batch prompts (at least 4) "
           f"from {args.questions or 'the built-in prompts'}, {torch.get_num_threads()} threads, medians of "
           f"{args.rounds} rounds, {machine_id()}, "
-          + ("exact" if args.exact else f"not exact: the PyTorch layers from {model.layers_from} rows") + "\n")
+          + ("exact" if args.exact else f"not exact: the PyTorch layers from {layers_from(model)} rows") + "\n")
     steady = {b: med[STEADY, b] for b in sizes if (STEADY, b) in med}
     print("| batch | " + " | ".join(f"{c} tok/s" for c in configs) + " | auto / AR | auto: speculated share "
           "| AR vs one at a time | " + " | ".join(peers) + (" | AR, full batch: decode tok/s | vs its batch 1 |"

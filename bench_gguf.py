@@ -32,7 +32,7 @@ import torch
 
 import download
 import draft_config as dc
-import quant
+import qlinear
 from bench_methods import Method, diagnose, first_diff, run_benchmark
 from bench_workload import Question, load_questions, select_questions
 from errors import UsageError
@@ -209,11 +209,11 @@ def run(a) -> int:
         log(f"{i + 1}/{len(qs)} {q.qid}: " + ", ".join(
             f"{r['method']} {r.get('decode_tokens_per_s', r['tokens_per_s']):.1f}"
             for r in records[-len(methods):] + peer_runs[len(peer_runs) - len(peers):]))
-    target_bytes = quant.weight_bytes(model) - quant.weight_bytes(model.embed_tokens)  # read once a pass
+    target_bytes = qlinear.weight_bytes(model) - qlinear.weight_bytes(model.embed_tokens)  # read once a pass
     spec = next((m for m in methods if hasattr(getattr(m.engine.drafter, "tree", m.engine.drafter), "model")), None)
     dm = None if spec is None else getattr(spec.engine.drafter, "tree", spec.engine.drafter).model
     # the draft's layers per pass (its LM head apart: the window's rows or the whole head, per method)
-    draft_bytes = 0 if dm is None else quant.weight_bytes(dm.layers)
+    draft_bytes = 0 if dm is None else qlinear.weight_bytes(dm.layers)
     report = dict(
         command=" ".join(sys.argv), cpu=cpu_name(), threads=torch.get_num_threads(), prompts=len(qs),
         max_new_tokens=a.max_new_tokens, records=records, peers=peer_runs, mismatches=mismatches,

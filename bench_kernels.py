@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 import cpu_gemm
+import qlinear
 import quant
 from errors import UsageError, one_line_errors
 
@@ -26,9 +27,9 @@ def matrix(fmt: str, N: int, K: int, rng):
     if fmt not in quant.GGUF_TYPES:
         raise UsageError(f"--formats: unknown format {fmt!r} (bf16 or one of {', '.join(quant.GGUF_TYPES)})")
     kq = quant.to_kernel(quant.from_gguf(quant.random_blocks(fmt, N, K, rng), fmt, K))
-    kw = quant.KernelWeight.of(kq, K)
+    kw = qlinear.KernelWeight.of(kq, K)
     nbytes = sum(t.numel() * t.element_size() for t in kw.tensors if t is not None)
-    return (lambda x: quant.kernel_linear(x, kw, N)), nbytes
+    return (lambda x: qlinear.kernel_linear(x, kw, N)), nbytes
 
 
 def rate(calls: list, x, reps: int) -> float:

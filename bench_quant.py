@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import qlinear
 import quant
 import quantize
 from batch import BatchEngine
@@ -113,7 +114,7 @@ def run(a) -> int:
             out = greedy(m, prompts, a.tokens, a.batch)
             ref = out if ref is None else ref
             eq, pre = agreement(ref, out)
-            row = dict(variant=name, weight_mib=quant.weight_bytes(m) / 2 ** 20, equal=eq, prefix=pre,
+            row = dict(variant=name, weight_mib=qlinear.weight_bytes(m) / 2 ** 20, equal=eq, prefix=pre,
                        ppl=perplexity(m, docs) if docs else None, seconds=time.perf_counter() - t0)
             rows.append(row)
             print(f"{name}: {json.dumps(row)}", file=sys.stderr)

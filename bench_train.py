@@ -21,7 +21,8 @@ from cpu_gemm import machine_id
 from download import CheckpointError, resolve_checkpoint
 from eagle_ckpt import init_from
 from eagle_data import TrainError, read_records
-from eagle_train import DTYPES, autocast_ctx, collate, make_batches
+from eagle_data import collate, make_batches
+from eagle_train import DTYPES, autocast_ctx
 from eagle_ttt import TTTLoss, aux_layer_ids, loss_columns, new_head, target_pass
 from errors import one_line_errors
 from model import ModelError, load_model
@@ -38,10 +39,10 @@ def run(a) -> int:
     target = load_model(resolve_checkpoint(a.checkpoint), dtype=getattr(torch, a.target_dtype), device=device)
     for p in target.parameters():
         p.requires_grad_(False)
-    target.aux_layers = aux_layer_ids(target, None)
+    aux_layers = aux_layer_ids(target, None)
     recs = [r for p in a.data for r in read_records(p, target.args.vocab_size,
                                                      min(a.max_len, target.args.max_position_embeddings))]
-    head = new_head(target, target.aux_layers, seed=a.seed)
+    head = new_head(target, aux_layers, seed=a.seed)
     if a.init:
         init_from(head, Path(a.init))
     head.lm_head.weight.requires_grad_(False)
@@ -58,7 +59,7 @@ def run(a) -> int:
         cols, bias = loss_columns(tokens, target.args.vocab_size, a.loss_vocab)
         sync(), t.append(time.perf_counter())
         with autocast_ctx(device, a.bf16):
-            aux, tgt = target_pass(target, tokens, sup, a.logits_chunk, cols)
+            aux, tgt = target_pass(target, aux_layers, tokens, sup, a.logits_chunk, cols)
             sync(), t.append(time.perf_counter())
             loss, _, _ = model(aux, tokens, sup, tgt, cols, bias)
             sync(), t.append(time.perf_counter())

@@ -4,10 +4,11 @@ Each step picks, from a fixed set of sizes (static shapes), the one with the bes
 E[tokens | b] = 1 + sum_{i<b} p_i over the running acceptance rate p_i of node rank i (drafts list nodes best
 first, parents first), over the size's running step time. Probes re-measure the other sizes (at most
 `probe_share` of the time while autoregressive decoding wins). Where a drafter offers several sources for a step
-(the hybrid: prompt lookup's chain and the tree drafter's tree), Policy picks the one that has paid best on this
-request, exploring each a bounded number of steps; a one-time set-up (the hybrid's late head) is paid where the
-tokens left are expected to repay it (pays_back).
+(the hybrid: prompt lookup's chain and the tree drafter's tree), budget_policy.Policy picks the one that has paid
+best on this request, exploring each a bounded number of steps; a one-time set-up (the hybrid's late head) is paid
+where the tokens left are expected to repay it (pays_back).
 """
+from budget_policy import Policy, pays_back
 from draft import Accepted, Drafter, chained
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -187,78 +188,6 @@ class Budget:
             d["budget_curve"] = {str(b): [round(self.seconds(b) * 1000, 2), round(self.tokens(b), 3)]
                                  for b in self.sizes}
         return d
-
-
-def pays_back(setup: float, left: float, rate: float, rate_without: float) -> bool:
-    """A one-time set-up pays where the tokens the request has left, at the rate it allows instead of the best rate
-    without it, save its seconds."""
-    return rate > rate_without > 0 and left * (1 / rate_without - 1 / rate) >= setup
-
-
-class Policy:
-    """Which of the sources a drafter offers drafts the next step (that source's Budget then picks the size, an
-    autoregressive step among them): the one with the most tokens per second on this request (rate). Explore, then
-    exploit: a source first offered gets `trials` steps, where may_try says its set-up pays back; a source that
-    loses is tried again after a gap that doubles while it keeps losing (gap..max_gap steps: one that never pays
-    costs a bounded share), every gap back to `gap` when the leader stops beating decoding, and the next step again
-    after a trial that beat the leader (one that starts paying is taken up). Rates decay per step of their source,
-    so the policy follows sources that pay by stretches."""
-
-    def __init__(self, trials: int = 2, gap: int = 8, max_gap: int = 64, decay: float = 0.8):
-        self.trials, self.gap0, self.max_gap, self.decay = trials, gap, max_gap, decay
-        self.tok, self.sec, self.n = {}, {}, {}  # source -> decayed tokens, decayed seconds, drafted steps
-        self.gap, self.last = {}, {}  # source -> steps before its next trial, the step it was last chosen
-        self.steps, self.trying, self.leader, self.bar = 0, False, None, 0.0
-
-    estimate = None  # source -> its Budget's best estimated rate (Budgets sets it; None: the measured rate alone)
-
-    def rate(self, s) -> float:
-        """Tokens per second of source s's steps: its Budget's estimate at its best size once it has one (per rank
-        acceptance and per size times: a trial's larger draft does not lower it), else the steps' measured rate."""
-        est = self.estimate(s) if self.estimate is not None and self.n.get(s) else 0.0
-        return est or (self.tok[s] / self.sec[s] if self.sec.get(s) else 0.0)
-
-    def choose(self, sources: list, ar_rate: float = 0.0, may_try=lambda s: True):
-        """A source of sources, or None (ar_rate: tokens per second of an autoregressive step, 0: not known)."""
-        self.steps += 1
-        tried = [s for s in sources if self.n.get(s, 0) >= self.trials]
-        best = max(tried, key=self.rate, default=None)
-        # below decoding, the best still drafts: its Budget weighs its sizes against an autoregressive step (one
-        # place for that choice; this rate also counts its trials' larger drafts)
-        pays = best is not None and self.rate(best) >= ar_rate
-        if not pays and self.leader is not None:  # the leader stopped paying: what else does, soon
-            self.gap = {}
-        self.leader, self.trying = best if pays else None, True
-        self.bar = max(self.rate(best) if best is not None else 0.0, ar_rate)  # what a trial must beat to come back
-        for s in sources:
-            if s not in tried and may_try(s):  # explore
-                return self.take(s)
-        for s in tried:
-            if s != best and self.steps - self.last[s] >= self.gap.get(s, self.gap0) and may_try(s):
-                self.gap[s] = min(2 * self.gap.get(s, self.gap0), self.max_gap)
-                return self.take(s)
-        self.trying = False
-        if best is not None:
-            self.gap[best] = self.gap0
-            self.take(best)
-        return best
-
-    def only(self, s):
-        """The step's one source: its steps count towards its rate as chosen ones."""
-        self.steps, self.trying = self.steps + 1, False
-        return self.take(s)
-
-    def take(self, s):
-        self.last[s] = self.steps
-        return s
-
-    def observe(self, s, tokens: int, seconds: float):
-        """A step source s drafted: tokens emitted in seconds."""
-        d = self.decay
-        self.tok[s], self.sec[s] = d * self.tok.get(s, 0.0) + tokens, d * self.sec.get(s, 0.0) + seconds
-        self.n[s] = self.n.get(s, 0) + 1
-        if self.trying and s != self.leader and 0 < self.bar * seconds < tokens:  # a trial that beat the leader
-            self.gap[s] = 1
 
 
 class Budgets:

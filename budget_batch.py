@@ -15,7 +15,8 @@ draft and λ are running means of what every step measured.
 must not make drafting look cheap. A sequence's drafting cost holds everything its tree adds to a step: its
 drafter's catch-up and draft, and the host work of its acceptance.
 """
-from budget import Budget, Policy, pays_back
+from budget import Budget
+from budget_policy import Policy, pays_back
 
 
 def bucket(rows: int) -> int:
@@ -110,7 +111,7 @@ class BatchBudget:
         return own
 
     def source(self, s, keys: list, share: float, draft) -> tuple[str | None, bool]:
-        """(the sequence's source for the step, None for no draft; whether it is a trial): budget.Policy, as at
+        """(the sequence's source for the step, None for no draft; whether it is a trial): budget_policy.Policy, as at
         batch 1, over its share of a step (share: a row's part of the pass; draft(key, b): its drafting)."""
         if len(keys) == 1:
             s.chosen = None
@@ -152,7 +153,7 @@ class BatchBudget:
 
     def choose(self, seqs: list, key_of) -> list[int]:
         """Each sequence's size for the next step (key_of(seq): its source now, or the sources its drafter offers,
-        of which its budget.Policy picks one; set as seq.key), one after the other, each pricing its rows on the
+        of which its budget_policy.Policy picks one; set as seq.key), one after the other, each pricing its rows on the
         pass as the sequences before it left it. A source no sequence has evidence on yet is priced by one
         sequence a step at the prior (each node as likely as not): tried where rows are cheap, not where they
         are not. The first step drafts nothing: it measures the batch's rate."""
@@ -196,7 +197,8 @@ class BatchBudget:
     def observe_draft(self, key: str, b: int, seconds: float):
         """A sequence's drafting (its updates and its draft) for a step of size b."""
         k = (key, b)
-        self.draft_s[k] = seconds if k not in self.draft_s else self.decay * self.draft_s[k] + (1 - self.decay) * seconds
+        old = self.draft_s.get(k)
+        self.draft_s[k] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
     def stats(self) -> dict:
         """The share of sequence-steps that speculated, over all and per batch size."""

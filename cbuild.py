@@ -35,7 +35,8 @@ Packed._fields_ = [("w", P), ("s", P), ("m", P), ("bits", L), ("group", L), ("h"
 
 class StackArgs(ctypes.Structure):
     _fields_ = [("tab", P), ("L", L), ("D", L), ("H", L), ("Hkv", L), ("hd", L), ("I", L), ("eps", F32), ("T", L),
-                ("S", L), ("x", P), ("emb", P), ("cs", P), ("sn", P), ("mask", P), ("mbase", P), ("W", L), ("cpos", P), ("kv", P), ("kt", P),
+                ("S", L), ("x", P), ("emb", P), ("cs", P), ("sn", P), ("mask", P), ("mbase", P), ("W", L), ("cpos", P),
+                ("kv", P), ("kt", P),
                 ("aux_of", P), ("n_aux", L), ("aux", P), ("fnorm", P), ("threads", INT)]
 
 

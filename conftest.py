@@ -191,8 +191,6 @@ def load_head(env, version=3, **kw):
     m = load_model(path, dtype=torch.float32)
     name = f"h{version}_" + "_".join(f"{k}{v}" for k, v in sorted(kw.items()))
     head = load_eagle(write_eagle_head(root / name, cfg, version=version, **kw), m, torch.float32, "cpu")
-    if version == 3:
-        m.aux_layers = head.c.aux_layers
     return m, head
 
 

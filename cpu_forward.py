@@ -13,7 +13,7 @@ from torch import Tensor
 
 import cbuild
 import cpu_gemm
-import quant
+import qlinear
 
 TAG = cbuild.source_hash(cpu_gemm.FLAGS)[:8]  # keys the per-machine answers about this pass
 
@@ -86,7 +86,7 @@ def fits(a, layers) -> bool:
     """Decoder layers the C pass can run now: fits_args, CPU weights quantized or bf16 packed by cpu_gemm, the pass
     built here."""
     w = layers[0].mlp.down_proj
-    if isinstance(w, quant.QLinear):
+    if isinstance(w, qlinear.QLinear):
         return fits_args(a) and w.kw is not None and kernel() is not None
     return (fits_args(a) and w.weight.device.type == "cpu" and w.weight.dtype == torch.bfloat16
             and w.packed is not None and kernel() is not None)
@@ -106,7 +106,7 @@ def attach(model):
     """Give a bf16 CPU model its fastest pass here: the fused one where it fits and NANOSPEC_CPU_GEMM=kernel or it
     beats the PyTorch layers on the model's own weights (fused_wins, cached per machine and shape)."""
     gemm, layers_kernel = cpu_gemm.mode(), cpu_gemm.enabled()
-    c_layout = all(m.kw is not None for m in model.layers.modules() if isinstance(m, quant.QLinear))
+    c_layout = all(m.kw is not None for m in model.layers.modules() if isinstance(m, qlinear.QLinear))
     if not (switched_on() and gemm != "torch" and fits_args(model.args) and kernel() is not None and c_layout):
         if layers_kernel:
             cpu_gemm.pack_linears(model)
@@ -151,7 +151,7 @@ def layers_from(model, reps: int = 3) -> int | None:
     throughout. Timed once per machine and model shape, cached. Their rows are not invariant: --no-exact only.
     Why: the fused pass's GEMMs win by streaming the weights once at few rows, but on an AMX Xeon oneDNN's took
     41.5 ms for the whole model at 128 rows against the fused pass's 97.7 at 60."""
-    if model.cpu_pass is None or any(isinstance(m, quant.QLinear) for m in model.modules()):
+    if model.cpu_pass is None or any(isinstance(m, qlinear.QLinear) for m in model.modules()):
         return None
     key = f"{cpu_gemm.machine_id()} layers with torch GEMMs from, against the {shape_key(model.args)} at {LAYER_SIZES}"
     return cpu_gemm.cached(key, lambda: _layers_from(model, reps))
@@ -177,8 +177,9 @@ def _layers_from(model, reps: int) -> int | None:
 
 
 @torch.no_grad()
-def pass_seconds(model, rows: list[int], reps: int = 3, ctx: int = 256) -> dict[int, float]:
-    """{rows: median seconds of reps} of the model's pass as it runs now, over ctx keys; leaves no caches."""
+def pass_seconds(model, rows: list[int], reps: int = 3, ctx: int = 256, plan=None) -> dict[int, float]:
+    """{rows: median seconds of reps} of the model's pass as it runs now (with plan: a model.Plan), over ctx keys;
+    leaves no caches."""
     ctx = max(1, min(ctx, model.args.max_position_embeddings - max(rows)))
     tok = torch.randint(0, model.args.vocab_size, (1, max(rows)), generator=torch.Generator().manual_seed(0))
     model.max_batch = -1
@@ -187,7 +188,7 @@ def pass_seconds(model, rows: list[int], reps: int = 3, ctx: int = 256) -> dict[
     for _ in range(reps + (reps > 1)):
         for r in rows:
             t0 = time.perf_counter()
-            model(tok[:, :r], ctx + torch.arange(r))
+            model(tok[:, :r], ctx + torch.arange(r), plan=plan)
             ts[r].append(time.perf_counter() - t0)
     model.kv, model.kt, model.max_batch, model.max_seq = None, None, -1, -1
     return {r: sorted(t[-reps:])[reps // 2] for r, t in ts.items()}
@@ -212,7 +213,7 @@ class Stack:
             self.keep += [t for t in ts if torch.is_tensor(t)]
             rows.append([0 if t is None else t if isinstance(t, int) else t.data_ptr() for t in ts])
             for lin in (at.q_proj, at.k_proj, at.v_proj, mlp.gate_proj, mlp.up_proj):
-                if not isinstance(lin, quant.QLinear):  # (a quantized one's buffers are views of the fused copy)
+                if not isinstance(lin, qlinear.QLinear):  # (a quantized one's buffers are views of the fused copy)
                     lin.packed = None  # the fused copies serve them
         self.table = torch.tensor(rows, dtype=torch.int64)
         self.aux_of = {}  # aux layers -> [n_aux] the layer whose input each aux slot gets (built once per tuple)
@@ -233,18 +234,18 @@ class Stack:
         return torch.ops.nanospec.cpu_stack(*args) if torch.compiler.is_compiling() else run(*args)
 
 
-def kernel_weight(lin) -> quant.KernelWeight:
+def kernel_weight(lin) -> qlinear.KernelWeight:
     """A linear's matrix as the C GEMM reads it: a quantized one's own, else its bf16 panels."""
-    if isinstance(lin, quant.QLinear):
+    if isinstance(lin, qlinear.QLinear):
         return lin.kw
-    return quant.KernelWeight(lin.packed if lin.packed is not None else cpu_gemm.pack(lin.weight.detach()))
+    return qlinear.KernelWeight(lin.packed if lin.packed is not None else cpu_gemm.pack(lin.weight.detach()))
 
 
-def fused(lins: list) -> quant.KernelWeight:
+def fused(lins: list) -> qlinear.KernelWeight:
     """Linears reading one input, their rows stacked into one matrix (q | k | v, gate | up)."""
-    if isinstance(lins[0], quant.QLinear):
-        return quant.fuse(lins)
-    return quant.KernelWeight(cpu_gemm.pack(torch.cat([m.weight for m in lins]).detach()))
+    if isinstance(lins[0], qlinear.QLinear):
+        return qlinear.fuse(lins)
+    return qlinear.KernelWeight(cpu_gemm.pack(torch.cat([m.weight for m in lins]).detach()))
 
 
 def run(x: Tensor, emb: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor,

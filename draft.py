@@ -43,7 +43,7 @@ class Prefill:
     first: Tensor  # [1] the first generated token
     logits: Tensor  # [R, V] at the last R = min(T, prompt_logits) or 1 positions ([T, V]: a fifth of a CPU prefill)
     hidden: Tensor  # [1, T, d] target final hidden states
-    aux: Tensor | None  # [1, T, 3d] EAGLE-3 aux states (model.aux_layers), None when the target has none
+    aux: Tensor | None  # [1, T, 3d] EAGLE-3 aux states (the drafter's aux_layers), None when it reads none
 
 
 @dataclass
@@ -226,6 +226,7 @@ class Drafter:
     reads_top = 0
     prompt_logits = 0
     start_rate = 0.0
+    aux_layers: tuple[int, ...] = ()  # target layers whose inputs it reads (an EAGLE-3 head's)
 
     def setup(self, max_seq: int):
         pass

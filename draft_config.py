@@ -15,7 +15,7 @@ from eagle import EagleHead, load_eagle, read_keys
 from model import ModelError, Transformer, load_model
 from sampling import Sampling
 from tokenizer import Tokenizer
-from quant import QLinear
+from qlinear import QLinear
 from vocab import make_vocab
 
 
@@ -236,8 +236,6 @@ def make_drafter(c: DraftConfig, target: Transformer, sampling: Sampling | None 
             head = load_eagle(path, target, dtype, dev)
     if head is None:
         return model_drafter(c, path, target, sampling, tokenizer)
-    if head.c.version == 3:
-        target.aux_layers = head.c.aux_layers
     if c.ngram is False:
         check_given(c, "an EAGLE head without --ngram", TREE_FLAGS)
         return eagle_drafter(c, head, target)

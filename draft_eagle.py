@@ -115,6 +115,7 @@ class EagleDrafter(VocabDrafter):
     def __init__(self, head: EagleHead, vocab, topk=10, depth=5, nodes=60, project=None):
         check_tree_budget(topk, depth, nodes)
         self.head, self.vocab, self.project = head, vocab, project
+        self.aux_layers = tuple(head.c.aux_layers) if head.c.version == 3 else ()
         self.topk, self.depth, self.nodes = topk, depth, nodes
         self.tok_to_row = self.token_to_row_map(head)  # row <-> token maps of a pruned vocabulary (EAGLE-3 d2t)
         self.row_to_tok = None if self.tok_to_row is None else (

@@ -74,6 +74,7 @@ class HybridDrafter(Drafter):
 
     def __init__(self, tree: Drafter, ngram: NgramDrafter):
         self.tree, self.ngram, self.head, self.vocab = tree, ngram, LazyHead(tree), tree.vocab
+        self.aux_layers = tree.aux_layers
         self.nodes, self.depth = tree.nodes + ngram.k, max(tree.depth, ngram.k)
         self.name = tree.budget_key([])  # "eagle" or "model": the tree's source, in the budget and the stats
 

@@ -1,4 +1,5 @@
-"""EAGLE-3 training data: batched target generation, self-generated / regenerated conversations, record I/O."""
+"""EAGLE-3 training data: batched target generation, self-generated / regenerated conversations, record I/O, the
+training batches (length-sorted, padded)."""
 import json
 import os
 import random
@@ -378,3 +379,31 @@ def read_records(path, vocab_size: int | None = None, max_len: int | None = None
     if not recs:
         raise TrainError(f"training data {path} is empty (no record with supervised tokens past position 2)")
     return recs
+
+
+def make_batches(recs: list[dict], batch_tokens: int) -> list[list[int]]:
+    """Length-sorted batches of at most batch_tokens (padded) tokens; a long record gets a batch alone."""
+    order = sorted(range(len(recs)), key=lambda i: len(recs[i]["ids"]))
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        n = len(recs[i]["ids"])
+        if cur and max(cur_max, n) * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, cur_max = [], 0
+        cur.append(i)
+        cur_max = max(cur_max, n)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def collate(recs: list[dict], idx: list[int], pad_id: int, device):
+    T = max(len(recs[i]["ids"]) for i in idx)
+    tokens = torch.full((len(idx), T), pad_id, dtype=torch.long)
+    sup = torch.zeros(len(idx), T, dtype=torch.bool)
+    for b, i in enumerate(idx):
+        ids = recs[i]["ids"]
+        tokens[b, :len(ids)] = torch.tensor(ids)
+        for s, e in recs[i]["spans"]:
+            sup[b, max(s, 2):e] = True
+    return tokens.to(device), sup.to(device)

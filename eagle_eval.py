@@ -16,7 +16,7 @@ from draft_config import DraftConfig
 from eagle import load_eagle
 from eagle_ttt import rope_cache, ttt_forward
 from engine import build_engine
-from model import Transformer
+from model import Plan, Transformer
 
 KS = (1, 4, 8, 10)
 
@@ -35,55 +35,51 @@ def recall_table(target: Transformer, head, recs: list[dict], steps: int = 4, vo
     W32 = W.float()
     hits = {w: [[0] * len(ks) for _ in range(steps)] for w in ("full", "vocab")}
     rows, window, n_win = [0] * steps, 0, 0
-    saved = target.aux_layers
-    target.aux_layers = head.c.aux_layers
-    try:
-        for r in recs:
-            s0, e0 = r["spans"][0]
-            ids = torch.tensor(r["ids"][:e0], device=dev)
-            T = ids.shape[0]
-            if s0 < 1 or e0 - s0 < 2:
-                continue
-            target.setup_caches(1, T)
-            logits, _, aux = target(ids[None], torch.arange(T, device=dev), return_hidden=True)
-            logits = logits[0].float()  # [T, V]: row j predicts token j + 1
-            nxt = logits.argmax(-1)  # [T] the target's next token
-            ver = logits.topk(max(k_pre, k_ver), dim=-1).indices  # [T, k]
-            cos, sin = rope_cache(T + steps, a.head_dim, a.rope_theta, a.rope_scaling)
-            outs = ttt_forward(head, aux, ids[None], steps, cos.to(dev), sin.to(dev))  # [1, T, d] per depth
-            # the full vocabulary's top-K of every row at once, in fp32: one GEMM per depth (row by row in bf16
-            # it would take most of the time on a CPU without bf16 hardware)
-            fulls = [torch.cat([(o[0, a:a + 256].float() @ W32.T).topk(K, dim=-1).indices
-                                for a in range(0, T, 256)]) for o in outs]  # [T, K] per depth
-            voc = vc.make_vocab(vocab, W, w_max=w_max, k_pre=k_pre, k_ver=k_ver, eos_ids=target.args.eos_ids,
-                                ablation=ablation, fill=getattr(head, "fill_path", None) if vocab == "nanospec" else None)
-            voc.reset(ids[:s0], ver[:s0, :k_pre])
-            lvl1 = None  # the head's first-level candidates at the previous row
-            # row t of depth i predicts token t + i + 2 (its label: the target's argmax at row t + i + 1); the
-            # first answer token (s0) is the target's own bonus, so rows start where they predict s0 + 1
-            for t in range(s0 - 1, e0 - 2):
-                draft = lvl1 if lvl1 is not None else ver[t, :0]
-                voc.update(draft.clamp(min=0), draft >= 0, ver[t:t + 1, :k_ver],
-                           torch.ones(1, dtype=torch.bool, device=dev))
-                window, n_win = window + int(voc.active_size()), n_win + 1
-                for i in range(steps):
-                    if t + i + 1 >= e0 - 1:
-                        break
-                    h = outs[i][0, t]  # [d]
-                    label = nxt[t + i + 1]
-                    full = fulls[i][t]  # [K]
-                    z, vids = voc.logits(h[None])
-                    z = z[0].float()
-                    top = z.topk(min(K, z.shape[0]))
-                    vtop = torch.where(top.values > float("-inf"), vids[top.indices], -1)
-                    for j, k in enumerate(ks):
-                        hits["full"][i][j] += int((full[:k] == label).any())
-                        hits["vocab"][i][j] += int((vtop[:k] == label).any())
-                    rows[i] += 1
-                    if i == 0:
-                        lvl1 = vtop[:tree_k]  # (-1: a pick the vocabulary could not fill, not appended)
-    finally:
-        target.aux_layers = saved
+    plan = Plan(head.c.aux_layers)
+    for r in recs:
+        s0, e0 = r["spans"][0]
+        ids = torch.tensor(r["ids"][:e0], device=dev)
+        T = ids.shape[0]
+        if s0 < 1 or e0 - s0 < 2:
+            continue
+        target.setup_caches(1, T)
+        logits, _, aux = target(ids[None], torch.arange(T, device=dev), return_hidden=True, plan=plan)
+        logits = logits[0].float()  # [T, V]: row j predicts token j + 1
+        nxt = logits.argmax(-1)  # [T] the target's next token
+        ver = logits.topk(max(k_pre, k_ver), dim=-1).indices  # [T, k]
+        cos, sin = rope_cache(T + steps, a.head_dim, a.rope_theta, a.rope_scaling)
+        outs = ttt_forward(head, aux, ids[None], steps, cos.to(dev), sin.to(dev))  # [1, T, d] per depth
+        # the full vocabulary's top-K of every row at once, in fp32: one GEMM per depth (row by row in bf16
+        # it would take most of the time on a CPU without bf16 hardware)
+        fulls = [torch.cat([(o[0, a:a + 256].float() @ W32.T).topk(K, dim=-1).indices
+                            for a in range(0, T, 256)]) for o in outs]  # [T, K] per depth
+        voc = vc.make_vocab(vocab, W, w_max=w_max, k_pre=k_pre, k_ver=k_ver, eos_ids=target.args.eos_ids,
+                            ablation=ablation, fill=getattr(head, "fill_path", None) if vocab == "nanospec" else None)
+        voc.reset(ids[:s0], ver[:s0, :k_pre])
+        lvl1 = None  # the head's first-level candidates at the previous row
+        # row t of depth i predicts token t + i + 2 (its label: the target's argmax at row t + i + 1); the
+        # first answer token (s0) is the target's own bonus, so rows start where they predict s0 + 1
+        for t in range(s0 - 1, e0 - 2):
+            draft = lvl1 if lvl1 is not None else ver[t, :0]
+            voc.update(draft.clamp(min=0), draft >= 0, ver[t:t + 1, :k_ver],
+                       torch.ones(1, dtype=torch.bool, device=dev))
+            window, n_win = window + int(voc.active_size()), n_win + 1
+            for i in range(steps):
+                if t + i + 1 >= e0 - 1:
+                    break
+                h = outs[i][0, t]  # [d]
+                label = nxt[t + i + 1]
+                full = fulls[i][t]  # [K]
+                z, vids = voc.logits(h[None])
+                z = z[0].float()
+                top = z.topk(min(K, z.shape[0]))
+                vtop = torch.where(top.values > float("-inf"), vids[top.indices], -1)
+                for j, k in enumerate(ks):
+                    hits["full"][i][j] += int((full[:k] == label).any())
+                    hits["vocab"][i][j] += int((vtop[:k] == label).any())
+                rows[i] += 1
+                if i == 0:
+                    lvl1 = vtop[:tree_k]  # (-1: a pick the vocabulary could not fill, not appended)
     rate = lambda w: [[round(h / max(rows[i], 1), 4) for h in hits[w][i]] for i in range(steps)]
     return dict(full=rate("full"), vocab=rate("vocab"), rows=rows, window=round(window / max(n_win, 1), 1),
                 ks=list(ks), vocab_spec=vocab)
@@ -92,16 +88,12 @@ def recall_table(target: Transformer, head, recs: list[dict], steps: int = 4, vo
 def accept_hist(target: Transformer, prompts: list[list[int]], c: DraftConfig, max_new_tokens: int) -> dict:
     """Greedy speculative decoding with c's head through engine.Engine, the whole tree verified every step:
     {tokens a step emitted (bonus included): steps}, over every prompt."""
-    saved = target.aux_layers  # build_engine points them at the head's; the caller's are put back
-    try:
-        eng = build_engine(target, None, c, budget=False)
-        hist = {}
-        for p in prompts:
-            _, st = eng.generate(list(p), max_new_tokens)
-            for k, v in st.accept_hist.items():
-                hist[k] = hist.get(k, 0) + v
-    finally:
-        target.aux_layers = saved
+    eng = build_engine(target, None, c, budget=False)
+    hist = {}
+    for p in prompts:
+        _, st = eng.generate(list(p), max_new_tokens)
+        for k, v in st.accept_hist.items():
+            hist[k] = hist.get(k, 0) + v
     return hist
 
 

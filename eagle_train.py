@@ -1,4 +1,4 @@
-"""Train full-vocabulary EAGLE-3 draft heads: batching, the training loop, the CLI (data: eagle_data; the head, its
+"""Train full-vocabulary EAGLE-3 draft heads: the training loop, the CLI (data and its batches: eagle_data; the head, its
 training-time-test forward and loss, the target pass: eagle_ttt; checkpoints and export: eagle_ckpt; diagnostics:
 eagle_eval).
 
@@ -34,42 +34,12 @@ from torch.utils.data import DistributedSampler
 import eagle_eval as ev
 from download import CheckpointError, resolve_checkpoint
 from eagle_ckpt import CKPT_FORMAT, CKPT_NAME, atomic_save, export_head, init_from, load_checkpoint, signature
-from eagle_data import (TrainError, answer_conversations, check_held_out, dataset_records, log, magpie_data, progress,
-                        read_conversations, read_records, write_records)
+from eagle_data import (TrainError, answer_conversations, check_held_out, collate, dataset_records, log, magpie_data,
+                        make_batches, progress, read_conversations, read_records, write_records)
 from eagle_ttt import TTTLoss, aux_layer_ids, head_from_config, loss_columns, new_head, target_pass
 from errors import one_line_errors
 from model import ModelError, load_model
 from tokenizer import Tokenizer
-
-
-# ---------------------------------------------------------------- batching
-
-def make_batches(recs: list[dict], batch_tokens: int) -> list[list[int]]:
-    """Length-sorted batches of at most batch_tokens (padded) tokens; a long record gets a batch alone."""
-    order = sorted(range(len(recs)), key=lambda i: len(recs[i]["ids"]))
-    batches, cur, cur_max = [], [], 0
-    for i in order:
-        n = len(recs[i]["ids"])
-        if cur and max(cur_max, n) * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur, cur_max = [], 0
-        cur.append(i)
-        cur_max = max(cur_max, n)
-    if cur:
-        batches.append(cur)
-    return batches
-
-
-def collate(recs: list[dict], idx: list[int], pad_id: int, device):
-    T = max(len(recs[i]["ids"]) for i in idx)
-    tokens = torch.full((len(idx), T), pad_id, dtype=torch.long)
-    sup = torch.zeros(len(idx), T, dtype=torch.bool)
-    for b, i in enumerate(idx):
-        ids = recs[i]["ids"]
-        tokens[b, :len(ids)] = torch.tensor(ids)
-        for s, e in recs[i]["spans"]:
-            sup[b, max(s, 2):e] = True
-    return tokens.to(device), sup.to(device)
 
 
 # ---------------------------------------------------------------- training loop
@@ -129,7 +99,6 @@ def _train(args, device, rank, world) -> dict:
     for p in target.parameters():
         p.requires_grad_(False)
     aux = aux_layer_ids(target, args.aux_layers)
-    target.aux_layers = aux
     recs = [r for p in ([args.data] if isinstance(args.data, (str, Path)) else args.data)
             for r in read_records(p, target.args.vocab_size, min(args.max_len, target.args.max_position_embeddings))]
     head = new_head(target, aux, args.rope_theta, seed=args.seed)
@@ -211,7 +180,7 @@ def _train(args, device, rank, world) -> dict:
             tokens, sup = collate(recs, batches[bi], pad_id, device)
             cols, bias = loss_columns(tokens, target.args.vocab_size, args.loss_vocab)
             with autocast_ctx(device, args.bf16):
-                aux_states, tgt = target_pass(target, tokens, sup, args.logits_chunk, cols)
+                aux_states, tgt = target_pass(target, aux, tokens, sup, args.logits_chunk, cols)
                 loss, acc, cnt = ddp(aux_states, tokens, sup, tgt, cols, bias)
             opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from eagle import EagleConfig, EagleHead, attach
 from eagle_data import TrainError
-from model import ModelArgs, Transformer, apply_rope, rope_cache
+from model import ModelArgs, Plan, Transformer, apply_rope, rope_cache
 
 LOSS_DECAY = 0.8
 
@@ -317,22 +317,24 @@ class TTTLoss(nn.Module):
 
 
 @torch.no_grad()
-def target_pass(target: Transformer, tokens: Tensor, sup: Tensor, chunk: int = 512, cols: Tensor | None = None):
-    """Teacher-forced target pass: aux states [B, T, 3d] and the logits at positions j - 1 of the supervised
-    tokens j (the distributions the head learns), [P, V] (or [P, len(cols)]) in the model's dtype."""
+def target_pass(target: Transformer, aux_layers: tuple[int, ...], tokens: Tensor, sup: Tensor, chunk: int = 512,
+                cols: Tensor | None = None):
+    """Teacher-forced target pass: aux states [B, T, 3d] (the inputs of aux_layers) and the logits at positions
+    j - 1 of the supervised tokens j (the distributions the head learns), [P, V] (or [P, len(cols)]) in the model's
+    dtype."""
     B, T = tokens.shape
-    pos = torch.arange(T, device=tokens.device)
+    pos, plan = torch.arange(T, device=tokens.device), Plan(tuple(aux_layers))
     # caches of exactly this batch's shape: attention kernels round differently with the KV length, so a
     # cache grown by earlier batches would make a resumed run (fresh cache) compute other aux states
     if target.cpu_pass is not None:
         # the fused CPU pass is batch 1: a sequence at a time (2 x 1,000 rows 0.86 s, the PyTorch layers'
         # batched pass 1.6 s; Zen 5, 2 threads)
         target.setup_caches(1, T)
-        outs = [target(tokens[b:b + 1], pos, return_hidden=True, compute_logits=False) for b in range(B)]
+        outs = [target(tokens[b:b + 1], pos, return_hidden=True, compute_logits=False, plan=plan) for b in range(B)]
         hid, aux = torch.cat([o[1] for o in outs]), torch.cat([o[2] for o in outs])
     else:
         target.setup_caches(B, T)
-        _, hid, aux = target(tokens, pos, return_hidden=True, compute_logits=False, causal=True)
+        _, hid, aux = target(tokens, pos, return_hidden=True, compute_logits=False, causal=True, plan=plan)
     sb, sj = sup.nonzero(as_tuple=True)
     hp = hid[sb, sj - 1]
     W = target.lm_head.weight if cols is None else target.lm_head.weight[cols]

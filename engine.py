@@ -16,7 +16,7 @@ from download import resolve_checkpoint
 from draft import Accepted, Prefill, Tree, chain_tree, stop_at
 from errors import UsageError
 from exact import PassRows, Planner
-from model import Transformer, causal_recent, load_model, tree_mask, tree_recent
+from model import Plan, Transformer, causal_recent, load_model, tree_mask, tree_recent
 from sampling import Sampling, accept_greedy, accept_greedy_host, accept_sample, logits_to_probs, sample
 from stats import PHASES, Clock, Stats, sync
 from tokenizer import Tokenizer
@@ -48,9 +48,10 @@ class Engine:
         graphed = compile and self.device.type == "cuda"
         self.planner = Planner(model, exact, min(max_seq, model.args.max_position_embeddings) if graphed else None,
                                drafter)
-        # --no-exact: passes from this size run the PyTorch layers (cpu_forward.layers_from); the model holds the
-        # setting of the engine running on it (engines may share a model), so each request sets it
-        self.layers_from = cpu_forward.layers_from(model) if exact is False else None
+        # what this engine's target passes return and run on: its head's aux layers; --no-exact: passes from
+        # cpu_forward.layers_from's size on the PyTorch layers
+        self.plan = Plan(() if drafter is None else drafter.aux_layers,
+                         cpu_forward.layers_from(model) if exact is False else None)
         self.R_dec = self.R_ver = PassRows(1, 1)  # rows of the decode and verify passes of the current request
         # compiled: the drafter's update and next draft run as one step (eager keeps them apart to time each)
         self.fused_steps = compile and drafter is not None and drafter.graphable
@@ -58,14 +59,14 @@ class Engine:
             graphs.compile_steps(self, backend)
         # budget_cache: the caller's key of its drafter and sampling settings: the budget memory outlives the process
         key = f"exact={exact} compile={compile} {budget_cache}" if budget_cache is not None else None
-        self.memory = BudgetMemory(model, drafter, key if budget and drafter is not None else None)
+        self.memory = BudgetMemory(model, drafter, key if budget and drafter is not None else None, self.plan)
 
     def _decode_one(self, tok: Tensor, pos: Tensor) -> Tensor:
         # padded to R_dec rows (exact mode): the pad rows write KV slots the next step overwrites before any read
         R = self.R_dec.gemm
         p = pos + torch.arange(R, device=pos.device)
         logits = self.model(tok.expand(1, R), p, recent=causal_recent(p) if self.planner.attention else None,
-                            attn_rows=self.R_dec.attn)[:, 0]
+                            attn_rows=self.R_dec.attn, plan=self.plan)[:, 0]
         return sample(logits, self.sampling)
 
     def _verify(self, tokens: Tensor, depth: Tensor, anc: Tensor, n: Tensor):
@@ -78,14 +79,14 @@ class Engine:
         mask = tree_mask(m.seq_range, anc, n)
         recent = tree_recent(anc, depth, n) if self.planner.attention else None
         logits, hid, aux = m(tokens[None], n + depth, mask=mask, cache_pos=n + torch.arange(R, device=n.device),
-                             return_hidden=True, recent=recent, attn_rows=max(self.R_ver.attn, R))
+                             return_hidden=True, recent=recent, attn_rows=max(self.R_ver.attn, R), plan=self.plan)
         return logits[0, :N], hid[:, :N], (aux[:, :N] if aux is not None else None)
 
     def _prefill(self, ptoks: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor | None]:
         # logits of the last max(1, min(T, rows)) positions, the last row projected alone: same bits in every mode
         T = ptoks.shape[0]
         _, hid, aux = self.model(ptoks[None], torch.arange(T, device=ptoks.device), return_hidden=True,
-                                 compute_logits=False)
+                                 compute_logits=False, plan=self.plan)
         last = self.model.lm_head(hid[0, -1:])  # [1, V]
         R = min(T, rows)
         return (torch.cat([self.model.lm_head(hid[0, T - R:-1]), last]) if R > 1 else last), hid, aux
@@ -103,7 +104,6 @@ class Engine:
         T = len(prompt)
         if T == 0:
             raise UsageError("empty prompt")
-        self.model.layers_from = self.layers_from
         if self.drafter is not None:
             return self._generate_spec(prompt, max_new_tokens, on_tokens)
         m, dev = self.model, self.device
@@ -149,7 +149,7 @@ class Engine:
 
     def _spec_decode(self, tree: Tree, n: Tensor) -> tuple[Tensor, Accepted]:
         """_spec_verify of a one-node tree as the decode step runs it: 25 fewer small ops (7.21 -> 6.90 ms a step)."""
-        logits, hid, aux = self.model(tree.tokens[None], n.view(1), return_hidden=True)
+        logits, hid, aux = self.model(tree.tokens[None], n.view(1), return_hidden=True, plan=self.plan)
         bonus = sample(logits[0], self.sampling).view(())
         path, L = self.root_path  # never written: every reader indexes with them
         host = torch.cat([L.view(1), bonus.view(1), tree.tokens, path])
@@ -199,7 +199,7 @@ class Engine:
         """Plans the request, sets up the caches and the drafter -> (KV slots S, the request's budget)."""
         d = self.drafter
         S, self.R_ver = self.planner.plan(len(prompt), max_new_tokens, d.nodes)
-        pass_s = pass_costs(self.model, d.nodes, d.budget_sizes() or ()) if self.budget else None  # before caches
+        pass_s = pass_costs(self.model, d.nodes, d.budget_sizes() or (), self.plan) if self.budget else None
         self.model.setup_caches(1, S)
         d.setup(S)
         graphs.follow_buffers((self.verify_step, self.advance_step), self.model, d)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-import batch
+import batch_prompts
 import draft_config as dc
 import tp
 from download import models_table
@@ -110,10 +110,11 @@ def run(args) -> int:
     tp.sync_budget()
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     if args.prompts is not None:
-        return batch.run_prompts(model, tok, args.prompts, sampling, dc.from_flags(args, DEFAULT_HEAD),
-                                 batch=8 if args.batch is None else args.batch, max_new_tokens=args.max_new_tokens,
-                                 raw=args.raw, budget=args.budget == "auto", exact=args.exact,
-                                 cuda_graphs=args.compile, seed=args.seed, ordered=args.ordered, as_json=args.json)
+        return batch_prompts.run_prompts(
+            model, tok, args.prompts, sampling, dc.from_flags(args, DEFAULT_HEAD),
+            batch=8 if args.batch is None else args.batch, max_new_tokens=args.max_new_tokens, raw=args.raw,
+            budget=args.budget == "auto", exact=args.exact, cuda_graphs=args.compile, seed=args.seed,
+            ordered=args.ordered, as_json=args.json)
     # exact by default where it costs nothing (the fused pass) and under TP (each rank's layers, as one process's)
     exact = args.exact if args.exact is not None else (None if model.cpu_pass is not None else ranks > 1)
     engine = build_engine(model, tok, dc.from_flags(args, DEFAULT_HEAD), sampling, compile=args.compile,

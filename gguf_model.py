@@ -1,6 +1,6 @@
 """GGUF files as HF folders the engine loads: llama.cpp's tensor names and metadata (llama, qwen2, qwen3) mapped to
 HF's, llama's q/k rows unpermuted, every tensor widened to bf16 or (native) its quantized matrices kept as their
-codes (quant.QWeight: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), the embedding's too (quant.QEmbedding)."""
+codes (quant.QWeight: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), the embedding's too (qlinear.QEmbedding)."""
 import os
 import pathlib
 import re
@@ -86,7 +86,8 @@ def convert_gguf(gguf_path: pathlib.Path | str, out: pathlib.Path | str, native:
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": ids["bos"], "eos_token_id": ids["eos"], "pad_token_id": ids["pad"],
         "torch_dtype": "bfloat16", "use_cache": True,
-        **({"quantization_config": {"quant_method": "nanospec", "mode": "gguf", "gguf_types": kinds}} if kinds else {})})
+        **({"quantization_config": {"quant_method": "nanospec", "mode": "gguf", "gguf_types": kinds}}
+           if kinds else {})})
     write_json(pathlib.Path(out) / "generation_config.json", {"bos_token_id": ids["bos"], "eos_token_id": ids["eog"],
                                                               "pad_token_id": ids["pad"]})
     write_tokenizer(reader, pathlib.Path(out), ids, ctx)

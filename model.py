@@ -13,6 +13,7 @@ from torch import Tensor
 
 import cpu_forward
 import cpu_gemm
+import qlinear
 import quant
 from errors import ModelError
 
@@ -267,6 +268,18 @@ class Block(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What an engine asks of the target's passes, passed with each call (engines may share a model; nothing of it
+    is set on the model): the layers whose inputs return_hidden also returns (its EAGLE-3 head's aux layers), and
+    --no-exact's pass size from which the PyTorch layers run (cpu_forward.layers_from)."""
+    aux_layers: tuple[int, ...] = ()
+    layers_from: int | None = None
+
+
+NO_PLAN = Plan()
+
+
 class Transformer(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
@@ -275,10 +288,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
         self.norm = RMSNorm(a.dim, a.norm_eps)
         self.lm_head = Linear(a.dim, a.vocab_size, bias=False)
-        self.aux_layers: tuple[int, ...] = ()  # layers whose *inputs* forward(return_hidden=True) also returns
         self.max_batch = self.max_seq = self.slots = -1
         self.cpu_pass: cpu_forward.Stack | None = None  # the fused CPU pass (bf16 on CPU, cpu_forward.py)
-        self.layers_from: int | None = None  # --no-exact: passes this large run the layers (cpu_forward.layers_from)
         self.kv: Tensor | None = None  # [L, 2, Hkv, S, hd]: every layer's KV cache in one tensor, for cpu_pass
         self.kt: Tensor | None = None  # the same keys transposed for cpu_pass's scores (cpu_forward.transposed_keys)
 
@@ -290,7 +301,8 @@ class Transformer(nn.Module):
         slots when they outnumber positions (batch.py: one range of max_seq slots per sequence)."""
         slots = slots or max_seq
         if max_seq > self.args.max_position_embeddings:
-            raise ModelError(f"sequence of {max_seq} tokens exceeds the model's {self.args.max_position_embeddings} positions")
+            raise ModelError(f"sequence of {max_seq} tokens exceeds the model's "
+                             f"{self.args.max_position_embeddings} positions")
         if (max_batch, max_seq, slots) == (self.max_batch, self.max_seq, self.slots):
             return
         self.max_batch, self.max_seq, self.slots = max_batch, max_seq, slots
@@ -313,13 +325,13 @@ class Transformer(nn.Module):
     def forward(self, tokens: Tensor, input_pos: Tensor, mask: Tensor | None = None,
                 cache_pos: Tensor | None = None, return_hidden: bool = False, compute_logits: bool = True,
                 recent: Tensor | None = None, attn_rows: int | None = None, mask_base: Tensor | None = None,
-                causal: bool = False):
+                causal: bool = False, plan: Plan | None = None):
         """tokens [B, T]; input_pos [T] RoPE positions (or [B, T]); cache_pos [T] KV slots (default input_pos); mask
         [T, S] or [B, 1, T, S] bool (default causal), or [T, W] over slots mask_base[t] + [0, W) (batch.py: a row
         reads its sequence's range); recent [T, RECENT] (CPU): exact_attention over attn_rows rows. causal: the rows
         fill the whole cache in order (input_pos = cache_pos = 0..S-1, the trainer's teacher-forced pass), so the
         PyTorch layers take SDPA's is_causal, which skips the masked half (at 2,000 rows 35 ms a layer against
-        66 ms with the mask, Zen 5).
+        66 ms with the mask, Zen 5). plan: aux layers and the layers' pass size (Plan).
         -> logits [B, T, V] (None if not compute_logits), or (logits, normed hidden, aux or None) with return_hidden."""
         if causal and (mask is not None or recent is not None or mask_base is not None
                        or tokens.shape[1] != self.slots):
@@ -331,21 +343,25 @@ class Transformer(nn.Module):
             cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         x = self.embed_tokens(tokens)  # [B, T, D]
         fused = self.kv is not None and tokens.shape[0] == 1 and input_pos.dim() == 1 and mask.dim() == 2
-        if fused and self.layers_from is not None and tokens.shape[1] >= self.layers_from:
+        plan = plan or NO_PLAN
+        aux_ids = plan.aux_layers
+        if fused and plan.layers_from is not None and tokens.shape[1] >= plan.layers_from:
             with cpu_gemm.turned_off():  # a large --no-exact pass: the PyTorch layers with torch's GEMMs
-                h, aux = self._layers(x, cos, sin, input_pos, mask, cache_pos, recent, attn_rows, mask_base, causal)
+                h, aux = self._layers(x, cos, sin, input_pos, mask, cache_pos, recent, attn_rows, mask_base, causal,
+                                      aux_ids)
         elif fused:
             # layers and final norm in one C call, row-invariant by construction: no exact mode needed (cpu_forward.py)
-            h, aux = self.cpu_pass(x[0], cos, sin, mask, cache_pos, self.kv, self.aux_layers, kt=self.kt,
+            h, aux = self.cpu_pass(x[0], cos, sin, mask, cache_pos, self.kv, aux_ids, kt=self.kt,
                                    norm=self.norm.weight, mask_base=mask_base)
-            h, aux = h[None], (aux[None] if self.aux_layers else None)
+            h, aux = h[None], (aux[None] if aux_ids else None)
         else:
-            h, aux = self._layers(x, cos, sin, input_pos, mask, cache_pos, recent, attn_rows, mask_base, causal)
+            h, aux = self._layers(x, cos, sin, input_pos, mask, cache_pos, recent, attn_rows, mask_base, causal,
+                                  aux_ids)
         logits = self.lm_head(h) if compute_logits else None
         return (logits, h, aux) if return_hidden else logits
 
-    def _layers(self, x, cos, sin, input_pos, mask, cache_pos, recent, attn_rows, mask_base, causal):
-        """The decoder layers and final norm as PyTorch modules -> (normed hidden, aux or None)."""
+    def _layers(self, x, cos, sin, input_pos, mask, cache_pos, recent, attn_rows, mask_base, causal, aux_ids=()):
+        """The decoder layers and final norm as PyTorch modules -> (normed hidden, aux_ids' inputs or None)."""
         if mask_base is not None:  # the window's columns at their slots
             j = self.seq_range[None, :] - mask_base[:, None]
             mask = (j >= 0) & (j < mask.shape[1]) & mask.gather(1, j.clamp(0, mask.shape[1] - 1))
@@ -353,10 +369,10 @@ class Transformer(nn.Module):
                                                         self.args.n_heads // self.args.n_kv_heads, attn_rows)
         states = {}
         for i, layer in enumerate(self.layers):
-            if i in self.aux_layers:
+            if i in aux_ids:
                 states[i] = x
             x = layer(x, cos, sin, None if causal else mask, cache_pos, exact)
-        aux = torch.cat([states[i] for i in self.aux_layers], dim=-1) if states else None
+        aux = torch.cat([states[i] for i in aux_ids], dim=-1) if states else None
         if self.kt is not None and self.kt.numel():  # these layers wrote K without its transposed copy
             self.kt.copy_(cpu_forward.transposed_keys(self.kv))
         return self.norm(x), aux
@@ -426,7 +442,7 @@ def check_tensors(sd: dict, expected: dict, where: str):
 
 def load_model(path, dtype=torch.bfloat16, device="cpu", fast: bool = False) -> Transformer:
     """Build on the meta device, then assign the checkpoint tensors (no init, no conversion step). fast (draft
-    models): its matrices on the integer GEMM (quant.QLinear.make_fast: other formats than 4 bits in groups of 32
+    models): its matrices on the integer GEMM (qlinear.QLinear.make_fast: other formats than 4 bits in groups of 32
     quantized again to it, once, saved with the kernel cache), not the bf16 GEMM's bits."""
     path = Path(path)
     if not path.is_dir():
@@ -456,20 +472,20 @@ def load_model(path, dtype=torch.bfloat16, device="cpu", fast: bool = False) -> 
     if qrec is not None:  # quantized linears (quant.py): their codes, scales and offsets as stored
         cpu = torch.device(device).type == "cpu"
         if cpu:  # this machine picks the C kernel or torch's for them
-            quant.choose(quant.schemes_of(sd))
-        packed = quant.read_kernel_cache(path, files, fast) if cpu else None
+            qlinear.choose(qlinear.schemes_of(sd))
+        packed = qlinear.read_kernel_cache(path, files, fast) if cpu else None
         try:
-            quant.swap_linears(model, sd, f"checkpoint {path}", packed, fast)
+            qlinear.swap_linears(model, sd, f"checkpoint {path}", packed, fast)
         except quant.QuantError as e:
             raise ModelError(str(e)) from None
         if fast and packed is None:  # other formats quantized again to 4 bits: a draft only proposes
             for m in model.modules():
-                if isinstance(m, quant.QLinear):
+                if isinstance(m, qlinear.QLinear):
                     m.make_fast(requantize=True)
         if cpu and packed is None:
-            quant.write_kernel_cache(model, path, files, fast)
+            qlinear.write_kernel_cache(model, path, files, fast)
         sd.update({k: v for k, v in model.state_dict().items() if v.device.type != "meta"})  # theirs now
-    tied = tied and not isinstance(model.lm_head, quant.QLinear)
+    tied = tied and not isinstance(model.lm_head, qlinear.QLinear)
     if tied and "embed_tokens.weight" in sd:
         sd["lm_head.weight"] = sd["embed_tokens.weight"]  # tied: one tensor, two names
     expected = dict(model.state_dict())

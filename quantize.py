@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+import qlinear
 import quant
 from download import CheckpointError, resolve_checkpoint
 from errors import UsageError
@@ -52,7 +53,7 @@ def widened(src: Path) -> dict:
     out = {}
     for name, mod in m.named_modules():
         hf = name if name == "lm_head" else f"model.{name}"
-        if isinstance(mod, (quant.QLinear, quant.QEmbedding)):
+        if isinstance(mod, (qlinear.QLinear, qlinear.QEmbedding)):
             out[f"{hf}.weight"] = mod.weight.to(torch.bfloat16).contiguous()
             if getattr(mod, "bias", None) is not None:
                 out[f"{hf}.bias"] = mod.bias.detach().to(torch.bfloat16)

@@ -14,9 +14,9 @@ import model as M
 import batch
 from batch import BatchEngine
 import draft_config as dc
-from conftest import one_line_error, write_eagle_head, write_tiny_hf
+from conftest import write_eagle_head, write_tiny_hf
 from errors import UsageError
-from generate import Engine, main
+from generate import Engine
 from sampling import Sampling, logits_to_probs
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [40], [7, 7, 7, 7, 8], list(range(20, 60)),
@@ -334,81 +334,6 @@ def test_bad_input(target, monkeypatch):
         eng.submit([1, 2], 4, Sampling(temperature=-1.0))
 
 
-def test_cli_prompts_file(target, tmp_path, monkeypatch, capsys):
-    """generate.py --prompts FILE --batch 2: one JSON line per prompt (in input order with --ordered), each the
-    text of that prompt decoded alone, then the summary (--json: the last stdout line, without "index")."""
-    monkeypatch.setenv(cpu_gemm.ENV, "torch")
-    f = tmp_path / "prompts.jsonl"
-    f.write_text('hello there\n{"prompt": "abc", "max_new_tokens": 5}\n\n{"prompt": "xyz", "seed": 3}\nlast one\n')
-    rc = main(["--checkpoint", str(target), "--prompts", str(f), "--batch", "2", "--ordered", "--json", "--raw",
-               "--max-new-tokens", "12", "--dtype", "float32"])
-    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert rc == 0 and [x["index"] for x in lines[:-1]] == [0, 1, 2, 3]
-    assert [x["new_tokens"] for x in lines[:-1]][1] <= 5 and "index" not in lines[-1]
-    assert lines[-1]["prompts"] == 4 and lines[-1]["new_tokens"] == sum(x["new_tokens"] for x in lines[:-1])
-    assert {"tokens_per_s", "decode_tokens_per_s", "speculated_share", "occupancy"} <= set(lines[-1])
-    for x, p, n in zip(lines, ["hello there", "abc", "xyz", "last one"], [12, 5, 12, 12]):
-        assert main(["--checkpoint", str(target), "--prompt", p, "--raw", "--draft", "none", "--json",
-                     "--max-new-tokens", str(n), "--dtype", "float32"]) == 0
-        assert json.loads(capsys.readouterr().out)["text"] == x["text"], p
-
-
-def test_run_prompts_is_a_library_call(target, tmp_path, monkeypatch, capsys):
-    """batch.run_prompts takes its settings as parameters (no command line): the CLI's lines for the same file; a
-    batch asked to be exact without the fused CPU pass is refused."""
-    from engine import load_target
-    monkeypatch.setenv(cpu_gemm.ENV, "torch")
-    f = tmp_path / "prompts.jsonl"
-    f.write_text('hello there\n{"prompt": "abc", "seed": 3}\n')
-    model, tok, _ = load_target(str(target), "cpu", "float32")
-    assert batch.run_prompts(model, tok, str(f), Sampling(), batch=2, max_new_tokens=6, raw=True, ordered=True,
-                             as_json=True) == 0
-    lib = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert main(["--checkpoint", str(target), "--prompts", str(f), "--batch", "2", "--ordered", "--json", "--raw",
-                 "--max-new-tokens", "6", "--dtype", "float32", "--draft", "none"]) == 0
-    cli = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert [x["text"] for x in lib[:-1]] == [x["text"] for x in cli[:-1]] and lib[-1]["prompts"] == 2
-    with pytest.raises(UsageError, match="fused CPU pass"):
-        batch.run_prompts(model, tok, str(f), Sampling(), exact=True)
-
-
-@pytest.mark.parametrize("content,flags,words", [
-    ('ok\n{"prompt": "x"\n', [], ["line 2", "JSON"]),
-    ('{"text": "x"}\n', [], ["line 1", "prompt"]),
-    ('{"prompt": "x", "max_new_tokens": "9"}\n', [], ["line 1", "max_new_tokens"]),
-    ("\n\n", [], ["no prompt"]),
-    ("x\n", ["--batch", "0"], ["--batch"]),
-    ("x\n", ["--compile"], ["--prompts", "--compile"]),
-    ("x\n", ["--draft", "DRAFT_MODEL"], ["draft model", "one prompt at a time"]),
-    (None, [], ["cannot read"]),
-])
-def test_cli_bad_prompts(target, tmp_path, monkeypatch, capsys, content, flags, words):
-    monkeypatch.setenv(cpu_gemm.ENV, "torch")
-    f = tmp_path / "p.txt"
-    if content is not None:
-        f.write_text(content)
-    flags = [str(target) if x == "DRAFT_MODEL" else x for x in flags]  # the target is a causal LM folder too
-    rc = main(["--checkpoint", str(target), "--prompts", str(f), "--raw", "--dtype", "float32"] + flags)
-    one_line_error(capsys, rc, *words)
-
-
-def test_cli_too_long_prompt_errors_alone(target, tmp_path, monkeypatch, capsys):
-    """A prompt too long for the model gets its own line with "error"; the others decode; exit code 0."""
-    monkeypatch.setenv(cpu_gemm.ENV, "torch")
-    f = tmp_path / "p.txt"
-    f.write_text("short one\n" + " ".join(["word"] * 600) + "\nanother\n")
-    rc = main(["--checkpoint", str(target), "--prompts", str(f), "--raw", "--dtype", "float32", "--ordered", "--json",
-               "--max-new-tokens", "6"])
-    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert rc == 0 and [x.get("index") for x in lines[:3]] == [0, 1, 2]
-    assert "positions" in lines[1]["error"] and "text" in lines[0] and "text" in lines[2]
-    assert lines[-1]["errors"] == 1 and lines[-1]["prompts"] == 3
-
-
-def test_cli_batch_needs_prompts(capsys):
-    one_line_error(capsys, main(["--batch", "4"]), "--prompts")
-
-
 def test_no_exact_batches_run_large_passes_on_the_layers(target, monkeypatch):
     """exact=False: the engine asks cpu_forward.layers_from for the size from which passes run the PyTorch layers,
     and they do (the prefill, and decode steps of as many sequences); exact leaves every pass to the fused pass."""
@@ -420,7 +345,7 @@ def test_no_exact_batches_run_large_passes_on_the_layers(target, monkeypatch):
     monkeypatch.setattr(M.Transformer, "_layers", lambda self, x, *a: rows.append(x.shape[1]) or real(self, x, *a))
     exact, eng = BatchEngine(m, batch=3, max_seq=128), BatchEngine(m, batch=3, max_seq=128, exact=False)
     exact.generate_batch(PROMPTS[:3], 12)
-    assert m.layers_from is None and rows == []  # the later engine's setting does not reach this one's passes
+    assert exact.plan.layers_from is None and rows == []  # the later engine's setting does not reach this one's passes
     got = eng.generate_batch(PROMPTS[:3], 12)
-    assert m.layers_from == 3 and min(rows) == 3 and max(rows) > 3  # decode steps of 3 and the prefill
+    assert eng.plan.layers_from == 3 and min(rows) == 3 and max(rows) > 3  # decode steps of 3 and the prefill
     assert all(len(g) == 12 or (len(g) < 12 and g[-1] in m.args.eos_ids) for g in got)  # eos or budget

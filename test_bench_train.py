@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import bench_train
-import eagle_train as et
+import eagle_data as ed
 from conftest import one_line_error
 from eagle_data import read_records
 
@@ -26,9 +26,9 @@ def test_table_and_json(tiny, tmp_path, capsys):
     assert len(res["steps"]) == 3 and all(len(s["seconds"]) == len(bench_train.PARTS) for s in res["steps"])
     # the trainer's own epoch-0 batches 1..3 (after the warm-up one), their supervised tokens
     recs = read_records(data, 260, 2048)
-    batches = et.make_batches(recs, 256)
+    batches = ed.make_batches(recs, 256)
     order = list(torch.utils.data.distributed.DistributedSampler(batches, num_replicas=1, rank=0, seed=0))
-    want = [int(et.collate(recs, batches[order[k]], 0, "cpu")[1][:, 2:].sum()) for k in (1, 2, 3)]
+    want = [int(ed.collate(recs, batches[order[k]], 0, "cpu")[1][:, 2:].sum()) for k in (1, 2, 3)]
     assert [s["supervised"] for s in res["steps"]] == want
     total = sum(sum(s["seconds"]) for s in res["steps"])
     assert res["supervised_tok_s"] == pytest.approx(sum(want) / total)

@@ -2,13 +2,11 @@
 asked."""
 import json
 
-import torch
 
 import cpu_forward
 import draft_config as dc
 import generate as g
 from budget_memory import pass_costs
-from eagle import load_eagle
 from generate import Engine
 from sampling import Sampling
 from test_generate import PROMPTS, autoregressive, make_drafter, recorded_budgets, target, tiny  # noqa: F401 (tiny: a fixture)
@@ -46,7 +44,6 @@ def test_budget_memory_outlives_the_process_where_asked(tiny, tmp_path, monkeypa
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     monkeypatch.setenv("NANOSPEC_BUDGET_CACHE", "on")
     m = target(tiny[0])
-    m.aux_layers = load_eagle(tiny[1]["eagle3"], m, torch.float32, "cpu").c.aux_layers
     prompt = PROMPTS[1] * 3
     ref = autoregressive(m, prompt, 40)
     c = dc.DraftConfig(str(tiny[1]["eagle3"]), "nanospec", 4, 3, 10, spec_k=4, w_max=64, ngram=None)

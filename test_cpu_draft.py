@@ -39,7 +39,6 @@ def load(env, monkeypatch, pruned=False):
     path, heads = env
     m = M.load_model(path, dtype=torch.bfloat16)
     head = load_eagle(heads[120 if pruned else None], m, torch.bfloat16, "cpu")
-    m.aux_layers = head.c.aux_layers
     assert m.cpu_pass is not None and head.cpu_pass is not None
     return m, head
 
@@ -72,7 +71,7 @@ def test_same_tree_as_the_pytorch_loop(env, monkeypatch, kind, pruned):
         monkeypatch.setenv(cpu_draft.ENV, "on")
         assert cpu_draft.usable(d)
         m.setup_caches(1, 128)
-        logits, h, aux = m(p[None], torch.arange(len(p)), return_hidden=True)
+        logits, h, aux = m(p[None], torch.arange(len(p)), return_hidden=True, plan=M.Plan(d.aux_layers))
         d.prefill(dr.Prefill(p, torch.tensor([7]), logits[0], h, aux))
         trees = {}
         for c in ("on", "off"):

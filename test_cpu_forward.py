@@ -30,12 +30,14 @@ def target(tmp_path_factory):
     return path
 
 
+AUX = M.Plan((2, 0, 2))  # aux layers: repeats and any order, as EAGLE-3 heads of shallow targets have
+
+
 def load(path, fused: bool, monkeypatch):
     monkeypatch.setenv(cpu_gemm.ENV, "kernel")
     monkeypatch.setenv(cpu_forward.ENV, "on" if fused else "off")
     m = M.load_model(path, dtype=torch.bfloat16)
     assert (m.cpu_pass is not None) == fused
-    m.aux_layers = (2, 0, 2)  # repeats and any order, as EAGLE-3 heads of shallow targets have
     m.setup_caches(1, 256)
     return m
 
@@ -51,8 +53,8 @@ def test_matches_the_pytorch_layers(target, monkeypatch):
     before them) are bit for bit the same, as is every aux copy of the embeddings' layer 0 input."""
     ms = {f: load(target, f, monkeypatch) for f in (True, False)}
     p = toks(40)
-    out = {f: m(p, torch.arange(40), return_hidden=True) for f, m in ms.items()}
-    nxt = {f: m(toks(1, 1), torch.tensor([40]), return_hidden=True) for f, m in ms.items()}
+    out = {f: m(p, torch.arange(40), return_hidden=True, plan=AUX) for f, m in ms.items()}
+    nxt = {f: m(toks(1, 1), torch.tensor([40]), return_hidden=True, plan=AUX) for f, m in ms.items()}
     for res in (out, nxt):
         (lf, hf, af), (lt, ht, at) = res[True], res[False]
         assert lf.shape == lt.shape and hf.shape == ht.shape and af.shape == at.shape == (1, lf.shape[1], 3 * 192)
@@ -91,12 +93,12 @@ def test_tree_rows_are_autoregressive_bits(target, monkeypatch):
     p = toks(T)
     m(p, torch.arange(T))
     lt, _, at = m(tk[None], n + depth, mask=M.tree_mask(m.seq_range, anc, n), cache_pos=n + torch.arange(9),
-                  return_hidden=True)
+                  return_hidden=True, plan=AUX)
     for i in range(9):
         path = torch.nonzero(anc[i])[:, 0].tolist()  # ancestors in index order = depth order (parents first)
         m(p, torch.arange(T))
         for t, j in enumerate(path):
-            lo, _, ao = m(tk[j].view(1, 1), torch.tensor([T + t]), return_hidden=True)
+            lo, _, ao = m(tk[j].view(1, 1), torch.tensor([T + t]), return_hidden=True, plan=AUX)
         assert torch.equal(lo[0, 0], lt[0, i]) and torch.equal(ao[0, 0], at[0, i]), i
     m(p, torch.arange(T))
     chain = m(tk[None, :5], T + torch.arange(5))
@@ -241,7 +243,6 @@ def head_for(target, m, tmp_path, fused, monkeypatch):
     path = tmp_path / "head" if (tmp_path / "head").is_dir() else write_eagle_head(tmp_path / "head", cfg, version=3)
     head = load_eagle(path, m, torch.bfloat16, "cpu")
     assert (head.cpu_pass is not None) == fused
-    m.aux_layers = head.c.aux_layers
     return head
 
 
@@ -338,13 +339,13 @@ def test_training_target_pass_runs_a_batch_a_sequence_at_a_time(target, monkeypa
     sup[1, 20:] = False
     cols = torch.arange(0, 300, 3)
     ms = {f: load(target, f, monkeypatch) for f in (True, False)}
-    aux, logits = target_pass(ms[True], tokens, sup, 16, cols)
+    aux, logits = target_pass(ms[True], AUX.aux_layers, tokens, sup, 16, cols)
     n = sup.sum(1).tolist()
     for b in range(3):
-        a1, l1 = target_pass(ms[True], tokens[b:b + 1], sup[b:b + 1], 16, cols)
+        a1, l1 = target_pass(ms[True], AUX.aux_layers, tokens[b:b + 1], sup[b:b + 1], 16, cols)
         assert torch.equal(aux[b:b + 1], a1)
         assert torch.equal(logits[sum(n[:b]):sum(n[:b + 1])], l1)
-    aux_t, logits_t = target_pass(ms[False], tokens, sup, 16, cols)
+    aux_t, logits_t = target_pass(ms[False], AUX.aux_layers, tokens, sup, 16, cols)
     for a, b in ((aux, aux_t), (logits, logits_t)):
         assert a.shape == b.shape
         assert (a.float() - b.float()).norm() / b.float().norm() < 2e-2
@@ -376,18 +377,18 @@ def test_layers_from_is_the_crossover_it_measures(target, monkeypatch, tmp_path)
 
 @torch.no_grad()
 def test_large_passes_run_the_layers_when_asked(target, monkeypatch):
-    """model.layers_from = n: a pass of n rows or more runs the PyTorch layers with torch's GEMMs on the fused
+    """Plan(layers_from=n): a pass of n rows or more runs the PyTorch layers with torch's GEMMs on the fused
     pass's cache (K transposed again after them), smaller passes the fused pass; the numbers are the fused pass's
     to bf16 rounding, and a fused decode step after a layers prefill reads the keys the layers wrote."""
     ref, m = load(target, True, monkeypatch), load(target, True, monkeypatch)
-    m.layers_from = 8
+    plan = M.Plan(layers_from=8)
     seen = []
     real = M.Transformer._layers
     monkeypatch.setattr(M.Transformer, "_layers", lambda self, *a: seen.append(cpu_gemm.enabled()) or real(self, *a))
     p, q = toks(40), toks(1, 1)
-    a, b = ref(p, torch.arange(40)), m(p, torch.arange(40))
+    a, b = ref(p, torch.arange(40)), m(p, torch.arange(40), plan=plan)
     assert seen == [False] and cpu_gemm.enabled()  # the layers, with the kernel off while they ran
-    c, d = ref(q, torch.tensor([40])), m(q, torch.tensor([40]))
+    c, d = ref(q, torch.tensor([40])), m(q, torch.tensor([40]), plan=plan)
     assert seen == [False]  # one row: the fused pass
     for x, y in ((a, b), (c, d)):
         assert (x.float() - y.float()).norm() / x.float().norm() < 0.02

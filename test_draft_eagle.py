@@ -10,6 +10,7 @@ from generate import Engine
 from sampling import Sampling, accept_greedy, accept_sample, logits_to_probs
 from test_generate import PROMPTS, autoregressive, make_drafter, prefilled, target, tiny  # noqa: F401 (tiny: a fixture)
 from vocab import make_vocab
+from model import Plan
 
 
 def test_tree_invariants(draft_env):
@@ -19,7 +20,7 @@ def test_tree_invariants(draft_env):
         d.setup(128)
         m.setup_caches(1, 128)
         p = torch.arange(30, 50)
-        logits, h, aux = m(p[None], torch.arange(len(p)), return_hidden=True)
+        logits, h, aux = m(p[None], torch.arange(len(p)), return_hidden=True, plan=Plan(d.aux_layers))
         d.prefill(dr.Prefill(p, torch.tensor([3]), logits[0], h, aux))
         tree = d.draft(torch.tensor([3]), torch.tensor(len(p)))
         N = tree.tokens.shape[0]
@@ -45,7 +46,7 @@ def test_ancestor_mask_and_tree_invariants(tiny):
     d.setup(128)
     m.setup_caches(1, 128)
     p = torch.tensor(PROMPTS[2])
-    logits, h, aux = m(p[None], torch.arange(len(p)), return_hidden=True)
+    logits, h, aux = m(p[None], torch.arange(len(p)), return_hidden=True, plan=Plan(d.aux_layers))
     d.prefill(dr.Prefill(p, torch.tensor([3]), logits[0], h, aux))
     tree = d.draft(torch.tensor([3]), torch.tensor(len(p)))
     N = tree.tokens.shape[0]
@@ -133,7 +134,7 @@ def test_draft_verify_accept_compact_trace_without_graph_breaks(draft_env, versi
     d.setup(128)
     p = torch.arange(3, 20)
     n = torch.tensor(len(p))
-    logits, h, aux = m(p[None], torch.arange(len(p)), return_hidden=True)
+    logits, h, aux = m(p[None], torch.arange(len(p)), return_hidden=True, plan=Plan(d.aux_layers))
     d.prefill(dr.Prefill(p, torch.tensor([3]), logits[0], h, aux))
     vocab.reset(p, torch.topk(torch.randn(len(p), 256), 3).indices)
     c = lambda f: torch.compile(f, fullgraph=True, backend="eager")

@@ -8,6 +8,7 @@ import draft as dr
 import draft_eagle as de
 from generate import Engine
 import generate as g
+from model import Plan
 from test_generate import (  # noqa: F401 (tiny: a fixture)
     PROMPTS, Autoregressive, Cycle, Turns, autoregressive, make_drafter, prefilled, recorded_budgets, target, tiny)
 
@@ -217,7 +218,7 @@ def test_hybrid_head_waiting_keeps_only_the_accepted_positions(tiny):
     tok, n = prefilled(m, [late, eager], PROMPTS[0])
     with torch.no_grad():
         for _ in range(134):  # one-token steps, as the engine hands autoregressive runs over
-            logits, hid, aux = m(tok[None], n.view(1), return_hidden=True)
+            logits, hid, aux = m(tok[None], n.view(1), return_hidden=True, plan=Plan(late.aux_layers))
             nxt = logits[0, -1].argmax()
             acc = dr.Accepted(dr.chain_tree(tok), torch.zeros(1, dtype=torch.long), torch.tensor(1), nxt, logits[0],
                               hid, aux, n)

@@ -10,14 +10,15 @@ from safetensors import safe_open
 import eagle_ckpt as ec
 import eagle_ttt as ttt
 from eagle import load_eagle
+from model import Plan
 
 pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
 
 
 def test_export_round_trip_reproduces_logits(tiny, tmp_path):
     m = tiny["model"]
-    m.aux_layers = m.eagle3_aux_layers()
-    head = ttt.new_head(m, m.aux_layers, rope_theta=5000.0, seed=1)
+    aux_layers = m.eagle3_aux_layers()
+    head = ttt.new_head(m, aux_layers, rope_theta=5000.0, seed=1)
     with torch.no_grad():
         head.lm_head.weight.add_(0.01)  # a trained lm_head: must travel with the export
     full = ec.export_head(head, tmp_path / "full", torch.float32)
@@ -31,7 +32,7 @@ def test_export_round_trip_reproduces_logits(tiny, tmp_path):
             "midlayer.self_attn.q_proj.weight"} <= keys and not any(k.startswith("embed") for k in keys)
     toks = torch.tensor([tiny["recs"][1]["ids"][:24]])
     m.setup_caches(1, 32)
-    _, _, aux = m(toks, torch.arange(24), return_hidden=True)
+    _, _, aux = m(toks, torch.arange(24), return_hidden=True, plan=Plan(aux_layers))
     cos, sin = ttt.rope_cache(30, head.c.args.head_dim, 5000.0, None)
 
     def logits(h):
@@ -43,7 +44,7 @@ def test_export_round_trip_reproduces_logits(tiny, tmp_path):
     for a, b in zip(ref, logits(loaded)):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     # without lm_head (a frozen, target-tied head): eagle.load_eagle takes the target's
-    frozen = ttt.new_head(m, m.aux_layers, seed=1)
+    frozen = ttt.new_head(m, aux_layers, seed=1)
     lean = ec.export_head(frozen, tmp_path / "lean", torch.float32, with_lm_head=False)
     assert "draft_vocab_size" not in json.loads((lean / "config.json").read_text())
     loaded = load_eagle(lean, m, torch.float32, "cpu")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import eagle_ttt as ttt
+from model import Plan
 
 pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
 
@@ -64,8 +65,8 @@ def test_ttt_forward_matches_the_inference_path(tiny):
     """Row t of unrolled step i == the KV-cache head of draft.py fed the real context 0..t and then a chain of
     i tokens, each step feeding back its own output (what EagleDrafter does inside a tree)."""
     m = tiny["model"]
-    m.aux_layers = m.eagle3_aux_layers()
-    head = ttt.new_head(m, m.aux_layers, seed=3)
+    aux_layers = m.eagle3_aux_layers()
+    head = ttt.new_head(m, aux_layers, seed=3)
     with torch.no_grad():  # non-trivial norms
         for n, p in head.named_parameters():
             if n.endswith("norm.weight"):
@@ -73,7 +74,7 @@ def test_ttt_forward_matches_the_inference_path(tiny):
     toks = torch.tensor([tiny["recs"][0]["ids"][:20]])
     T, steps = toks.shape[1], 4
     m.setup_caches(1, 32)
-    _, _, aux = m(toks, torch.arange(T), return_hidden=True)
+    _, _, aux = m(toks, torch.arange(T), return_hidden=True, plan=Plan(aux_layers))
     cos, sin = ttt.rope_cache(T + steps, head.c.args.head_dim, head.c.args.rope_theta, None)
     with torch.no_grad():
         outs = ttt.ttt_forward(head, aux, toks, steps, cos, sin)
@@ -130,8 +131,7 @@ def head_and_batch(tiny):
     """The tiny target with its aux layers, a fresh head, 2 x 12 random tokens and no supervised token yet."""
     torch.manual_seed(0)
     target = tiny["model"]
-    target.aux_layers = target.eagle3_aux_layers()
-    head = ttt.new_head(target, target.aux_layers, seed=5)
+    head = ttt.new_head(target, target.eagle3_aux_layers(), seed=5)
     return target, head, torch.randint(0, target.args.vocab_size, (2, 12)), torch.zeros(2, 12, dtype=torch.bool)
 
 
@@ -141,7 +141,7 @@ def test_ttt_loss_equals_its_definition(tiny):
     sup[0, 3:9] = True
     sup[1, 2:12] = True
     steps = 3
-    aux, tgt = ttt.target_pass(target, tokens, sup)
+    aux, tgt = ttt.target_pass(target, head.c.aux_layers, tokens, sup)
     loss, acc, cnt = ttt.TTTLoss(head, steps, 4, torch.float32)(aux, tokens, sup, tgt.float())
     a = head.c.args
     cos, sin = ttt.rope_cache(12 + steps, a.head_dim, a.rope_theta, a.rope_scaling)
@@ -174,7 +174,7 @@ def test_ttt_accuracy_counts_only_the_rows_a_step_supervises(tiny):
     target, head, tokens, sup = head_and_batch(tiny)
     sup[0, 4:9] = True
     sup[1, 2:12] = True  # token 2: no row at step 1
-    aux, _ = ttt.target_pass(target, tokens, sup)
+    aux, _ = ttt.target_pass(target, head.c.aux_layers, tokens, sup)
     a = head.c.args
     cos, sin = ttt.rope_cache(12 + 2, a.head_dim, a.rope_theta, a.rope_scaling)
     sb, sj = sup.nonzero(as_tuple=True)

@@ -16,6 +16,7 @@ from generate import Engine
 from model import causal_recent, exact_attention, exact_plan, load_model
 from test_generate import PROMPTS, tiny  # noqa: F401 (tiny: a fixture)
 from vocab import make_vocab
+from model import Plan
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +144,6 @@ def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trus
     if fault:
         fault(m)
     head = load_eagle(heads["eagle3"], m, dtype, "cpu")
-    m.aux_layers = head.c.aux_layers
     d = de.EagleDrafter(head, make_vocab("full", head.lm_weight()), topk=4, depth=4, nodes=nodes)
     e = Engine(m, drafter=d)
     if cache:  # a faulty model must not share the machine's answers for healthy kernels of its shapes
@@ -166,7 +166,7 @@ def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trus
     m.setup_caches(1, S)
     d.setup(S)
     with torch.no_grad():
-        logits, hid, aux = m(p[None], torch.arange(T), return_hidden=True)
+        logits, hid, aux = m(p[None], torch.arange(T), return_hidden=True, plan=Plan(d.aux_layers))
         tok = logits[0, -1].argmax().view(1)
         d.prefill(dr.Prefill(p, tok, logits[0], hid, aux))
         tree = d.draft(tok, torch.tensor(T))

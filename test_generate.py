@@ -23,6 +23,7 @@ from generate import Engine, main
 from sampling import Sampling, accept_greedy, best_path, logits_to_probs, sample_from
 from model import load_model
 from vocab import make_vocab
+from model import Plan
 
 
 PROMPTS = [[5, 17, 99, 3, 42, 42, 8], [200, 201, 202, 203, 200, 201, 202], list(range(30, 60))]
@@ -53,7 +54,6 @@ def make_drafter(kind, tiny, m, vocab_spec="full", topk=4, depth=3, nodes=10, ab
         return dl.NgramDrafter(k=4, static=static)
     if kind == "hybrid":  # the EAGLE-3 tree with a prompt-lookup chain merged in
         head = load_eagle(heads["eagle3"], m, torch.float32, "cpu")
-        m.aux_layers = head.c.aux_layers
         ng = dl.NgramDrafter(k=4)
         vocab = make_vocab(vocab_spec, head.lm_weight(), w_max=w_max, ablation=ablation,
                            max_append=dc.append_width(nodes + ng.k, max(depth, ng.k), 3))
@@ -67,8 +67,6 @@ def make_drafter(kind, tiny, m, vocab_spec="full", topk=4, depth=3, nodes=10, ab
         dm = load_model(path, dtype=torch.float32)
         return de.ModelDrafter(dm, make_vocab("full", dm.lm_head.weight), k=3, sampling=sampling)
     head = load_eagle(heads[kind], m, torch.float32, "cpu")
-    if head.c.version == 3:
-        m.aux_layers = head.c.aux_layers
     vocab = make_vocab(vocab_spec, head.lm_weight(), w_max=w_max, ablation=ablation,
                        max_append=nodes + (depth + 1) * 3, token_to_row=de.EagleDrafter.token_to_row_map(head),
                        fill=fill)
@@ -391,7 +389,7 @@ def prefilled(m, drafters, prompt):
     S, _ = Engine(m, drafter=drafters[0]).planner.plan(len(p), 8, max(d.nodes for d in drafters))
     m.setup_caches(1, S)
     with torch.no_grad():
-        logits, hid, aux = m(p[None], torch.arange(len(p)), return_hidden=True)
+        logits, hid, aux = m(p[None], torch.arange(len(p)), return_hidden=True, plan=Plan(drafters[0].aux_layers))
         tok = logits[0, -1].argmax().view(1)
         for d in drafters:
             d.setup(S)

@@ -166,6 +166,7 @@ def test_every_block_type_loads_as_its_codes(tmp_path, monkeypatch, kind):
     import cpu_forward
     import cpu_gemm
     import model as M
+    import qlinear
     import quant
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv(cpu_gemm.ENV, "kernel")
@@ -192,7 +193,7 @@ def test_every_block_type_loads_as_its_codes(tmp_path, monkeypatch, kind):
     for fused in ("on", "off"):
         monkeypatch.setenv(cpu_forward.ENV, fused)
         a, b = M.load_model(native), M.load_model(wide)
-        assert isinstance(a.embed_tokens, quant.QEmbedding) and isinstance(a.layers[1].self_attn.v_proj, quant.QLinear)
+        assert isinstance(a.embed_tokens, qlinear.QEmbedding) and isinstance(a.layers[1].self_attn.v_proj, qlinear.QLinear)
         assert (a.cpu_pass is not None) == (fused == "on")
         for m in (a, b):
             m.setup_caches(1, 64)
@@ -208,12 +209,12 @@ def test_every_block_type_loads_as_its_codes(tmp_path, monkeypatch, kind):
 def test_tied_quantized_embedding_is_the_lm_head(tmp_path, monkeypatch):
     """Tied: the LM head reads the embedding's codes (Q4_0 here, no offsets: a zero point of 8)."""
     import model as M
-    import quant
+    import qlinear
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path / "cache"))
     f = tmp_path / "t.gguf"
     hf = write_tiny_gguf(f, types={"token_embd.weight": "Q4_0", "blk.1.ffn_down.weight": "Q4_0"})
     m = M.load_model(download.resolve_checkpoint(str(f)))
-    assert isinstance(m.lm_head, quant.QLinear) and m.lm_head.zero == 8 and m.lm_head.offsets is None
+    assert isinstance(m.lm_head, qlinear.QLinear) and m.lm_head.zero == 8 and m.lm_head.offsets is None
     emb = torch.from_numpy(hf["model.embed_tokens.weight"]).bfloat16()
     assert torch.equal(m.lm_head.weight, emb) and torch.equal(m.embed_tokens(torch.tensor([[4, 7]]))[0], emb[[4, 7]])
 

@@ -8,6 +8,7 @@ from download import CheckpointError, resolve_checkpoint
 from generate import Engine
 from model import ModelArgs, ModelError, Transformer, load_model
 from tokenizer import Tokenizer
+from model import Plan
 
 
 def hf_logits(m, ids):
@@ -111,9 +112,9 @@ def test_hidden_and_aux_states(tiny_llama):
     path, hf = tiny_llama
     m = load_model(path, dtype=torch.float32)
     m.setup_caches(1, 32)
-    m.aux_layers = (0, 2, 3)
+    plan = Plan((0, 2, 3))
     ids = torch.arange(3, 13)[None]
-    logits, h, aux = m(ids, torch.arange(10), return_hidden=True)
+    logits, h, aux = m(ids, torch.arange(10), return_hidden=True, plan=plan)
     with torch.no_grad():
         out = hf(ids, output_hidden_states=True)
     # HF hidden_states[i] is the input of layer i; the last entry is final-normed.
@@ -126,11 +127,11 @@ def test_causal_pass_over_the_whole_cache(tiny_llama):
     refuses rows that do not fill the cache or bring a mask."""
     path, hf = tiny_llama
     m = load_model(path, dtype=torch.float32)
-    m.aux_layers = (0, 2, 3)
+    plan = Plan((0, 2, 3))
     ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     m.setup_caches(2, 12)
-    ref = m(ids, torch.arange(12), return_hidden=True)
-    got = m(ids, torch.arange(12), return_hidden=True, causal=True)
+    ref = m(ids, torch.arange(12), return_hidden=True, plan=plan)
+    got = m(ids, torch.arange(12), return_hidden=True, causal=True, plan=plan)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     with torch.no_grad():

@@ -17,6 +17,7 @@ import cpu_forward
 import cpu_gemm
 import draft_config as dc
 import model as M
+import qlinear
 import quant
 import quantize
 import tp
@@ -75,7 +76,7 @@ def run_quantized(path) -> dict:
     out = {}
     for mode in ("int8", "int4"):
         m = tp.shard(M.load_model(path.parent / mode, dtype=torch.bfloat16))
-        assert isinstance(getattr(m.layers[0].mlp.up_proj, "part", m.layers[0].mlp.up_proj), quant.QLinear)
+        assert isinstance(getattr(m.layers[0].mlp.up_proj, "part", m.layers[0].mlp.up_proj), qlinear.QLinear)
         m.setup_caches(1, 64)
         with torch.no_grad():
             out[mode] = m(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))[0]
@@ -121,7 +122,7 @@ def _errors(r: int, world: int, init: str, path, out: str):
     try:
         msgs = []
         m = M.load_model(path, dtype=torch.bfloat16)
-        up = m.layers[0].mlp.up_proj = quant.QLinear(quant.quantize(m.layers[0].mlp.up_proj.weight.float(),
+        up = m.layers[0].mlp.up_proj = qlinear.QLinear(quant.quantize(m.layers[0].mlp.up_proj.weight.float(),
                                                                     quant.Scheme(4, 32)))
         fast = up.make_fast()  # (AVX-512 VNNI builds)
         for fn in (lambda: tp.shard(m), lambda: tp.split(torch.nn.Linear(8, 5), "odd", r, world)):

@@ -375,15 +375,16 @@ def test_packed_rows_follow_the_window(W, n_fill, monkeypatch):
 @pytest.mark.skipif(not cpu_gemm.VNNI or cpu_gemm.kernel() is None, reason="needs AVX-512 VNNI and a C compiler")
 @pytest.mark.parametrize("W,n_fill,c_append", [(64, 0, "on"), (100, 0, "on"), (100, 150, "on"), (100, 40, "off")])
 def test_a_fast_heads_window_copies_its_codes(W, n_fill, c_append, monkeypatch):
-    """A draft model's 4-bit LM head on the integer GEMM (quant.QLinear.make_fast): the window copies its rows as they
+    """A draft model's 4-bit LM head on the integer GEMM (qlinear.QLinear.make_fast): the window copies its rows as they
     are (nibbles shared by two rows a byte, panels of 64, W = 100: a part panel). After every update, each active
     slot scores exactly what the whole head scores for its token (same codes, row-invariant GEMM), free slots -inf,
     the window's tokens as with the widened head, through the C append and the PyTorch one."""
+    import qlinear
     import quant
     monkeypatch.setenv("NANOSPEC_CPU_DRAFT", c_append)
     V, d = 300, 64
     g = torch.Generator().manual_seed(W + n_fill)
-    head = quant.QLinear(quant.quantize(torch.randn(V, d, generator=g) * 0.1, quant.Scheme(4, 32)))
+    head = qlinear.QLinear(quant.quantize(torch.randn(V, d, generator=g) * 0.1, quant.Scheme(4, 32)))
     assert head.make_fast() and vocab.fast_rows(head)
     fill = torch.randperm(V, generator=g)[:n_fill] if n_fill else None
     v = vocab.make_vocab("nanospec", head, w_max=W, k_pre=2, k_ver=3, fill=fill)

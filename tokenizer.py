@@ -42,7 +42,8 @@ class Tokenizer:
 
             def raise_exception(msg):
                 raise jinja2.exceptions.TemplateError(msg)
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
             env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: time.strftime(fmt))
             env.filters["tojson"] = lambda x, indent=None, **k: json.dumps(x, indent=indent, ensure_ascii=False)
             self._template = env.from_string(self.chat_template)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import cpu_gemm
-import quant
+import qlinear
 from budget import Budgets
 from budget_batch import BatchBudget
 from errors import UsageError
@@ -83,7 +83,7 @@ class Gathered(nn.Module):
 
 def split(m: nn.Module, name: str, r: int, w: int) -> nn.Module:
     """Rank r's rows of the linear layer m (one of w equal slices)."""
-    q = isinstance(m, quant.QLinear)
+    q = isinstance(m, qlinear.QLinear)
     N, K = (m.out_features, m.in_features) if q else m.weight.shape
     if N % w:
         raise UsageError(f"tensor parallelism: {name} has {N} outputs, which {w} ranks do not divide")
@@ -92,7 +92,7 @@ def split(m: nn.Module, name: str, r: int, w: int) -> nn.Module:
     if q:  # its rows in the checkpoint's layout (codes with their scales and offsets), laid out for the kernel again
         if m.fast:
             raise UsageError(f"tensor parallelism: {name} is on the draft models' integer GEMM, not a target's")
-        return quant.QLinear(m.rows().take(torch.arange(rows.start, rows.stop)), bias)
+        return qlinear.QLinear(m.rows().take(torch.arange(rows.start, rows.stop)), bias)
     part = Linear(K, N // w, bias=bias is not None, device="meta")
     part.weight = nn.Parameter(m.weight.detach()[rows].clone(), requires_grad=False)
     if bias is not None:

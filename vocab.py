@@ -17,7 +17,7 @@ import cbuild
 import cpu_draft
 import cpu_gemm
 import cuda_gather
-import quant
+import qlinear
 import vocab_freq
 
 
@@ -28,7 +28,7 @@ def packed_copy(rows):
 
 
 def fast_rows(weight) -> bool:
-    """weight is a draft model's 4-bit LM head on the integer GEMM (quant.QLinear.make_fast) and the C row writer is
+    """weight is a draft model's 4-bit LM head on the integer GEMM (qlinear.QLinear.make_fast) and the C row writer is
     built: NanoSpec's window copies its rows as they are. Why: widened, the 0.5B Qwen's 16,384-row window is 29 MB
     of bf16 a draft step, against 9 MB of codes and scales (and the head's 272 MB widened copy is never made)."""
     return (isinstance(weight, torch.nn.Module) and getattr(weight, "fast", False) and weight.codes.is_cpu
@@ -58,7 +58,7 @@ class StaticVocab:
 
 class FullVocab(StaticVocab):
     def __init__(self, weight):
-        """weight: the LM head's [V, d] matrix, or a quantized LM head (quant.QLinear), scored as it is"""
+        """weight: the LM head's [V, d] matrix, or a quantized LM head (qlinear.QLinear), scored as it is"""
         self.head = weight if isinstance(weight, torch.nn.Module) else None
         self.weight = None if self.head is not None else weight
         q = self.head is not None
@@ -149,7 +149,7 @@ class NanoSpecVocab:
             P, s = -(-w_max // 64), self.src
             self.codes = torch.zeros(P, d // 4, 128, dtype=torch.uint8)
             self.scales, self.offsets = (torch.zeros(P, d // 32, 64, dtype=torch.float16) for _ in range(2))
-            self.kw = quant.KernelWeight(self.codes, self.scales, self.offsets, 4, 32, fast=True)
+            self.kw = qlinear.KernelWeight(self.codes, self.scales, self.offsets, 4, 32, fast=True)
             self.src_tensors = (s.codes, s.scales, s.offsets)  # what dst points into, kept alive with it
             self.dst = cbuild.RowsDst(0, self.codes.data_ptr(), s.codes.data_ptr(), V, w_max, d, 64, 0, None, 1,
                                       s.scales.data_ptr(), s.offsets.data_ptr(), self.scales.data_ptr(),
@@ -197,7 +197,7 @@ class NanoSpecVocab:
         if self.kw is not None:
             if torch.compiler.is_compiling():
                 return torch.ops.nanospec.linear_packed(h, self.kw.address(), self.W, self.bias), self.ids
-            return quant.kernel_linear(h, self.kw, self.W, self.bias), self.ids
+            return qlinear.kernel_linear(h, self.kw, self.W, self.bias), self.ids
         if not self.copies:  # "noasync": indexed GEMM over non-contiguous weight rows
             return F.linear(h, self.weight.index_select(0, self.ids), self.bias), self.ids
         # bias is 0 for active slots, -inf for free ones: the mask rides in the GEMM epilogue
@@ -384,7 +384,7 @@ def nanospec_state_bytes(V, d, w_max=3072, dtype=torch.float16, **kw):
 def make_vocab(spec, weight, *, w_max=3072, k_pre=3, k_ver=3, ablation=None, eos_ids=(),
                max_append=None, token_to_row=None, fill=None):
     """spec: "full" | "freq:PATH" | "freq:PATH:K" | "nanospec"; weight: the LM head's matrix, or a quantized LM head
-    (quant.QLinear: "full" scores it as it is). fill: NanoSpec's free-slot tokens (most frequent
+    (qlinear.QLinear: "full" scores it as it is). fill: NanoSpec's free-slot tokens (most frequent
     first) or a frequency file. token_to_row [V_target] (-1 absent): a pruned head's rows (EAGLE-3 d2t), or None."""
     if ablation is not None and spec != "nanospec":
         raise ValueError(f"ablation {ablation!r} only applies to the 'nanospec' vocabulary, not {spec!r}")
