@@ -382,6 +382,7 @@ def test_a_fast_heads_window_copies_its_codes(W, n_fill, c_append, monkeypatch):
     import qlinear
     import quant
     monkeypatch.setenv("NANOSPEC_CPU_DRAFT", c_append)
+    monkeypatch.setattr(qlinear, "_C", [True])  # (an earlier test's model may have left torch's kernels chosen)
     V, d = 300, 64
     g = torch.Generator().manual_seed(W + n_fill)
     head = qlinear.QLinear(quant.quantize(torch.randn(V, d, generator=g) * 0.1, quant.Scheme(4, 32)))
