@@ -28,7 +28,7 @@ import graphs
 from budget import StepBudget
 from budget_batch import BatchBudget
 from budget_memory import BudgetMemory, pass_costs
-from draft import Accepted, Prefill, Tree, chain_tree, chained, stop_at
+from draft import Accepted, Behind, Prefill, Tree, chain_tree, stop_at
 from errors import UsageError
 from model import Plan, Transformer, tree_mask
 from sampling import Sampling, accept_sample, argmax, greedy_path, logits_to_probs
@@ -48,7 +48,7 @@ class Seq:
     # speculative batches: its drafter, tokens in its range, the steps its drafter has not seen, budget state
     drafter: object = None
     n: int = 0
-    pending: list = field(default_factory=list)
+    behind: Behind | None = None  # the steps its drafter has not read (HeldRow runs, kept tree steps)
     budgets: dict = field(default_factory=dict)  # source -> budget.Budget (budget_batch.py)
     key: str = ""
     policy: object = None  # budget_policy.Policy where its drafter offers several sources; its choice, its step's share
@@ -62,6 +62,28 @@ class Seq:
     new: list = field(default_factory=list)
     new_from: list = field(default_factory=list)
     drafted: int = 0
+
+
+@dataclass
+class HeldRow:
+    """A step without a draft, as its drafter will read it: row r of a pass's (hidden, aux, top-k) it shares with
+    the step's other rows, the token it fed, the token it chose, and the tokens in the cache before it."""
+    step: tuple
+    r: int
+    token: int
+    bonus: int
+    n: int
+
+    @staticmethod
+    def chain(run: list["HeldRow"]) -> Accepted:
+        """Consecutive rows as one accepted chain (draft.Behind.take)."""
+        hid, aux, _ = run[0].step
+        dev, K = hid.device, len(run)
+        cat = lambda j: torch.cat([x.step[j][:, x.r:x.r + 1] for x in run], 1)
+        return Accepted(chain_tree(torch.tensor([x.token for x in run], device=dev)), torch.arange(K, device=dev),
+                        torch.tensor(K, device=dev), torch.tensor(run[-1].bonus, device=dev), hid.new_zeros(0, 0),
+                        cat(0), None if aux is None else cat(1), torch.tensor(run[0].n, device=dev),
+                        torch.cat([x.step[2][x.r:x.r + 1] for x in run]))
 
 
 TARGET = "target"  # a token the target chose itself (a step's bonus, an autoregressive step's token)
@@ -158,6 +180,7 @@ class BatchEngine:
             s = self.waiting.popleft()
             s.slot, rows = self.free.pop(0) * self.S, rows + len(s.prompt)
             s.drafter = self.drafters[s.slot // self.S] if self.drafters else None
+            s.behind = Behind(s.drafter.reads_states, self._top) if s.drafter is not None else None
             s.alone = self._alone(s) if self.drafters and not self.fixed else None
             admit.append(s)
         riders = self.running if admit else []
@@ -208,7 +231,7 @@ class BatchEngine:
                     queue.remove(s)
                     if queue is self.running:
                         self.free.append(s.slot // self.S)
-                    s.t_done, s.pending = time.perf_counter(), []
+                    s.t_done, s.behind = time.perf_counter(), None
                     return s
         return None
 
@@ -252,7 +275,7 @@ class BatchEngine:
             held = (hid[:, rows].clone(), None if aux is None else aux[:, rows].clone(),
                     cpu_draft.topk_rows(logits[k:].contiguous(), None, self._top))
             for r, s in enumerate(riders):  # (s.n and s.out: before this step's token)
-                s.pending.append((held, r, s.out[-1], int(nxt[k + r]), s.n - 1))
+                s.behind.add(HeldRow(held, r, s.out[-1], int(nxt[k + r]), s.n - 1))
 
     def _decode(self, seqs: list[Seq]) -> Tensor:
         # each sequence's last token at its next position (the token is not in the cache yet)
@@ -313,7 +336,7 @@ class BatchEngine:
         out, src = [None] * len(seqs), [[TARGET]] * len(seqs)
         for r, i in enumerate(ar):  # what its drafter will read when it catches up: views into the step's tensors
             s = seqs[i]
-            s.pending.append((held, r, s.out[-1], nxt[r], s.n))
+            s.behind.add(HeldRow(held, r, s.out[-1], nxt[r], s.n))
             out[i], s.n, nodes[i] = [nxt[r]], s.n + 1, [0]
             if not self.fixed:
                 self.budget.observe_seq(s, 1, [0])
@@ -333,7 +356,7 @@ class BatchEngine:
             a = Accepted(t, torch.tensor(path, device=dev), torch.tensor(L, device=dev),
                          torch.tensor(bonus, device=dev), logits[r:r + N], hid[:, r:r + N],
                          None if aux is None else aux[:, r:r + N], torch.tensor(s.n, device=dev))
-            s.pending.append(self._kept(a, s.drafter))
+            s.behind.add(self._kept(a, s.drafter))
             out[i], s.n = [toks_i[j] for j in path[1:L]] + [bonus], s.n + L
             by = node_sources(s.drafter, s.key, N)
             src[i] = [by[j] for j in path[1:L]] + [TARGET]
@@ -352,22 +375,11 @@ class BatchEngine:
         drafter first catches up with the steps it has not seen (only to draft, or once HELD are waiting: one
         update over many steps costs about what one does)."""
         s.paid = 0.0
-        if b == 1 and len(s.pending) < self.HELD:
+        if b == 1 and len(s.behind) < self.HELD:
             return None, 0.0
         t0, d = time.perf_counter(), s.drafter
-        if s.pending:
-            steps, run = [], []  # runs of steps without a draft become one chain each
-            for x in s.pending + [None]:
-                if isinstance(x, tuple):
-                    run.append(x)
-                    continue
-                if run:
-                    steps.append(self._held(run))
-                    run = []
-                if x is not None:
-                    steps.append(x)
-            s.pending = []
-            d.update(steps[0] if len(steps) == 1 else chained(steps, states=d.reads_states, top=self._top))
+        if s.behind:
+            d.update(s.behind.take())
         tree = d.draft(torch.tensor([s.out[-1]], device=self.device), torch.tensor(s.n, device=self.device), b) \
             if b > 1 else None
         s.paid = d.setup_paid()
@@ -380,18 +392,6 @@ class BatchEngine:
         return tree, seconds
 
     HELD = 512  # steps a sequence's drafter may fall behind (their states: 512 x 4.6 KB a row of the passes)
-
-    def _held(self, run: list[tuple]) -> Accepted:
-        """Consecutive steps without a draft, from what _spec_step kept of them, as one accepted chain."""
-        (hid, aux, _), _, _, _, n = run[0]
-        toks = torch.tensor([x[2] for x in run], device=hid.device)
-        cat = lambda j: torch.cat([x[0][j][:, x[1]:x[1] + 1] for x in run], 1)
-        K = len(run)
-        dev = hid.device
-        return Accepted(chain_tree(toks), torch.arange(K, device=dev), torch.tensor(K, device=dev),
-                        torch.tensor(run[-1][3], device=dev), hid.new_zeros(0, 0), cat(0),
-                        None if aux is None else cat(1), torch.tensor(n, device=dev),
-                        torch.cat([x[0][2][x[1]:x[1] + 1] for x in run]))
 
     def _kept(self, a: Accepted, d) -> Accepted:
         """a as the drafter will read it, steps later: the target's top-k on the path instead of its logits, and its

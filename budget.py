@@ -9,7 +9,7 @@ best on this request, exploring each a bounded number of steps; a one-time set-u
 where the tokens left are expected to repay it (pays_back).
 """
 from budget_policy import Policy, pays_back
-from draft import Accepted, Drafter, chained
+from draft import Accepted, Behind, Drafter
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -341,7 +341,7 @@ class StepBudget:
         self.budgets = None if memory is None else Budgets(
             drafter.nodes, drafter.budget_sizes, drafter.budget_start, settle=settle, pass_s=pass_s,
             memory=memory.sources, setup_of=drafter.budget_setup)
-        self.pending = []
+        self.behind = Behind(drafter.reads_states, drafter.reads_top)  # the autoregressive steps held back
 
     def pick(self, out: list[int]) -> int:
         """Nodes the next step verifies (1: an autoregressive step, no draft); out: the tokens so far."""
@@ -366,17 +366,14 @@ class StepBudget:
     def hold(self, a: Accepted, b: int, keep=None) -> bool:
         """Keep an autoregressive step back from the drafter when the next one is too (one update for a run);
         keep(a): what is kept (graphs.owned where a is a CUDA graph's output)."""
-        held = a.tree.tokens.shape[0] == 1 and b == 1 and len(self.pending) < self.MAX_PENDING
+        held = a.tree.tokens.shape[0] == 1 and b == 1 and len(self.behind) < self.MAX_PENDING
         if held:
-            self.pending.append(keep(a) if keep else a)
+            self.behind.add(keep(a) if keep else a)
         return held
 
     def catch_up(self, a: Accepted) -> Accepted:
         """a, after the steps held back, as one chain of what the drafter reads."""
-        if not self.pending:
-            return a
-        steps, self.pending = self.pending + [a], []
-        return chained(steps, states=self.d.reads_states, top=self.d.reads_top)
+        return self.behind.take(a)
 
     def finish(self) -> dict:
         """The request is over: its sources go to the memory; its budget statistics."""

@@ -82,6 +82,47 @@ def chained(steps: list[Accepted], states: bool = True, top: int = 0) -> Accepte
                     logits, hidden, aux, a0.n, tops)
 
 
+class Behind:
+    """Steps a drafter has not read yet, handed to it as one chain when it next needs them: one update over many
+    steps costs about what one over one does. It serves the engine's autoregressive runs (budget.StepBudget), each
+    batch sequence's steps (batch.py) and the hybrid's waiting head (draft_hybrid.LazyHead). A step is an Accepted,
+    or a row whose class has chain(run) -> Accepted (batch.py keeps autoregressive rows as views of the step's
+    tensors, one chain per run). fold() chains what is held into one step at once (accepted positions only)."""
+
+    def __init__(self, states: bool = True, top: int = 0):
+        self.states, self.top, self.steps = states, top, []  # chained()'s settings: what the drafter reads
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def add(self, step):
+        self.steps.append(step)
+
+    def take(self, last: Accepted | None = None) -> Accepted | None:
+        """Every step held, and last, as one Accepted (None: nothing); nothing is held after."""
+        steps, self.steps = self.steps + ([] if last is None else [last]), []
+        out, run = [], []
+        for x in steps + [None]:
+            if x is not None and not isinstance(x, Accepted):
+                run.append(x)
+                continue
+            if run:
+                out.append(type(run[0]).chain(run))
+                run = []
+            if x is not None:
+                out.append(x)
+        if len(out) <= 1:
+            return out[0] if out else None
+        return chained(out, states=self.states, top=self.top)
+
+    def fold(self, first: int = 0):
+        """The steps from index first on, chained into one in their place."""
+        if len(self.steps) - first > 1:
+            rest = Behind(self.states, self.top)
+            rest.steps = self.steps[first:]
+            self.steps[first:] = [rest.take()]
+
+
 def stop_at(emitted: list[int], out: list[int], max_new: int, eos: set) -> list[int]:
     """The emitted tokens up to the token budget and through the first eos, as autoregressive decoding."""
     emitted = emitted[:max(max_new - len(out), 0)]

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from budget import SIZES
-from draft import Accepted, Drafter, Prefill, Tree, ancestor_mask, chained, lookup_tree_of
+from draft import Accepted, Behind, Drafter, Prefill, Tree, ancestor_mask, lookup_tree_of
 from draft_lookup import NgramDrafter, match_key
 
 
@@ -24,7 +24,8 @@ class LazyHead:
         self.deferred = p if self.drafter.project is not None else None  # its prefill, until it first drafts
         if self.deferred is None:
             self.drafter.prefill(p)
-        self.pending, self.chunks = [], []  # accepted steps the head has not seen; earlier runs, chained once
+        # the accepted steps the head has not seen: the first `chunks` of them earlier runs of 64, each chained once
+        self.behind, self.chunks = Behind(top=self.drafter.reads_top), 0
         self.waiting = p.tokens.shape[0]  # tokens a start would run the head over (prompt + accepted since)
         self.start_s = self.started_s = 0.0  # start_s: the start's seconds until the engine takes them (paid)
 
@@ -34,23 +35,23 @@ class LazyHead:
 
     def follow(self, a: Accepted, L: int):
         """Keeps one step for the next catch-up: one update over many steps costs about what one over one does."""
-        self.pending.append(a)
+        self.behind.add(a)
         self.waiting += L
-        if len(self.pending) >= 64:
-            if self.started or sum(int(c.L) for c in self.chunks) >= self.MAX_PENDING_TOKENS:
+        if len(self.behind) - self.chunks >= 64:
+            if self.started or sum(int(c.L) for c in self.behind.steps[:self.chunks]) >= self.MAX_PENDING_TOKENS:
                 self.catch_up()
             else:  # keep only the accepted positions while the prefill waits, each run chained once
-                self.chunks.append(chained(self.pending, top=self.drafter.reads_top))
-                self.pending = []
+                self.behind.fold(self.chunks)
+                self.chunks += 1
 
     def catch_up(self):
         start, t0 = self.deferred, time.perf_counter()
         if start is not None:
             self.deferred = None
             self.drafter.prefill(start)
-        if self.pending or self.chunks:
-            steps, self.pending, self.chunks = self.chunks + self.pending, [], []
-            self.drafter.update(steps[0] if len(steps) == 1 else chained(steps, top=self.drafter.reads_top))
+        if self.behind:
+            self.chunks = 0
+            self.drafter.update(self.behind.take())
         if start is not None:
             self.start_s = self.started_s = time.perf_counter() - t0
             self.rate = self.start_s / self.waiting

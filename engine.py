@@ -228,7 +228,7 @@ class Engine:
         own = graphs.owned if isinstance(self.verify_step, graphs.Graphed) else lambda x: x
         if fit.hold(a, b, keep=own):
             return chain_tree(own(a.bonus.view(1)))
-        if self.fused_steps and b > 1 and not fit.pending:
+        if self.fused_steps and b > 1 and not fit.behind:
             if (vocab := getattr(self.drafter, "vocab", None)) is not None:
                 vocab.wait()  # an eager update still on the copy stream: the replay must not overtake it
             with clock("draft"):

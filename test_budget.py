@@ -381,7 +381,7 @@ def test_autoregressive_steps_wait_for_one_catch_up():
     assert not fit.hold(steps[2], 2)  # the next step drafts: the drafter catches up now
     a = fit.catch_up(steps[2])
     assert a.tree.tokens.tolist() == [0, 1, 2] and int(a.L) == 3 and int(a.n) == 10 and int(a.bonus) == 3
-    assert not fit.pending and fit.catch_up(steps[2]) is steps[2]
+    assert not fit.behind and fit.catch_up(steps[2]) is steps[2]
     tree = Accepted(chain_tree(torch.tensor([5, 6])), torch.arange(2), torch.tensor(2), torch.tensor(7),
                     torch.zeros(2, 8), torch.zeros(1, 2, 4), None, torch.tensor(20))
     assert not fit.hold(tree, 1)  # a step that verified a draft reaches the drafter at once

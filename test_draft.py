@@ -52,6 +52,41 @@ def test_chained_keeps_each_steps_accepted_rows_and_may_leave_the_states_out():
     assert torch.equal(b.top, want) and torch.equal(b.tree.tokens, a.tree.tokens) and torch.equal(b.aux, a.aux)
 
 
+class Row:
+    """A held row as batch.py keeps one: a token, chained per run by its class."""
+
+    def __init__(self, t):
+        self.t = t
+
+    @staticmethod
+    def chain(run):
+        toks = torch.tensor([x.t for x in run])
+        K = len(run)
+        return dr.Accepted(dr.chain_tree(toks), torch.arange(K), torch.tensor(K), torch.tensor(run[-1].t + 1),
+                           torch.zeros(K, 5), torch.zeros(1, K, 2), None, torch.tensor(0))
+
+
+def test_behind_hands_over_its_steps_as_one_chain():
+    """draft.Behind: steps and runs of rows in order (each run chained by its class, then all as one chain), the
+    last step after them; nothing held after a take; a lone step handed over as it is; fold(i) chains the steps
+    from i on in their place, and a later take gives the same chain."""
+    step = lambda toks: Row.chain([Row(t) for t in toks])
+    b = dr.Behind(top=0)
+    assert b.take() is None and len(b) == 0
+    a = step([1])
+    b.add(a)
+    assert b.take() is a and not b
+    for x in (Row(2), Row(3), step([4, 5]), Row(6)):
+        b.add(x)
+    got = b.take(step([7]))
+    assert got.tree.tokens.tolist() == [2, 3, 4, 5, 6, 7] and int(got.L) == 6 and int(got.bonus) == 8 and not b
+    for x in (step([1]), Row(2), Row(3), step([4])):
+        b.add(x)
+    b.fold(1)
+    assert len(b) == 2 and b.steps[1].tree.tokens.tolist() == [2, 3, 4]
+    assert b.take().tree.tokens.tolist() == [1, 2, 3, 4]
+
+
 def test_drafter_defaults_are_the_protocols_optional_parts():
     """Drafter gives every optional hook of the protocol its default, so the engine calls them on any drafter."""
 

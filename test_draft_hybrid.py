@@ -225,12 +225,14 @@ def test_hybrid_head_waiting_keeps_only_the_accepted_positions(tiny):
             for d in (late, eager):
                 d.update(acc)
             tok, n = nxt.view(1), n + 1
-        assert len(late.head.pending) == 6 and len(late.head.chunks) == 2 and sum(int(c.L) for c in late.head.chunks) == 128
+        held = late.head.behind.steps
+        chunks, pending = held[:late.head.chunks], held[late.head.chunks:]
+        assert len(pending) == 6 and len(chunks) == 2 and sum(int(c.L) for c in chunks) == 128
         k = late.tree.vocab.k_ver  # (each chunk keeps the target's top-k_ver per position, not its logits)
-        assert all(int(c.L) == 64 and c.top.shape == (64, k) and c.logits.shape[0] == 0 for c in late.head.chunks)
-        assert len(eager.head.pending) == 6 and not eager.head.chunks and late.head.deferred is not None
+        assert all(int(c.L) == 64 and c.top.shape == (64, k) and c.logits.shape[0] == 0 for c in chunks)
+        assert len(eager.head.behind) == 6 and not eager.head.chunks and late.head.deferred is not None
         assert torch.equal(late.draft(tok, n).tokens, eager.draft(tok, n).tokens)
-    assert late.head.deferred is None and not late.head.pending and not late.head.chunks
+    assert late.head.deferred is None and not late.head.behind and not late.head.chunks
 
 
 def test_hybrid_reports_where_accepted_tokens_came_from(tiny):
