@@ -52,8 +52,14 @@ def run_all(path, head) -> dict:
     m = tp.shard(m)
     tp.sync_budget()
     m.setup_caches(1, 64)
-    with torch.no_grad():
-        out = {"logits": m(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))[0], "fused": fused}
+    gathers, real = [], dist.all_gather
+    dist.all_gather = lambda *a, **k: gathers.append(1) or real(*a, **k)
+    try:
+        with torch.no_grad():
+            out = {"logits": m(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))[0], "fused": fused}
+    finally:
+        dist.all_gather = real
+    out["gathers"] = len(gathers)  # a pass's: q | k | v, o, gate | up and down each in one, per layer
     # every slice on the kernel, as one process's layers (the fused pass had taken the layers' packed copies)
     out["packed"] = [x.packed is not None for x in m.modules() if isinstance(x, M.Linear)]
     configs = {"ar": dc.DraftConfig("none"), "ngram": dc.DraftConfig("ngram", spec_k=4),
@@ -108,6 +114,7 @@ def test_two_ranks_are_one_process(files, tmp_path, monkeypatch):
     mp.spawn(_rank, args=(2, str(tmp_path / "init"), path, head, str(tmp_path / "out.pt")), nprocs=2)
     got, ref = torch.load(tmp_path / "out.pt"), run_all(path, head) | run_quantized(path)
     assert got["fused"] and not ref["fused"] and all(got["packed"]) and len(got["packed"]) == 3 * 7 + 1
+    assert got["gathers"] == 3 * 4 and ref["gathers"] == 0
     assert torch.equal(got["logits"], ref["logits"])
     assert got["batch"] == ref["batch"]
     for name in ("ar", "ngram", "eagle", "hybrid", "sampled", "int8 tokens", "int4 tokens"):
