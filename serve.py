@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import draft_config as dc
 import tp
 from errors import UsageError
-from serve_loop import EngineLoop, Job, Metrics
+from serve_loop import LOAD_ERRORS, EngineLoop, Job, Metrics, follow
 from serve_request import ApiError, Output, Params, parse_request
 
 PAGE = Path(__file__).resolve().parent / "serve_page.html"
@@ -296,11 +296,16 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
-        if tp.launched():
-            raise UsageError("serve.py runs in one process: tensor parallelism (torchrun) serves nothing yet")
+        tp.setup(args.device)  # torchrun: this rank joins the group; ranks other than 0 follow rank 0's engine
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if tp.rank() > 0:
+        try:
+            follow(args)
+        except LOAD_ERRORS:  # (rank 0 says it)
+            return 2
+        return 0
     srv = Server(args)
     config = uvicorn.Config(make_app(srv), host=args.host, port=args.port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=args.shutdown_timeout)

@@ -4,6 +4,7 @@ client left or whose time ran out, and keeps the Prometheus figures (Metrics).""
 import asyncio
 import itertools
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 import draft_config as dc
+import tp
 from batch import TARGET, BatchEngine
 from download import CheckpointError
 from engine import DEFAULT_HEAD, load_target
@@ -87,6 +89,7 @@ class EngineLoop:
         self.ready, self.error, self.loop = threading.Event(), None, None
         self.lock, self.inflight = threading.Lock(), 0  # admitted and not yet finished, queued ones included
         self.thread = None
+        self.events = []  # what this turn of the loop did to the engine, for the other TP ranks (follow)
 
     def admit(self) -> bool:
         """A place for one more request: at most --batch running and --max-queue waiting."""
@@ -120,16 +123,28 @@ class EngineLoop:
         on_ready and on_ready()
         while self._take():
             self._expire()
-            if self.eng.busy():
+            busy = self.eng.busy()
+            self._share(busy)
+            if busy:
                 self._step()
+        self._share(None)
         for job in list(self.jobs.values()):
             self._end(job, {"error": "the server shut down"}, "error")
+
+    def _share(self, step: bool | None):
+        """Under TP, the turn's submits and aborts, then whether to step (None: stop), to the other ranks' engines;
+        an idle server sends every 0.2 s (_take's wait), which keeps them from timing out."""
+        if tp.world() > 1:
+            tp.share((self.events, step))
+        self.events = []
 
     def load(self):
         a = self.args
         model, self.tok, path = load_target(a.checkpoint, a.device, a.dtype)
         if a.exact and model.cpu_pass is None:
             raise UsageError("--exact batches need the fused CPU pass (bf16 on a CPU with AVX2)")
+        tp.shard(model)  # (torchrun: this rank's slices of the layers; one process: unchanged)
+        tp.sync_budget()
         self.model, self.model_id, self.vocab = model, path.name, model.args.vocab_size
         self.drafters = dc.make_drafters(dc.from_flags(a, DEFAULT_HEAD), model, a.batch, Sampling(), self.tok)
         self.S = min(-(-a.max_seq // 16) * 16, model.args.max_position_embeddings)  # 16: attention blocks
@@ -169,6 +184,7 @@ class EngineLoop:
         except (UsageError, ValueError) as e:  # (parse_request checked what these check)
             self._end(job, {"error": str(e)}, "error")
             return
+        self.events.append(("submit", job.prompt, job.max_tokens, job.sampling, job.seed, job.id))
         self.jobs[job.id] = job
         self.metrics.prompt_tokens.inc(len(job.prompt))
         self._gauges()
@@ -177,12 +193,14 @@ class EngineLoop:
         job = self.jobs.get(job_id)
         if job is not None:
             self.eng.abort(job_id)
+            self.events.append(("abort", job_id))
             self._end(job, None, why)
 
     def _expire(self):
         now = time.perf_counter()
         for job in [j for j in self.jobs.values() if j.deadline < now]:
             self.eng.abort(job.id)
+            self.events.append(("abort", job.id))
             self._end(job, {"done": "length", "timed_out": True}, "timeout")
 
     def _end(self, job: Job, event: dict | None, outcome: str):
@@ -246,3 +264,28 @@ class EngineLoop:
         self.metrics.queue.set(len(e.waiting))
         self.metrics.running.set(len(e.running))
         self.metrics.free.set(len(e.free))
+
+
+def follow(args):
+    """A tensor-parallel rank other than 0 (torchrun): rank 0's engine, built the same way, fed what rank 0's loop
+    did each turn (its submits and aborts, then a step or not) until it stops. Rank 0 alone serves HTTP. A signal
+    (the launcher passes SIGTERM to every rank) is rank 0's to act on: this rank follows until rank 0 stops."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    loop = EngineLoop(args, Metrics())
+    loop.load()
+    while True:
+        events, step = tp.share()
+        for e in events:
+            if e[0] == "submit":
+                loop.eng.submit(e[1], e[2], e[3], seed=e[4], index=e[5])
+            else:
+                loop.eng.abort(e[1])
+        if step is None:
+            return
+        if step:
+            try:
+                loop.eng.step()
+            except Exception:  # as rank 0's loop: a fresh batch
+                traceback.print_exc()
+                loop.eng = loop._engine()

@@ -162,14 +162,11 @@ def test_one_process_is_unchanged(files):
 
 
 def test_what_tp_does_not_run_is_a_one_line_error(tmp_path, monkeypatch, capsys):
-    """Under a launcher (WORLD_SIZE > 1) chat, --compile and the server refuse before joining."""
+    """Under a launcher (WORLD_SIZE > 1) chat and --compile refuse before joining. (serve.py under TP:
+    test_serve.py.)"""
     import generate
-    import serve
     monkeypatch.setenv("WORLD_SIZE", "2")
     for argv in (["--chat"], ["--compile"]):
         assert generate.main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == ["error: tensor parallelism runs eager, without --chat: drop --chat and --compile"], argv
-    assert serve.main([]) == 2
-    assert capsys.readouterr().err.strip().splitlines() == [
-        "error: serve.py runs in one process: tensor parallelism (torchrun) serves nothing yet"]

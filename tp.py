@@ -12,7 +12,9 @@ sums all-reduced) sums each output across ranks in another order.
 The fused CPU pass runs every layer in one C call, with no place for the gathers: under TP the model runs its
 PyTorch layers (the cpu_gemm kernel per linear), in exact mode unless --no-exact. Drafters are replicated: every
 rank drafts the same tree from the same inputs with no communication, and the budget's choice of size and source
-(timed on each rank) is rank 0's, broadcast every step (sync_budget), at batch 1 and in the batch engine.
+(timed on each rank) is rank 0's, broadcast every step (sync_budget), at batch 1 and in the batch engine. serve.py
+under a launcher: rank 0 serves HTTP and shares each turn of its engine loop; the other ranks follow it
+(serve_loop.follow).
 """
 import atexit
 import os
@@ -154,6 +156,13 @@ def check_same(model: Transformer):
     dist.all_gather(every, sig)
     if any(not torch.equal(x, every[0]) for x in every):
         raise UsageError("tensor parallelism: the ranks loaded different models")
+
+
+def share(obj=None):
+    """Rank 0's obj on every rank (pickled: serve_loop's engine events)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=torch.device(device()))
+    return box[0]
 
 
 def broadcast_ints(values: list[int]) -> list[int]:
