@@ -32,8 +32,8 @@ def target(tmp_path_factory):
     return path
 
 
-def load(path, fused: bool, monkeypatch, dtype=torch.bfloat16):
-    monkeypatch.setenv(cpu_gemm.ENV, "kernel" if fused else "torch")
+def load(path, fused: bool, monkeypatch, dtype=torch.bfloat16, gemm: str | None = None):
+    monkeypatch.setenv(cpu_gemm.ENV, gemm or ("kernel" if fused else "torch"))
     monkeypatch.setenv(cpu_forward.ENV, "on" if fused else "off")
     m = M.load_model(path, dtype=dtype)
     assert (m.cpu_pass is not None) == fused
@@ -46,14 +46,16 @@ def batch1(m, prompts, max_new, sampling=Sampling()):
     return [eng.generate(p, max_new)[0] for p in prompts]
 
 
-@pytest.mark.parametrize("fused,max_seq", [(True, 128), (True, 100), (False, 128)])
-def test_every_sequence_is_its_batch1_output(target, monkeypatch, fused, max_seq):
+@pytest.mark.parametrize("fused,max_seq,gemm", [(True, 128, None), (True, 100, None), (False, 128, None),
+                                               (False, 128, "kernel")])
+def test_every_sequence_is_its_batch1_output(target, monkeypatch, fused, max_seq, gemm):
     """Batch 3 over 7 prompts (4 join as others finish), 24 new tokens each: each output equals decoding that
-    prompt alone, through the fused pass (row-invariant by construction) and through the PyTorch layers (fp32).
-    Ranges of 100 slots start off the attention's 16-slot blocks."""
-    if fused and cpu_forward.kernel() is None:
+    prompt alone, through the fused pass (row-invariant by construction) and through the PyTorch layers (fp32 with
+    torch's GEMM; bf16 with the kernel's, what tensor-parallel ranks run). Ranges of 100 slots start off the
+    attention's 16-slot blocks."""
+    if (fused or gemm) and cpu_forward.kernel() is None:
         pytest.skip("needs x86-64 with AVX2+FMA and a C compiler")
-    m = load(target, fused, monkeypatch, torch.bfloat16 if fused else torch.float32)
+    m = load(target, fused, monkeypatch, torch.bfloat16 if fused or gemm else torch.float32, gemm)
     ref = batch1(m, PROMPTS, 24)
     eng = BatchEngine(m, batch=3, max_seq=max_seq)
     got = eng.generate_batch(PROMPTS, 24)
