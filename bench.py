@@ -299,7 +299,7 @@ def run(args, log) -> int:
         build_method(m, model, heads, freq_path, args, sampling, sync)
         if m.compiled:
             # One KV-cache size for every request, so the compiled steps (and CUDA graphs) are built once, in the
-            # warm-up, instead of once per cache-size bucket inside timed runs (exact.Planner's `fixed`, as for
+            # warm-up, instead of once per cache-size bucket inside timed runs (planner.Planner's `fixed`, as for
             # CUDA graphs' fixed buffers); on CPU it only fixes the size.
             m.engine.planner.fixed = args.max_seq or min(limit, (longest + 63) // 64 * 64)
     tasks = list(dict.fromkeys(q.task for q in questions))

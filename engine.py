@@ -15,7 +15,8 @@ from budget_memory import BudgetMemory, pass_costs
 from download import resolve_checkpoint
 from draft import Accepted, Prefill, Tree, chain_tree, stop_at
 from errors import UsageError
-from exact import PassRows, Planner
+from exact import PassRows
+from planner import Planner
 from model import Plan, Transformer, causal_recent, load_model, tree_mask, tree_recent
 from sampling import Sampling, accept_greedy, accept_greedy_host, accept_sample, logits_to_probs, sample
 from stats import PHASES, Clock, Stats, sync

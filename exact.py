@@ -13,8 +13,7 @@ import torch.nn.functional as F
 
 import cpu_gemm
 from cpu_gemm import cache_dir, machine_id, merge_json, read_json
-from errors import UsageError
-from model import RECENT, Transformer, causal_recent, exact_attention, exact_plan, kv_dtype
+from model import Transformer, causal_recent, exact_attention, exact_plan, kv_dtype
 
 LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # pass sizes on offer (static shapes)
 MAX_ROWS = LADDER[-1]  # exact mode's largest target pass (trees / chains up to this many nodes)
@@ -113,63 +112,3 @@ class Invariance:
             i = rows - pos[0]
             return exact_attention(q.index_select(2, i), k, v, exact_plan(rows, causal_recent(rows), seq, g))
         return rows_agree(lambda rows: attn(rows).movedim(2, 0), pos, r)  # rows of the pass first
-
-
-def cache_len(prompt_len: int, max_new: int, margin: int, limit: int) -> int:
-    need = prompt_len + max_new + margin
-    if need > limit:
-        raise UsageError(f"prompt of {prompt_len} tokens + {max_new} new tokens exceeds the model's context of "
-                         f"{limit} tokens")
-    return min(limit, (need + 63) // 64 * 64)  # round up so nearby lengths share compiled graphs
-
-
-class Planner:
-    """A request's KV slots, pass rows and exact mode (CPU only). requested: None where the check passes, True
-    insists, False off. fixed: one cache size for every request (CUDA graphs), or None."""
-
-    def __init__(self, model: Transformer, requested: bool | None, fixed: int | None, drafter=None):
-        self.model, self.requested, self.fixed = model, requested, fixed
-        cuda = model.norm.weight.device.type == "cuda"  # (a quantized head's .weight widens it)
-        if requested and cuda:
-            raise UsageError("--exact is CPU-only (CUDA kernels are not batch invariant)")
-        # exact tree verification gathers each node's last RECENT keys: trees must be shallower (chains need not)
-        too_deep = drafter is not None and drafter.depth >= RECENT and drafter.nodes > drafter.depth + 1
-        if requested and too_deep:
-            raise UsageError(f"--tree-depth must be below {RECENT} (exact tree verification), got {drafter.depth}")
-        self.invariance = None if requested is False or cuda or too_deep else Invariance(model)
-        self.exact = False  # decided per request (plan): the attention check depends on the KV length
-
-    def plan(self, T: int, max_new: int, n: int) -> tuple[int, PassRows]:
-        # exact mode sizes the cache without the drafter's margin: every run attends over the same KV length
-        limit = self.model.args.max_position_embeddings
-        S, R = cache_len(T, max_new, n + 1, limit), PassRows(n, n)  # raises where the plain request does not fit
-        if self.fixed is not None:
-            if T + max_new + n + 1 > self.fixed:
-                raise UsageError(f"prompt of {T} tokens + {max_new} new tokens exceeds --max-seq {self.fixed}")
-            S = self.fixed
-        self.exact, Re = False, None
-        if self.invariance is not None and n <= MAX_ROWS:
-            Se = self.fixed or min(limit, -(-(T + max_new + MAX_ROWS) // 128) * 128)
-            Re = self.invariance.pass_rows(n, Se)
-            if Re is not None and T + max_new + Re.attn + 1 <= Se:
-                self.exact, S, R = True, Se, Re
-        if self.requested and not self.exact:
-            why = (f"a pass of {n} tokens is more than exact mode's {MAX_ROWS} rows" if n > MAX_ROWS else
-                   f"no target pass of {n} to {MAX_ROWS} rows gives every row the same bits on this CPU "
-                   f"({machine_id()})"
-                   if Re is None else "the padded passes do not fit the model's context")
-            raise UsageError(f"--exact: {why}; use --no-exact")
-        return S, R
-
-    def pass_rows(self, n: int, S: int) -> PassRows:
-        if not self.exact:
-            return PassRows(n, n)
-        R = self.invariance.pass_rows(n, S)
-        if R is None:
-            raise UsageError(f"--exact: no target pass of {n} rows is row-invariant on this CPU; use --no-exact")
-        return R
-
-    @property
-    def attention(self) -> bool:
-        """Exact mode needs exact_attention's recent-key tables in the PyTorch layers, not in the fused CPU pass."""
-        return self.exact and self.model.cpu_pass is None

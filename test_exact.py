@@ -11,7 +11,6 @@ import draft_eagle as de
 import exact
 from conftest import write_tiny_hf
 from eagle import load_eagle
-from errors import UsageError
 from generate import Engine
 from model import causal_recent, exact_attention, exact_plan, load_model
 from test_generate import PROMPTS, tiny  # noqa: F401 (tiny: a fixture)
@@ -110,29 +109,6 @@ def test_chosen_pass_sizes_hold_on_fresh_data(tmp_path, smol_shaped, dtype, gemm
 def test_machine_id_names_cpu_torch_and_threads():
     mid = exact.machine_id()
     assert torch.__version__ in mid and f"{torch.get_num_threads()} threads" in mid
-
-
-def test_planner_sizes_the_cache_and_refuses_what_does_not_fit(tmp_path):
-    """A request's KV slots (rounded up to 64, or the fixed size CUDA graphs keep), its pass rows outside exact
-    mode, and one-line refusals: past the model's context, past the fixed size, --exact with a tree deeper than
-    exact verification gathers."""
-    m = load_model(write_tiny_hf(tmp_path / "t")[0], dtype=torch.float32)
-    p = exact.Planner(m, False, None)
-    assert p.invariance is None and p.plan(10, 20, 5) == (64, exact.PassRows(5, 5)) and not p.exact
-    assert p.pass_rows(3, 64) == exact.PassRows(3, 3) and not p.attention
-    with pytest.raises(UsageError, match="exceeds the model's context of 512"):
-        p.plan(500, 20, 5)
-    fixed = exact.Planner(m, False, 128)
-    assert fixed.plan(10, 20, 5)[0] == 128
-    with pytest.raises(UsageError, match="exceeds --max-seq 128"):
-        fixed.plan(110, 20, 5)
-
-    class Deep:
-        depth, nodes = 20, 40
-
-    with pytest.raises(UsageError, match="--tree-depth must be below"):
-        exact.Planner(m, True, None, Deep())
-    assert exact.Planner(m, None, None, Deep()).invariance is None  # too deep for exact mode: off
 
 
 def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trust_all=False, cache=None, kernel=False,
