@@ -2,8 +2,8 @@
 (HF folders), driven with the official `openai` client and plain HTTP. Chat and completion, streamed and not; usage
 equal to the tokens received; 16 concurrent greedy requests each equal to its batch-1 output; a client that drops
 mid-stream frees its range; 429 at the queue limit; bad input as 400/401 with the server serving on; /health 503
-before ready; stop strings; SIGTERM with a request in flight; the chat page in a real browser (chromium); two
-tensor-parallel ranks under torchrun serving one process's outputs."""
+before ready; stop strings; SIGTERM with a request in flight; the chat page in a real browser (chromium). (Two
+tensor-parallel ranks serving: test_tp.py.)"""
 import concurrent.futures as cf
 import json
 import re
@@ -212,61 +212,6 @@ def test_16_concurrent_greedy_requests_equal_their_batch1_output(servers, refere
         assert ids == ref and text == tok.decode(ref) and end["usage"].completion_tokens == len(ref)
     assert a.metric('nanospec_sequence_steps_total{speculated="true"}') > steps0  # trees were verified
     assert any(x != "target" for g in got for x in g[2])  # and drafts accepted, each with its source
-
-
-def test_two_tensor_parallel_ranks_serve_one_process_layers_outputs(folders, tmp_path):
-    """torchrun --nproc_per_node 2 serve.py: rank 0 serves HTTP and sends each turn's submits, aborts and steps to
-    rank 1, whose engine follows; 6 concurrent greedy requests with the hybrid drafter (budget on) each equal the
-    batch-1 output of one process on the PyTorch layers (what TP ranks run). SIGTERM to the launcher: rank 1 keeps
-    following until rank 0 stops, so the request in flight streams to its end."""
-    import os
-    if cpu_forward.kernel() is None:
-        pytest.skip("needs x86-64 with AVX2+FMA and a C compiler")
-    env = os.environ | {"NANOSPEC_CPU_GEMM": "kernel", "OMP_NUM_THREADS": "1"}
-    s = Served(tmp_path, "--checkpoint", str(folders / "tiny"), "--draft", str(folders / "head"), "--vocab",
-               "nanospec", "--w-max", "64", "--tree-topk", "4", "--tree-depth", "3", "--tree-nodes", "10",
-               "--spec-k", "4", "--batch", "4", "--max-seq", "256",
-               launch=("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"), env=env)
-    try:
-        end = time.time() + 180
-        while not s.ready() and time.time() < end:
-            time.sleep(0.05)
-        assert s.seen and s.seen[-1] == 200, s.log.read_text()
-        import cpu_gemm
-        os.environ[cpu_gemm.ENV], os.environ[cpu_forward.ENV] = "kernel", "off"
-        try:
-            m = load_model(folders / "tiny", dtype=torch.bfloat16)
-        finally:
-            del os.environ[cpu_gemm.ENV], os.environ[cpu_forward.ENV]
-        assert m.cpu_pass is None
-        eng, tok = Engine(m, exact=True), Tokenizer(folders / "tiny")
-        jobs = [(QUESTIONS[i], 12 + 4 * i) for i in range(6)]
-        want = []
-        for q, n in jobs:
-            out = eng.generate(chat_ids(tok, q), n)[0]
-            want.append(out[:-1] if out[-1] in m.args.eos_ids else out)
-
-        def run(job):
-            q, n = job
-            return streamed(s.client().chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": q}], max_tokens=n, stream=True))
-
-        with cf.ThreadPoolExecutor(6) as pool:
-            got = list(pool.map(run, jobs))
-        assert [g[1] for g in got] == want
-        it = iter(s.client().completions.create(model="tiny", prompt="abc", max_tokens=200, stream=True))
-        first = next(it)
-        s.proc.send_signal(signal.SIGTERM)
-        _, ids, _, end = streamed(it)
-        out = eng.generate(tok.encode("abc"), 200)[0]
-        assert first.model_extra["nanospec"]["tokens"] and end["finish"] in ("stop", "length")
-        head = [t["id"] for t in first.model_extra["nanospec"]["tokens"]]
-        assert head + ids == [t for t in out if t not in m.args.eos_ids]
-        s.proc.wait(timeout=60)  # (torchrun exits 1 on a signal, after its ranks)
-        with pytest.raises((urllib.error.URLError, ConnectionError)):
-            http(s.url + "/health")
-    finally:
-        s.stop()
 
 
 def test_a_dropped_client_frees_its_range(servers):

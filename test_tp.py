@@ -3,10 +3,14 @@ PyTorch layers: the same logits bit for bit, the same greedy tokens for AR and e
 with NanoSpec, the hybrid under the budget whose choices rank 0 broadcasts), the same sampled tokens from the same
 seed, the batch engine's outputs one process's; int8 and int4 targets too (their codes split with their scales);
 a layer on the draft models' integer GEMM and a world size that does not divide a layer's outputs are one-line
-errors."""
+errors; serve.py under torchrun serves one process's outputs."""
+import concurrent.futures as cf
 import datetime
 import json
 import os
+import signal
+import time
+import urllib.error
 
 import pytest
 import torch
@@ -23,9 +27,11 @@ import quantize
 import tp
 from conftest import write_eagle_head, write_tiny_hf
 from batch import BatchEngine
-from engine import build_engine
+from engine import Engine, build_engine
 from errors import UsageError
 from sampling import Sampling
+from test_serve import QUESTIONS, Served, chat_ids, folders, http, streamed  # noqa: F401 (folders: a fixture)
+from tokenizer import Tokenizer
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6, 7]
 LIMIT = datetime.timedelta(seconds=300)  # a rank left waiting on a failed one fails too, not the suite hanging
@@ -170,3 +176,57 @@ def test_what_tp_does_not_run_is_a_one_line_error(tmp_path, monkeypatch, capsys)
         assert generate.main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == ["error: tensor parallelism runs eager, without --chat: drop --chat and --compile"], argv
+
+
+def test_two_tensor_parallel_ranks_serve_one_process_layers_outputs(folders, tmp_path):
+    """torchrun --nproc_per_node 2 serve.py: rank 0 serves HTTP and sends each turn's submits, aborts and steps to
+    rank 1, whose engine follows; 6 concurrent greedy requests with the hybrid drafter (budget on) each equal the
+    batch-1 output of one process on the PyTorch layers (what TP ranks run). SIGTERM to the launcher: rank 1 keeps
+    following until rank 0 stops, so the request in flight streams to its end."""
+    if cpu_forward.kernel() is None:
+        pytest.skip("needs x86-64 with AVX2+FMA and a C compiler")
+    env = os.environ | {"NANOSPEC_CPU_GEMM": "kernel", "OMP_NUM_THREADS": "1"}
+    s = Served(tmp_path, "--checkpoint", str(folders / "tiny"), "--draft", str(folders / "head"), "--vocab",
+               "nanospec", "--w-max", "64", "--tree-topk", "4", "--tree-depth", "3", "--tree-nodes", "10",
+               "--spec-k", "4", "--batch", "4", "--max-seq", "256",
+               launch=("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"), env=env)
+    try:
+        end = time.time() + 180
+        while not s.ready() and time.time() < end:
+            time.sleep(0.05)
+        assert s.seen and s.seen[-1] == 200, s.log.read_text()
+        import cpu_gemm
+        os.environ[cpu_gemm.ENV], os.environ[cpu_forward.ENV] = "kernel", "off"
+        try:
+            m = M.load_model(folders / "tiny", dtype=torch.bfloat16)
+        finally:
+            del os.environ[cpu_gemm.ENV], os.environ[cpu_forward.ENV]
+        assert m.cpu_pass is None
+        eng, tok = Engine(m, exact=True), Tokenizer(folders / "tiny")
+        jobs = [(QUESTIONS[i], 12 + 4 * i) for i in range(6)]
+        want = []
+        for q, n in jobs:
+            out = eng.generate(chat_ids(tok, q), n)[0]
+            want.append(out[:-1] if out[-1] in m.args.eos_ids else out)
+
+        def run(job):
+            q, n = job
+            return streamed(s.client().chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": q}], max_tokens=n, stream=True))
+
+        with cf.ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(run, jobs))
+        assert [g[1] for g in got] == want
+        it = iter(s.client().completions.create(model="tiny", prompt="abc", max_tokens=200, stream=True))
+        first = next(it)
+        s.proc.send_signal(signal.SIGTERM)
+        _, ids, _, end = streamed(it)
+        out = eng.generate(tok.encode("abc"), 200)[0]
+        assert first.model_extra["nanospec"]["tokens"] and end["finish"] in ("stop", "length")
+        head = [t["id"] for t in first.model_extra["nanospec"]["tokens"]]
+        assert head + ids == [t for t in out if t not in m.args.eos_ids]
+        s.proc.wait(timeout=60)  # (torchrun exits 1 on a signal, after its ranks)
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            http(s.url + "/health")
+    finally:
+        s.stop()
