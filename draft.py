@@ -101,6 +101,14 @@ class Behind:
     def take(self, last: Accepted | None = None) -> Accepted | None:
         """Every step held, and last, as one Accepted (None: nothing); nothing is held after."""
         steps, self.steps = self.steps + ([] if last is None else [last]), []
+        return self._chain(steps)
+
+    def fold(self, first: int = 0):
+        """The steps from index first on, chained into one in their place."""
+        if len(self.steps) - first > 1:
+            self.steps[first:] = [self._chain(self.steps[first:])]
+
+    def _chain(self, steps: list) -> Accepted | None:
         out, run = [], []
         for x in steps + [None]:
             if x is not None and not isinstance(x, Accepted):
@@ -114,13 +122,6 @@ class Behind:
         if len(out) <= 1:
             return out[0] if out else None
         return chained(out, states=self.states, top=self.top)
-
-    def fold(self, first: int = 0):
-        """The steps from index first on, chained into one in their place."""
-        if len(self.steps) - first > 1:
-            rest = Behind(self.states, self.top)
-            rest.steps = self.steps[first:]
-            self.steps[first:] = [rest.take()]
 
 
 def stop_at(emitted: list[int], out: list[int], max_new: int, eos: set) -> list[int]:
