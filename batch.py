@@ -308,11 +308,11 @@ class BatchEngine:
             for s in seqs:
                 s.drafter.budget_use(s.key)
         nodes = {}  # each sequence's accepted node indices, root first
-        trees, cost = {}, {}  # cost: seconds a tree adds to the step besides its rows (drafting, host work)
+        full, trees, cost = {}, {}, {}  # cost: seconds a tree adds to the step besides its rows (drafting, host work)
         for i, (s, b) in enumerate(zip(seqs, sizes)):
-            trees[i], cost[i] = self._draft(s, b)
-            if trees[i] is None:
-                del trees[i]
+            full[i], cost[i] = self._draft(s, b)
+            if full[i] is not None:  # its first b nodes are verified, as at batch 1 (the drafter learns from all:
+                trees[i] = full[i].prefix(b)  # a lookup tree holds up to k, whatever b)
         ar = [i for i in range(len(seqs)) if i not in trees]  # one row each, first in the pass
         host = torch.tensor([[seqs[i].out[-1], seqs[i].n, seqs[i].slot] for i in ar], dtype=torch.long).view(-1, 3)
         toks, pos, base = host.to(dev).unbind(1)
@@ -353,7 +353,7 @@ class BatchEngine:
             nodes[i] = path[:L]
             if not self.fixed:
                 self.budget.observe_seq(s, b, path[:L])
-            a = Accepted(t, torch.tensor(path, device=dev), torch.tensor(L, device=dev),
+            a = Accepted(full[i], torch.tensor(path, device=dev), torch.tensor(L, device=dev),
                          torch.tensor(bonus, device=dev), logits[r:r + N], hid[:, r:r + N],
                          None if aux is None else aux[:, r:r + N], torch.tensor(s.n, device=dev))
             s.behind.add(self._kept(a, s.drafter))

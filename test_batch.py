@@ -108,6 +108,35 @@ def test_speculative_sequences_are_their_batch1_output(target, tmp_path, monkeyp
         assert 0 < eng.budget.stats()["speculated_share"] < 1, eng.budget.stats()
 
 
+def test_a_step_verifies_the_sizes_the_budget_chose(target, tmp_path, monkeypatch):
+    """The budget prices b rows for a sequence's tree; the pass carries its first b nodes, as at batch 1, though a
+    lookup tree holds up to k whatever b (a 2-node trial had verified 11-node trees at batch 16: 26-row passes
+    priced as 17). Sizes of 2 for every sequence: no pass carries more than twice the sequences."""
+    if cpu_forward.kernel() is None:
+        pytest.skip("needs x86-64 with AVX2+FMA and a C compiler")
+    m = load(target, True, monkeypatch)
+    ref = batch1(m, PROMPTS, 24)
+    choose, draft_of, rows, drafted = batch.BatchBudget.choose, BatchEngine._draft, [], []
+    monkeypatch.setattr(batch.BatchBudget, "choose", lambda self, seqs, key_of: [2] * len(choose(self, seqs, key_of)))
+
+    def traced(self, s, b):
+        t, sec = draft_of(self, s, b)
+        drafted.append(0 if t is None else t.tokens.shape[0])
+        return t, sec
+    monkeypatch.setattr(BatchEngine, "_draft", traced)
+    eng = BatchEngine(m, batch=3, max_seq=128, drafters=dc.make_drafters(drafting("hybrid", target, tmp_path), m, 3))
+    forward = m.forward
+
+    def counted(tokens, *a, **k):
+        if k.get("return_hidden") and k.get("compute_logits", True):  # a verification (prefills compute none)
+            rows.append((tokens.shape[1], len(eng.running)))
+        return forward(tokens, *a, **k)
+    monkeypatch.setattr(m, "forward", counted)
+    assert eng.generate_batch(PROMPTS, 24) == ref
+    assert max(drafted) > 2  # lookup trees larger than their size were drafted
+    rows = [(r, n) for r, n in rows if n > 1]  # (a sequence alone takes the batch-1 budget's sizes)
+    assert rows and all(r <= 2 * n for r, n in rows), rows
+
 def test_a_sequence_alone_steps_on_the_batch1_budget(target, tmp_path, monkeypatch):
     """While one sequence runs alone, its sizes come from the batch-1 engine's budget (budget.StepBudget: probes,
     the per-source policy, the engine's memory of earlier requests), not the batch's rule; with two or more, from
