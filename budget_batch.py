@@ -110,9 +110,10 @@ class BatchBudget:
                 own.carry(self.common[seq.key], weight=1.0)
         return own
 
-    def source(self, s, keys: list, share: float, draft) -> tuple[str | None, bool]:
+    def source(self, s, keys: list, share: float, draft, rows) -> tuple[str | None, bool]:
         """(the sequence's source for the step, None for no draft; whether it is a trial): budget_policy.Policy, as at
-        batch 1, over its share of a step (share: a row's part of the pass; draft(key, b): its drafting)."""
+        batch 1, over its share of a step (share: a row's part of the pass; draft(key, b): its drafting; rows(b):
+        what a tree of b nodes adds to the pass)."""
         if len(keys) == 1:
             s.chosen = None
             return keys[0], False
@@ -127,7 +128,9 @@ class BatchBudget:
                 return True
             bud = self.common.get(k) or self._new(k)
             E = tokens(bud)
-            best = max((E[x] / (ar + draft(k, x)) for x in bud.sizes[1:]), default=0.0)
+            # with the rows its trees add to the pass: without them, where each row costs its share, the untried
+            # prior (a node as likely as not) repaid any start, and a start stalls the whole batch (38 ms, Zen 4)
+            best = max((E[x] / (ar + rows(x) + draft(k, x)) for x in bud.sizes[1:]), default=0.0)
             return pays_back(setup, left, best, max([1 / ar if ar else 0.0] + [s.policy.rate(o) for o in keys]))
 
         s.chosen = s.policy.choose(keys, 1 / ar if ar else 0.0, may_try)
@@ -165,7 +168,8 @@ class BatchBudget:
         for s in seqs:
             keys = key_of(s)
             keys = [keys] if isinstance(keys, str) else keys
-            key, trial = self.source(s, keys, cost(n) / n if lam else 0.0, draft)
+            key, trial = self.source(s, keys, cost(n) / n if lam else 0.0, draft,
+                                     lambda x, r=rows: cost(r + x - 1) - cost(r))
             s.key = keys[0] if key is None else key  # (None: no draft, this step)
             c = self.common.get(s.key)
             new = c is None or c.trials[1] < self.OWN  # a source without evidence: one sequence a step tries it
@@ -178,7 +182,10 @@ class BatchBudget:
                 value = {x: E[x] - lam * (  # a set-up (a lazy head's start) too, unless the policy weighed it
                     cost(rows + x - 1) + draft(s.key, x) - base + (setup(s.key, x) if x > 1 and not trial else 0.0))
                     for x in bud.sizes}
-                b = max(bud.sizes[1:] if trial and len(bud.sizes) > 1 else bud.sizes, key=value.get)
+                # a trial drafts, at a size without a set-up where the source has one (the policy weighed the
+                # set-up of sources that need it): n-gram trials of the merged tree had started 4 heads in a step
+                free = [x for x in bud.sizes[1:] if not s.drafter.budget_needs(s.key, x)] or bud.sizes[1:]
+                b = max(free if trial and len(bud.sizes) > 1 else bud.sizes, key=value.get)
             # the sequence's share of the step, which its policy's rates read
             s.step_s = (cost(n) / n if lam else 0.0) + cost(rows + b - 1) - cost(rows) + draft(s.key, b)
             rows += b - 1  # the next sequence's rows cost what they add to this pass

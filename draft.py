@@ -8,7 +8,7 @@ emitted token, not yet cached.
     setup(max_seq), prefill(Prefill), update(Accepted), stats() -> dict, budget_key(hist) -> budget source
     draft(root, n, budget=None) -> Tree: static shapes, no host sync; only the first `budget` nodes are verified
     budget.py's hooks: budget_keys(hist) (the sources that may draft the step), budget_use(key) (the one chosen),
-    budget_sizes(key), budget_start(key), budget_setup(key, b), setup_paid(), start_rate
+    budget_sizes(key), budget_start(key), budget_needs(key, b), budget_setup(key, b), setup_paid(), start_rate
 EAGLE-2's search (`tree_search`, `rerank`) serves every drafter with an LM head (draft_eagle.py, draft_model.py)."""
 from dataclasses import dataclass
 
@@ -284,6 +284,10 @@ class Drafter:
 
     def budget_start(self, key: str) -> int | None:
         return None
+
+    def budget_needs(self, key: str, b: int) -> bool:
+        """Whether a draft of b nodes from source key needs a one-time set-up not yet paid (priced or not)."""
+        return False
 
     def budget_setup(self, key: str, b: int) -> float:
         return 0.0

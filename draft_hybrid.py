@@ -119,9 +119,12 @@ class HybridDrafter(Drafter):
     def budget_start(self, key: str) -> int:
         return 1 + self.ngram.k if key.startswith("ngram") else self.tree.budget_start(key) or self.tree.nodes
 
+    def budget_needs(self, key: str, b: int) -> bool:
+        return b > 1 and not (key.startswith("ngram") and b < self.nodes) and not self.head.started
+
     def budget_setup(self, key: str, b: int) -> float:
-        """The lazy head's start where a draft of b nodes needs the head."""
-        return 0.0 if b <= 1 or (key.startswith("ngram") and b < self.nodes) else self.head.price()
+        """The lazy head's start where a draft of b nodes needs the head (0 before a start has measured it)."""
+        return self.head.price() if self.budget_needs(key, b) else 0.0
 
     def setup_paid(self) -> float:
         return self.head.paid()
