@@ -197,10 +197,11 @@ class Budgets:
     START_EVIDENCE = 2.0  # decayed steps of a source's first rank past which its set-up is weighed on them
 
     def __init__(self, nodes: int, sizes_of=None, start_of=None, memory: dict | None = None, setup_of=None,
-                 policy: "Policy | None" = None, **kw):
+                 policy: "Policy | None" = None, needs_of=None, **kw):
         self.nodes, self.kw, self.of, self.key, self.chosen = nodes, kw, {}, None, None  # chosen: the policy's
         self.sizes_of, self.start_of = sizes_of, start_of
         self.setup_of = setup_of  # setup_of(key, b): seconds a draft of b nodes pays once first (0: none)
+        self.needs_of = needs_of  # needs_of(key, b): whether it needs one, priced or not yet (None: setup_of > 0)
         self.policy = policy or Policy()
         self.policy.estimate = self.estimate
         self.spent = {"probe": 0.0, "total": 0.0}  # one probe cap for the request (Budget.probe_share)
@@ -233,7 +234,9 @@ class Budgets:
         return new
 
     def free(self, key, bud: Budget) -> list[int]:
-        """Source key's sizes that need no set-up (size 1 always)."""
+        """Source key's sizes that need no set-up (size 1 always): a trial's, even before a set-up is priced."""
+        if self.needs_of is not None:
+            return [s for s in bud.sizes if s == 1 or not self.needs_of(key, s)]
         return [s for s in bud.sizes if s == 1 or self.setup_of is None or self.setup_of(key, s) <= 0]
 
     def estimate(self, key) -> float:
@@ -340,7 +343,7 @@ class StepBudget:
         self.d, self.prompt, self.max_new, self.memory = drafter, prompt, max_new, memory
         self.budgets = None if memory is None else Budgets(
             drafter.nodes, drafter.budget_sizes, drafter.budget_start, settle=settle, pass_s=pass_s,
-            memory=memory.sources, setup_of=drafter.budget_setup)
+            memory=memory.sources, setup_of=drafter.budget_setup, needs_of=drafter.budget_needs)
         self.behind = Behind(drafter.reads_states, drafter.reads_top)  # the autoregressive steps held back
 
     def pick(self, out: list[int]) -> int:

@@ -134,6 +134,9 @@ def test_a_trial_drafts_one_size_past_the_sources_best():
     bs = Budgets(8, memory={"ngram3": chain}, settle=1, setup_of=lambda key, b: 5.0 if b == 8 else 0.0)
     assert bs.trial_size("ngram3") == 4
     assert Budgets(8, memory={"ngram3": chain}, settle=1).trial_size("ngram3") == 8
+    # so before a start has priced the set-up (0 s), where the drafter says the size needs it (budget_needs)
+    bs = Budgets(8, memory={"ngram3": chain}, settle=1, setup_of=lambda key, b: 0.0, needs_of=lambda key, b: b == 8)
+    assert bs.trial_size("ngram3") == 4
 
 
 def test_the_policy_rates_a_source_by_its_budgets_best_size():
