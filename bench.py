@@ -69,14 +69,17 @@ REPO = Path(__file__).resolve().parent
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="NanoSpec engine: Spec-Bench-style side-by-side benchmark")
-    p.add_argument("--checkpoint", default=None, help="target HF folder or hub id (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--checkpoint", default=None, help="target HF folder or hub id "
+                   "(default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl or any jsonl with a prompt field "
                    "(default: the built-in prompts)")
-    p.add_argument("--limit", type=int, default=None, help="questions per task (Spec-Bench task; MT-bench counts as one)")
+    p.add_argument("--limit", type=int, default=None, help="questions per task "
+                   "(Spec-Bench task; MT-bench counts as one)")
     p.add_argument("--categories", default=None, help="comma-separated tasks or file categories")
     p.add_argument("--max-new-tokens", type=int, default=256, help="per turn (default 256)")
     p.add_argument("--methods", default=None, help="comma-separated names: ar, ngram, eagle3 (full vocabulary), "
-                   "eagle3+freq-8k (any K), eagle3+nanospec, eagle3+nanospec-ctx|-ext|-noasync|-nofill, eagle3+nanospec-w1k "
+                   "eagle3+freq-8k (any K), eagle3+nanospec, eagle3+nanospec-ctx|-ext|-noasync|-nofill, "
+                   "eagle3+nanospec-w1k "
                    "(any window), the same with eagle2, any of these + '+ngram' (a prompt-lookup chain merged into the "
                    "tree, e.g. eagle3+nanospec+ngram); and presets main (ar, ngram, full, --freq-ks, nanospec), "
                    "ablations, sweep (--sweep-ks, --sweep-w), all. Default: all for the built-in prompts, main for "
@@ -92,8 +95,10 @@ def parse_args(argv=None):
     p.add_argument("--sweep-ks", default="512,1k,2k,4k,8k,16k,32k", help="FR-Spec sizes of Figure 1 "
                    "(default 512,1k,2k,4k,8k,16k,32k)")
     p.add_argument("--sweep-w", default="1k", help="extra NanoSpec window sizes of Figure 1 (default 1k)")
-    p.add_argument("--freq-corpus", default="16x512", help="self-generated corpus for the frequency file: ROWSxTOKENS (default 16x512)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="default: cuda if available")
+    p.add_argument("--freq-corpus", default="16x512", help="self-generated corpus for the frequency file: "
+                   "ROWSxTOKENS (default 16x512)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="default: cuda if available")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="default bfloat16")
     p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU bit-exact decode/verify for every method but ar-fast (default: wherever this CPU's check "
@@ -102,7 +107,8 @@ def parse_args(argv=None):
                    help="torch.compile decode / verify / draft steps (CUDA graphs on CUDA); the steps are fused, so "
                    "Table 4 then splits only verify vs the rest. 'both': every method also runs compiled, as "
                    "NAME@compile, side by side with eager (its outputs are checked against ar@compile)")
-    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor; tests use eager)")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend "
+                   "(default inductor; tests use eager)")
     p.add_argument("--max-seq", type=int, default=None, help="with --compile: KV cache slots of every request "
                    "(default: what the longest question needs)")
     p.add_argument("--sync-phases", action="store_true", help="CUDA: synchronise around the timed vocabulary / "
@@ -113,10 +119,11 @@ def parse_args(argv=None):
                    help="sampling temperature (default 0, greedy); above 0 outputs differ run to run, so the "
                         "guard that compares every method's tokens with autoregressive decoding is off")
     p.add_argument("--out", default=str(REPO / "results"), help="report folder (default results/)")
-    p.add_argument("--tag", default=None, help="report file stem suffix (default: builtin or the questions file's name); "
-                   "name what the run varies, e.g. specbench_l10_greedy_icelake")
+    p.add_argument("--tag", default=None, help="report file stem suffix (default: builtin or the questions "
+                   "file's name); name what the run varies, e.g. specbench_l10_greedy_icelake")
     p.add_argument("--cache", default=None, help="cache folder (default: OUT/cache)")
-    p.add_argument("--shape", default="llama3.1-8b", help=f"named shape for Table 6 and --latency: {', '.join(SHAPES)} (default llama3.1-8b)")
+    p.add_argument("--shape", default="llama3.1-8b",
+                   help=f"named shape for Table 6 and --latency: {', '.join(SHAPES)} (default llama3.1-8b)")
     p.add_argument("--latency", action="store_true", help="GPU latency mode: random weights of --shape, no download")
     p.add_argument("--latency-context", type=int, default=1024, help="KV context length in latency mode (default 1024)")
     p.add_argument("--latency-iters", type=int, default=50)
@@ -140,7 +147,8 @@ def parse_args(argv=None):
     g.add_argument("--spec-k", type=int, default=None, help="n-gram chain length (default 10)")
     g.add_argument("--ngram-min", type=int, default=1)
     g.add_argument("--ngram-max", type=int, default=3)
-    g.add_argument("--ngram-occurrences", type=int, default=8, help="prompt lookup: merge the continuations of this many earlier occurrences of the matched suffix into one tree (1: the most recent one's chain)")
+    g.add_argument("--ngram-occurrences", type=int, default=8, help="prompt lookup: merge the continuations of "
+                   "this many earlier occurrences of the matched suffix into one tree (1: the most recent one's chain)")
     g.add_argument("--w-max", type=int, default=3072)
     g.add_argument("--k-pre", type=int, default=3)
     g.add_argument("--k-ver", type=int, default=3)
@@ -194,7 +202,8 @@ def run(args, log) -> int:
     heads, head_info = {}, {}
     e3 = args.eagle3
     shipped = DEFAULT_HEAD  # trained by eagle_train.py for the default model
-    if e3 is None and args.checkpoint is None and not args.random_head and shipped and (Path(shipped) / "config.json").is_file():
+    if (e3 is None and args.checkpoint is None and not args.random_head and shipped
+            and (Path(shipped) / "config.json").is_file()):
         e3 = str(shipped)
         head_info["eagle3"] = f"shipped default head ({shipped})"
     if e3 == "none":
@@ -202,7 +211,8 @@ def run(args, log) -> int:
     if e3 is None and args.random_head:
         e3 = str(write_random_eagle3(cache / f"random_eagle3_{model_name}", cfg, seed=args.seed))
         warnings.append("The EAGLE-3 head is RANDOMLY INITIALISED (--random-head): it is untrained, its drafts are "
-                        "almost never accepted (τ ≈ 1), so EAGLE speeds here show drafting cost, not the method's speedup.")
+                        "almost never accepted (τ ≈ 1), so EAGLE speeds here show drafting cost, "
+                        "not the method's speedup.")
         head_info["eagle3"] = "random (untrained)"
     for name, p in (("eagle2", args.eagle2), ("eagle3", e3)):
         if p is None:
@@ -224,7 +234,8 @@ def run(args, log) -> int:
     V_draft = min((h.lm_weight().shape[0] for h in heads.values()), default=model.args.vocab_size)
     dropped = sorted({k for k in freq_ks + sweep_ks + sweep_w if k >= V_draft})
     if dropped:
-        warnings.append(f"sizes {', '.join(map(str, dropped))} are >= the draft vocabulary ({V_draft}) and were left out")
+        warnings.append(f"sizes {', '.join(map(str, dropped))} are >= the draft vocabulary ({V_draft}) "
+                        "and were left out")
         freq_ks, sweep_ks, sweep_w = ([k for k in ks if k < V_draft] for ks in (freq_ks, sweep_ks, sweep_w))
     if args.w_max >= V_draft:
         raise UsageError(f"--w-max {args.w_max} must be smaller than the draft vocabulary ({V_draft})")
@@ -283,8 +294,8 @@ def run(args, log) -> int:
                 tok.encode("\n".join(q.turns)))
         need = n + len(q.turns) * (args.max_new_tokens + 16) + args.tree_nodes + 64
         if need > limit:
-            warnings.append(f"question {q.qid} left out: its {n} prompt tokens + {len(q.turns)} x {args.max_new_tokens} "
-                            f"new tokens may exceed the model's context of {limit}")
+            warnings.append(f"question {q.qid} left out: its {n} prompt tokens + {len(q.turns)} x "
+                            f"{args.max_new_tokens} new tokens may exceed the model's context of {limit}")
         else:
             fits.append(q)
             longest = max(longest, need)
@@ -311,7 +322,8 @@ def run(args, log) -> int:
 
     # warm-up: kernel set-up, allocator, first-call costs; not counted
     methods[0].engine.warmup()
-    wids = tok.encode_chat([{"role": "user", "content": WARMUP_PROMPT}]) if tok.chat_template else tok.encode(WARMUP_PROMPT)
+    wids = (tok.encode_chat([{"role": "user", "content": WARMUP_PROMPT}]) if tok.chat_template
+            else tok.encode(WARMUP_PROMPT))
     for _ in range(args.warmup):
         for m in methods:
             m.engine.generate(wids, min(args.max_new_tokens, 16))
@@ -325,7 +337,8 @@ def run(args, log) -> int:
     state_tables = {}
     elem = torch.finfo(dtype).bits // 8
     # the run's own model: from the live vocabulary objects where they ran
-    live = [["full", V_draft, human_bytes(V_draft * d * elem), human_bytes(FullVocab(torch.empty(V_draft, d, device="meta")).state_bytes())]]
+    live = [["full", V_draft, human_bytes(V_draft * d * elem),
+             human_bytes(FullVocab(torch.empty(V_draft, d, device="meta")).state_bytes())]]
     for m in methods:
         a = S[m.name]["overall"]
         if m.vocab != "full" and a.get("vocab_state_bytes") is not None:
@@ -335,9 +348,11 @@ def run(args, log) -> int:
     state_tables[f"{args.shape} (d={a6.dim}, V={a6.vocab_size}, fp16)"] = state_table(
         args.shape, a6.vocab_size, a6.dim, args.w_max, [8192, 16384, 32768, 65536])
     settings = {
-        "model": f"{model_name} ({path})", "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else
-                                                               f" ({machine_id()}, {os.cpu_count()} cores)"),
-        "torch threads": torch.get_num_threads(), "dtype": args.dtype, "compile": args.compile, "torch": torch.__version__,
+        "model": f"{model_name} ({path})",
+        "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else
+                              f" ({machine_id()}, {os.cpu_count()} cores)"),
+        "torch threads": torch.get_num_threads(), "dtype": args.dtype, "compile": args.compile,
+        "torch": torch.__version__,
         "budget": args.budget, "temperature": args.temperature,
         "workload": f"{args.questions or 'built-in prompts'}: {len(questions)} questions, {n_gen} generations per "
                     f"method, tasks {', '.join(tasks)}" + (f", limit {args.limit} per task" if args.limit else ""),
@@ -345,7 +360,8 @@ def run(args, log) -> int:
         "heads": ", ".join(f"{k}: {v}" for k, v in head_info.items()) or "none",
         "tree": f"top-{args.tree_topk}, depth {args.tree_depth}, {args.tree_nodes} nodes",
         "nanospec": f"W_max {args.w_max}, K_pre {args.k_pre}, K_ver {args.k_ver}",
-        "frequency file": "-" if freq_info is None else f"{freq_path.name}: " + ", ".join(f"{k} {v}" for k, v in freq_info.items()),
+        "frequency file": "-" if freq_info is None else
+                          f"{freq_path.name}: " + ", ".join(f"{k} {v}" for k, v in freq_info.items()),
         "methods": ", ".join(m.name for m in methods),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "wall time": f"{time.perf_counter() - t_begin:.0f} s",
@@ -393,7 +409,8 @@ def print_summary(S, methods, tasks, mismatches, warnings, md_path, guarded=True
     for w in warnings:
         print(f"WARNING: {w}")
     if mismatches:
-        print(f"\n!!! CORRECTNESS FAILURE: {len(mismatches)} outputs differ from autoregressive decoding:", file=sys.stderr)
+        print(f"\n!!! CORRECTNESS FAILURE: {len(mismatches)} outputs differ from autoregressive decoding:",
+              file=sys.stderr)
         for x in mismatches:
             print(f"!!!   question {x['qid']} turn {x['turn']} method {x['method']} (first difference at token "
                   f"{x['index']})", file=sys.stderr)

@@ -86,7 +86,8 @@ def main():
         del os.environ[cpu_forward.ENV]
     else:
         layers = model
-    methods |= {"engine, PyTorch layers": Engine(layers, exact=False), "engine --exact, PyTorch layers": Engine(layers, exact=True)}
+    methods |= {"engine, PyTorch layers": Engine(layers, exact=False),
+                "engine --exact, PyTorch layers": Engine(layers, exact=True)}
     kernel = cpu_gemm.enabled()  # this machine chose cpu_gemm's kernel: torch's GEMM gets rows of its own
     if kernel:
         methods |= {"engine, PyTorch layers, torch GEMM": Engine(layers, exact=False),
@@ -102,7 +103,8 @@ def main():
     def run_hf(ids):
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                              pad_token_id=eos[0])
         dt = time.perf_counter() - t0
         return out[0, len(ids):].tolist(), dt
 
@@ -123,7 +125,8 @@ def main():
     run_hf(prompts[0])
     peers = {}
     for gguf in args.gguf or []:
-        peers["llama.cpp " + os.path.basename(gguf)] = lambda ids, f=gguf: run_llama_cpp(args.llama_cpp, f, text_of[tuple(ids)], n)
+        peers["llama.cpp " + os.path.basename(gguf)] = lambda ids, f=gguf: run_llama_cpp(args.llama_cpp, f,
+                                                                                         text_of[tuple(ids)], n)
         for fn in peers.values():
             fn(prompts[0])
     speeds = {k: [] for k in ["transformers", *methods, *peers]}
@@ -141,12 +144,13 @@ def main():
     med = {k: statistics.median(v) for k, v in speeds.items()}
     base = med["transformers"]
     fastest = max((k for k in med if k.startswith("engine") and k not in quantized), key=med.get)
-    print(f"\ncheckpoint {path.name}, {args.dtype}, greedy, {n} new tokens max, {len(prompts)} prompts x {args.rounds} rounds, "
-          f"{torch.get_num_threads()} threads, {machine_id()}")
+    print(f"\ncheckpoint {path.name}, {args.dtype}, greedy, {n} new tokens max, {len(prompts)} prompts x "
+          f"{args.rounds} rounds, {torch.get_num_threads()} threads, {machine_id()}")
     print(f"| method | median tok/s | vs transformers | vs fastest engine ({fastest}) | tokens = transformers' |\n"
           "|---|---|---|---|---|")
     for k, v in med.items():
-        print(f"| {k} | {v:.2f} | {v / base:.2f}x | {v / med[fastest]:.3f}x | {'-' if k in quantized else same.get(k, '-')} |")
+        print(f"| {k} | {v:.2f} | {v / base:.2f}x | {v / med[fastest]:.3f}x | "
+              f"{'-' if k in quantized else same.get(k, '-')} |")
     print("tokens = transformers': every greedy answer equals transformers' (prefix compared); bf16 GEMMs that sum "
           "in another order (cpu_gemm's kernel) flip near-ties, so False there is expected, not a fault")
 
@@ -159,7 +163,8 @@ def quantized_engines(path, modes: list[str], dtype, work: str) -> dict:
         if mode == "gguf":
             for f in sorted(path.glob("*.gguf")):
                 m = load_model(resolve_checkpoint(str(f)), dtype=dtype)
-                out[f"engine {f.name} as it is{' (fused CPU pass)' if m.cpu_pass is not None else ''}"] = Engine(m, exact=None)
+                out[f"engine {f.name} as it is"
+                    f"{' (fused CPU pass)' if m.cpu_pass is not None else ''}"] = Engine(m, exact=None)
             continue
         quantize.quantize_folder(path, Path(work) / mode, mode, None)
         m = load_model(Path(work) / mode, dtype=dtype)
@@ -209,8 +214,8 @@ def profile(model, name: str, dtype: str, ctx: int, rows_list: list[int]):
     """One target pass after a ctx-token prefill (plain arithmetic, the fastest eager path), split into its
     GEMMs and its attention (the fused CPU pass: its own phases, timed inside it by its phase-timing build, plus
     the LM head alone, pass sizes alternating; the PyTorch layers: the same GEMMs alone, back to back, and the same
-    SDPA calls over the same cache), and the rest (norms, RoPE, cache writes, residuals, dispatch), against two floors measured
-    here: reading every weight once at this machine's bandwidth, and the pass's GEMM multiply-adds at this
+    SDPA calls over the same cache), and the rest (norms, RoPE, cache writes, residuals, dispatch), against two floors
+    measured here: reading every weight once at this machine's bandwidth, and the pass's GEMM multiply-adds at this
     machine's peak with cpu_gemm's instruction (cpu_gemm.peak_gflops). A T-row pass costs at least the larger;
     its ratio to the measured one-row pass is the best a T-node verification can cost against today's decode
     step on this CPU, whatever the code."""
@@ -227,7 +232,8 @@ def profile(model, name: str, dtype: str, ctx: int, rows_list: list[int]):
     peak = cpu_gemm.peak_gflops() if dev.type == "cpu" else None
     kv, fused = model.layers[0].self_attn.kv_cache, model.cpu_pass
     print(f"\n{name}, {dtype}, {torch.get_num_threads()} threads, {machine_id()}; "
-          f"{'fused CPU pass (cpu_forward.py)' if fused is not None else 'PyTorch layers'}; context {ctx} tokens, KV cache "
+          f"{'fused CPU pass (cpu_forward.py)' if fused is not None else 'PyTorch layers'}; "
+          f"context {ctx} tokens, KV cache "
           f"{S} slots ({str(kv.k.dtype)[6:]}); weights {weight_bytes / 1e6:.0f} MB; read bandwidth {bw:.1f} GB/s, "
           f"so reading the weights once takes {floor:.1f} ms")
     if peak:
@@ -252,14 +258,15 @@ def profile(model, name: str, dtype: str, ctx: int, rows_list: list[int]):
         cpu_forward.timed(True)
         try:
             whole, phases, head = alternate({T: lambda T=T: model(*toks[T]) for T in rows_list},
-                                            cpu_forward.phase_times, {T: lambda T=T: model.lm_head(heads[T]) for T in rows_list})
+                                            cpu_forward.phase_times,
+                                            {T: lambda T=T: model.lm_head(heads[T]) for T in rows_list})
         finally:
             cpu_forward.timed(False)
         for T in rows_list:
             ph = {k: statistics.median(p[k] for p in phases[T]) for k in cpu_forward.PHASES}
             gemms, attn = ph["GEMMs"] + head[T], ph["attention"]
-            print(f"| {T} | {fmt_ms(whole[T])} | {fmt_ms(gemms)} | {fmt_ms(attn)} | {fmt_ms(whole[T] - gemms - attn)} | "
-                  f"{whole[T] / floor:.1f}x " + floors(T, whole[T]))
+            print(f"| {T} | {fmt_ms(whole[T])} | {fmt_ms(gemms)} | {fmt_ms(attn)} | "
+                  f"{fmt_ms(whole[T] - gemms - attn)} | {whole[T] / floor:.1f}x " + floors(T, whole[T]))
         print("(the fused pass's GEMMs and attention are its own phases, timed inside it, the LM head's alone; "
               "pass sizes alternate, medians of 15 rounds)")
         return
@@ -272,8 +279,8 @@ def profile(model, name: str, dtype: str, ctx: int, rows_list: list[int]):
         mask = model.causal_mask(pos)
         attn = median_ms(lambda: [torch.nn.functional.scaled_dot_product_attention(
             q, kv.k, kv.v, attn_mask=mask, enable_gqa=a.n_kv_heads != a.n_heads) for _ in model.layers])
-        print(f"| {T} | {fmt_ms(whole)} | {fmt_ms(gemms)} | {fmt_ms(attn)} | {fmt_ms(whole - gemms - attn)} | {whole / floor:.1f}x "
-              + floors(T, whole))
+        print(f"| {T} | {fmt_ms(whole)} | {fmt_ms(gemms)} | {fmt_ms(attn)} | {fmt_ms(whole - gemms - attn)} | "
+              f"{whole / floor:.1f}x " + floors(T, whole))
 
 
 def alternate(passes: dict, phase_times, heads: dict, rounds: int = 15):

@@ -196,8 +196,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf", default=None, help="with --llama-batched-bench: a GGUF of the same weights")
     ap.add_argument("--json", default=None, help="write every measurement here")
     ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True,
-                    help="--no-exact: passes from the size the machine's check picks run the PyTorch layers with torch's "
-                         "GEMMs (AMX where the CPU has it); a sequence may then differ from its batch-1 output")
+                    help="--no-exact: passes from the size the machine's check picks run the PyTorch layers with "
+                         "torch's GEMMs (AMX where the CPU has it); a sequence may then differ from its batch-1 output")
     ap.add_argument("--profile", action="store_true", help="only profile a full batch's decode step per batch size "
                     "(the fused pass's phases)")
     ap.add_argument("--steady", action=argparse.BooleanOptionalAction, default=True,
@@ -228,7 +228,8 @@ def main(argv=None) -> int:
             return run_single(model, ps, args.max_new_tokens, args.exact)
         if c == STEADY:
             return run_steady(model, prompts[:b], args.max_new_tokens, b, args.exact)
-        return run_batch(model, ps, args.max_new_tokens, b, None if c == "AR" else drafters[:b], c == "auto", args.exact)
+        return run_batch(model, ps, args.max_new_tokens, b, None if c == "AR" else drafters[:b], c == "auto",
+                         args.exact)
 
     run(("AR", sizes[0]))  # warm-up: kernels, caches
     rates, shares, outs = {j: [] for j in jobs}, {j: [] for j in jobs}, {}
@@ -259,7 +260,8 @@ def main(argv=None) -> int:
           "| AR vs one at a time | " + " | ".join(peers) + (" | AR, full batch: decode tok/s | vs its batch 1 |"
                                                              if steady else " |"))
     print("|---" * (len(configs) + 4 + len(peers) + 2 * bool(steady)) + "|")
-    print(f"| one at a time (engine, batch 1) | {base:.1f} |" + " |" * (len(configs) + 3 + len(peers) + 2 * bool(steady)))
+    print(f"| one at a time (engine, batch 1) | {base:.1f} |"
+          + " |" * (len(configs) + 3 + len(peers) + 2 * bool(steady)))
     for b in sizes:
         cells = [f"{med[c, b]:.1f}" if (c, b) in med else "-" for c in configs]
         ratio = f"{med['auto', b] / med['AR', b]:.2f}x" if ("auto", b) in med and ("AR", b) in med else "-"

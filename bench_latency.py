@@ -76,7 +76,8 @@ def latency_mode(args, log) -> int:
     """Time the pieces of one speculative step for a randomly initialised model of a named shape."""
     dev = torch.device(args.device)
     if dev.type != "cuda" and args.shape != "tiny":
-        raise UsageError("--latency needs CUDA (a GPU); on CPU only the smoke-test shape runs: --device cpu --shape tiny")
+        raise UsageError("--latency needs CUDA (a GPU); on CPU only the smoke-test shape runs: "
+                         "--device cpu --shape tiny")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--latency needs CUDA, but CUDA is not available on this machine")
     a = shape_args(args.shape)
@@ -113,7 +114,8 @@ def latency_mode(args, log) -> int:
         best = graph if graph is not None else eager
         bw = f"{bytes_moved / best / 1e6:.0f} GB/s" if bytes_moved else ""
         rows.append([name, f"{eager:.3f}", "-" if graph is None else f"{graph:.3f}", bw])
-        log(f"  {name}: eager {eager:.3f} ms" + ("" if graph is None else f", graph {graph:.3f} ms") + (f", {bw}" if bw else ""))
+        log(f"  {name}: eager {eager:.3f} ms" + ("" if graph is None else f", graph {graph:.3f} ms")
+            + (f", {bw}" if bw else ""))
 
     # target decode step at position ctx_len
     tok1 = torch.randint(0, a.vocab_size, (1, 1), generator=g).to(dev)

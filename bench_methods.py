@@ -91,8 +91,8 @@ def method_from_name(name: str, heads: dict, w_max: int) -> Method:
 def expand_methods(spec: str, heads: dict, freq_ks, sweep_ks, sweep_w, w_max) -> list[Method]:
     """Presets and names -> Method list (ar first, duplicates merged, group tags kept)."""
     preset = {"main": lambda h: [h] + [f"{h}+freq-{fmt_k(k)}" for k in freq_ks] + [f"{h}+nanospec"],
-              "ablations": lambda h: [f"{h}+nanospec", f"{h}+nanospec-ctx", f"{h}+nanospec-ext", f"{h}+nanospec-noasync",
-                                          f"{h}+nanospec-nofill"],
+              "ablations": lambda h: [f"{h}+nanospec", f"{h}+nanospec-ctx", f"{h}+nanospec-ext",
+                                      f"{h}+nanospec-noasync", f"{h}+nanospec-nofill"],
               "sweep": lambda h: [h] + [f"{h}+freq-{fmt_k(k)}" for k in sweep_ks] + [f"{h}+nanospec"]
               + [f"{h}+nanospec-w{fmt_k(w)}" for w in sweep_w if w != w_max]}
     names: dict[str, set] = {"ar": {"main"}, "ar-fast": {"main"}}  # the reference and the speed baseline
@@ -254,7 +254,8 @@ def run_benchmark(questions, methods, tok, max_new, log, progress=True, model=No
                     elif model is not None and i < len(a) and i < len(b):
                         dg = diagnose(model, prompts[rn][ti], a[:i], a[i], b[i])
                         mm.update(dg)
-                        mm["diagnosis"] = (f"near tie: logit gap {dg['gap']:+.4f} is within {str(model.lm_head.weight.dtype)[6:]} "
+                        mm["diagnosis"] = (f"near tie: logit gap {dg['gap']:+.4f} is within "
+                                           f"{str(model.lm_head.weight.dtype)[6:]} "
                                            "rounding (1-token decode and multi-token verify kernels round differently)"
                                            if dg["near_tie"] else f"logit gap {dg['gap']:+.4f}: not a near tie, "
                                            "likely a logic error")

@@ -175,8 +175,8 @@ def write_reports(out_dir: Path, tag: str, ctx: dict, S: dict, methods, tasks, r
                           [[x["qid"], x["turn"], x["method"], x["index"], x["expected"], x["got"],
                             x.get("diagnosis", "")] for x in mismatches]))
     else:
-        L.append(f"All {n_cmp} outputs of {len(set(names) - ref_names)} methods are identical to autoregressive decoding, "
-                 "token for token (greedy).\n")
+        L.append(f"All {n_cmp} outputs of {len(set(names) - ref_names)} methods are identical to autoregressive "
+                 "decoding, token for token (greedy).\n")
 
     cols = tasks + ["overall"]
     title = lambda t: "Overall" if t == "overall" else TASK_TITLES.get(t, t)
@@ -216,7 +216,8 @@ def write_reports(out_dir: Path, tag: str, ctx: dict, S: dict, methods, tasks, r
                           [[n, f, _f(S[n]["overall"]["tokens_per_s"]), _f(S[f]["overall"]["tokens_per_s"]),
                             f"{S[n]['overall']['tokens_per_s'] / S[f]['overall']['tokens_per_s']:.3f}x"]
                            for n, f in exact_cost]))
-    twins = [(n, f"{n}@compile") for n in names if f"{n}@compile" in S and S[n]["overall"] and S[f"{n}@compile"]["overall"]]
+    twins = [(n, f"{n}@compile") for n in names
+             if f"{n}@compile" in S and S[n]["overall"] and S[f"{n}@compile"]["overall"]]
     if twins:
         L.append("\n## torch.compile vs eager (same run, interleaved)\n\n")
         L.append("Compiled outputs are checked against compiled autoregressive decoding (ar@compile): compiled "
@@ -337,7 +338,8 @@ def write_reports(out_dir: Path, tag: str, ctx: dict, S: dict, methods, tasks, r
     md = "".join(L)
     (out_dir / f"bench_{tag}.md").write_text(md)
     js = dict(settings=ctx["settings"], command=ctx["command"], warnings=ctx["warnings"], summary=S,
-              mismatches=mismatches, state_tables=ctx["state_tables"], figure1=fig1, targets=targets, peer=ctx.get("peer"),
+              mismatches=mismatches, state_tables=ctx["state_tables"], figure1=fig1, targets=targets,
+              peer=ctx.get("peer"),
               methods={m.name: dict(kind=m.kind, head=m.head, vocab=m.vocab, size=m.k, ablation=m.ablation,
                                     groups=sorted(m.groups)) for m in methods}, runs=records)
     (out_dir / f"bench_{tag}.json").write_text(json.dumps(js, indent=1, default=str))
@@ -429,7 +431,8 @@ def figure1(S, methods, freq_ranked, refs, sweep_ks, V, tasks_of=None):
             "t_LMhead(full) + t_LMhead(reduced), all measured per draft step in the runs (t_LMhead = projection + "
             "log-softmax over the active rows, as in Table 4; t_LMhead(reduced) from the run of that vocabulary): "
             "the speed the reduced vocabulary would reach if it kept full-vocabulary acceptance.")
-    off = freq_coverage_offline(refs, freq_ranked, sorted(set(sweep_ks) | {m.k for m in methods if m.vocab == "freq"})) \
+    off = freq_coverage_offline(refs, freq_ranked,
+                                sorted(set(sweep_ks) | {m.k for m in methods if m.vocab == "freq"})) \
         if freq_ranked else {}
     heads = sorted({m.head for m in methods if m.head})
     for h in heads:
@@ -448,7 +451,8 @@ def figure1(S, methods, freq_ranked, refs, sweep_ks, V, tasks_of=None):
                 continue
             size = m.k if m.vocab == "freq" else a.get("vocab_active_mean", m.k)
             points.append(dict(series=m.vocab, head=h, label=m.name, size=size,
-                               coverage=a.get("vocab_coverage") if m.vocab == "nanospec" else off.get(m.k, a.get("vocab_coverage")),
+                               coverage=(a.get("vocab_coverage") if m.vocab == "nanospec"
+                                         else off.get(m.k, a.get("vocab_coverage"))),
                                decode_rate=a["decode_rate"], oracle=oracle_of(a["step_ms"]["lm_head"]),
                                note=f"W_max {m.k} (GEMM width)" if m.vocab == "nanospec" else ""))
         for k in sorted(off):
@@ -483,7 +487,8 @@ def check_targets(S, methods):
         if ns not in S or h not in S or not S[ns]["overall"] or not S[h]["overall"]:
             continue
         sp, full = S[ns]["overall"]["tokens_per_s"], S[h]["overall"]["tokens_per_s"]
-        rows.append([h, "NanoSpec tok/s >= 1.2x full vocabulary", f"{sp / full:.3f}x", "yes" if sp >= 1.2 * full else "NO"])
+        rows.append([h, "NanoSpec tok/s >= 1.2x full vocabulary", f"{sp / full:.3f}x",
+                     "yes" if sp >= 1.2 * full else "NO"])
         fr = [(S[m.name]["overall"]["tokens_per_s"], m.name) for m in methods
               if m.head == h and m.vocab == "freq" and not m.compiled and S[m.name]["overall"]]
         if fr:
@@ -491,7 +496,8 @@ def check_targets(S, methods):
             rows.append([h, f"NanoSpec tok/s >= 1.05x best FR-Spec ({bn})", f"{sp / best:.3f}x",
                          "yes" if sp >= 1.05 * best else "NO"])
         t1, t0 = S[ns]["overall"]["mean_accepted_length"], S[h]["overall"]["mean_accepted_length"]
-        rows.append([h, "NanoSpec τ >= 97% of full vocabulary", f"{t1 / t0 * 100:.1f}%", "yes" if t1 >= 0.97 * t0 else "NO"])
+        rows.append([h, "NanoSpec τ >= 97% of full vocabulary", f"{t1 / t0 * 100:.1f}%",
+                     "yes" if t1 >= 0.97 * t0 else "NO"])
     return rows
 
 

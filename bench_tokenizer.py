@@ -21,7 +21,8 @@ SPEC_BENCH = pathlib.Path("/work/shared/data/spec_bench/question.jsonl")
 CASES = [
     "Hello world", " Hello world", "hello  world", "Hello, world! How's it going? I'm fine, you're great; we'll see.",
     "I'M SHOUTING, YOU'RE TOO, HE'LL, SHE'D, IT'S, THEY'VE", "don't won't can't shan't o'clock rock'n'roll",
-    "1 12 123 1234 12345 123456789 3.14159 -42 1e-9 0x1F 1,000,000 2024-05-01 12:30:45", "٣٤٥ ५६७ 六 ⅔ ² ⑦",
+    "1 12 123 1234 12345 123456789 3.14159 -42 1e-9 0x1F 1,000,000 2024-05-01 12:30:45",
+    "٣٤٥ ५६७ 六 ⅔ ² ⑦",
     "!!! ??? ... --- *** ### @@@ $$$ %%% ^^^ &&& ((( ))) [[[ ]]] {{{ }}} <<< >>> ||| ~~~ ``` '''",
     "a\nb\n\nc\n\n\nd", "a\r\nb\r\n\r\nc", "\t\tindented\twith\ttabs\t", "trailing spaces   ", "   leading spaces",
     "mixed \t \n \r\n  \n\t end", "\n\n\n", "    \n    \n", " ", "  ", "\t", "\r", "", "x" * 300, "ab " * 50,
@@ -33,12 +34,20 @@ CASES = [
     "const add = (a, b) => a + b; // arrow\nconsole.log(`sum=${add(1, 2)}`);",
     "func main() {\n\tfmt.Println(\"hi\")\n}", "SELECT id, name FROM users WHERE age >= 18 ORDER BY name DESC;",
     "<div class=\"x\"><a href='https://example.com/?q=1&r=2'>link</a></div>", "$ ls -la | grep '\\.py$' && echo ok",
-    "x+=1;y-=2;z*=3;w/=4;a%=5;b<<=1;c>>=2;d&&e||f!g", "λx. x ∘ f ≠ g ≤ h ∀ε>0 ∃δ", "path/to/file.txt C:\\Users\\me",
-    "中文分词测试：你好，世界！我们今天去公园。", "日本語のテキスト、カタカナとひらがな。", "한국어 텍스트입니다. 안녕하세요!",
-    "Русский текст, ёжик в тумане.", "Ελληνικά κείμενα", "العربية نص تجريبي ١٢٣", "עברית טקסט", "हिन्दी पाठ, नमस्ते।",
-    "ภาษาไทยไม่มีช่องว่าง", "Tiếng Việt có dấu: Hà Nội, Đà Nẵng", "e\u0301e\u0301 n\u0303o combining a\u030a\u0323",
-    "café naïve façade Zürich São Paulo ß ǅ ﬁ", "emoji 😀😃😄 👍🏽 👨‍👩‍👧‍👦 🇫🇷🇯🇵 ❤️ ✔︎ 🫠 🧑🏿‍🚀", "🙂🙂🙂🙂", "a😀b 😀 c",
-    "Ｆｕｌｌｗｉｄｔｈ　ＡＢＣ１２３", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝟙𝟚𝟛 𐍈", "\x00\x01\x1b[31mred\x1b[0m\x7f", "Ω ℃ № ™ © ® ° µ ¶ § ¤",
+    "x+=1;y-=2;z*=3;w/=4;a%=5;b<<=1;c>>=2;d&&e||f!g", "λx. x ∘ f ≠ g ≤ h ∀ε>0 ∃δ",
+    "path/to/file.txt C:\\Users\\me",
+    "中文分词测试：你好，世界！我们今天去公园。",
+    "日本語のテキスト、カタカナとひらがな。", "한국어 텍스트입니다. 안녕하세요!",
+    "Русский текст, ёжик в тумане.", "Ελληνικά κείμενα",
+    "العربية نص تجريبي ١٢٣", "עברית טקסט",
+    "हिन्दी पाठ, नमस्ते।",
+    "ภาษาไทยไม่มีช่องว่าง", "Tiếng Việt có dấu: Hà Nội, Đà Nẵng",
+    "e\u0301e\u0301 n\u0303o combining a\u030a\u0323",
+    "café naïve façade Zürich São Paulo ß ǅ ﬁ",
+    "emoji 😀😃😄 👍🏽 👨‍👩‍👧‍👦 🇫🇷🇯🇵 ❤️ ✔︎ 🫠 🧑🏿‍🚀",
+    "🙂🙂🙂🙂", "a😀b 😀 c",
+    "Ｆｕｌｌｗｉｄｔｈ　ＡＢＣ１２３", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝟙𝟚𝟛 𐍈",
+    "\x00\x01\x1b[31mred\x1b[0m\x7f", "Ω ℃ № ™ © ® ° µ ¶ § ¤",
     "'s 't 're 've 'm 'll 'd 'S 'T 'RE 'x '", "''quoted'' \"double\" ‘curly’ “quotes” «guillemets»",
     "tab\tthen  two   three    four     spaces", "end with newline\n", "end with CRLF\r\n", "\n starts with newline",
     "a.b,c;d:e!f?g(h)i[j]k{l}m<n>o", "1+1=2 2*3=6 10/2=5 2^10=1024", "snake_case camelCase PascalCase kebab-case",
@@ -46,7 +55,8 @@ CASES = [
     "user@example.com +1 (555) 123-4567", "JSON: {\"a\": [1, 2.5, true, null], \"b\": {\"c\": \"d\"}}",
 ]
 POOL = list("aZé中ß 1١٣5 \t\n\r.,!?'\"-_/\\()[]{}<>@#$%^&*+=|~`") + [
-    "'s", "'LL", "'Re", "😀", "👍🏽", "\u00a0", "\u3000", "\x85", "\x0b", "e\u0301", "\u200b", "١٢٣", "12345", "    ",
+    "'s", "'LL", "'Re", "😀", "👍🏽", "\u00a0", "\u3000", "\x85", "\x0b", "e\u0301", "\u200b", "١٢٣", "12345",
+    "    ",
     "\r\n", "\u0897", "\U00013460", "Ⅻ", "½", "…", "。", "，", "カ", "한", "XMLHttp", "camelCase"]
 
 

@@ -58,7 +58,8 @@ _RAG_2 = (
 
 _BUILTIN = [  # (category, turns), written for this project: a few per Spec-Bench task, plus code completion
     ("mt_bench", [
-        "Write a short blog post about a weekend trip to a mountain village, mentioning the food and the people you met.",
+        "Write a short blog post about a weekend trip to a mountain village, mentioning the food and the people "
+        "you met.",
         "Rewrite your post as a poem of at most eight lines."]),
     ("mt_bench", [
         "A farmer has 17 sheep and all but 9 run away. How many sheep are left? Explain your reasoning.",
@@ -181,7 +182,8 @@ SHAPES = {
                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                           original_max_position_embeddings=8192)),
     "llama3.2-1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, intermediate_size=8192,
-                        vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True,
+                        vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
+                        tie_word_embeddings=True,
                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                           original_max_position_embeddings=8192)),
     "smollm2-135m": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, intermediate_size=1536,
@@ -228,7 +230,8 @@ def write_random_eagle3(path: Path, cfg: dict, seed: int = 0, dtype=torch.bfloat
     save_file(sd, str(path / "model.safetensors"))
     L = cfg["num_hidden_layers"]
     json.dump(dict(architectures=["LlamaForCausalLMEagle3"], hidden_size=d, intermediate_size=I,
-                   num_attention_heads=H, num_key_value_heads=Hkv, head_dim=hd, rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+                   num_attention_heads=H, num_key_value_heads=Hkv, head_dim=hd,
+                   rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
                    vocab_size=V, draft_vocab_size=V, num_hidden_layers=1,
                    max_position_embeddings=cfg.get("max_position_embeddings", 4096),
                    rope_theta=cfg.get("rope_theta", 10000.0),

@@ -67,7 +67,8 @@ def write_byte_tokenizer(path):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.save(f"{path}/tokenizer.json")
-    tmpl = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    tmpl = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
     json.dump({"chat_template": tmpl, "eos_token": "\u0001"}, open(f"{path}/tokenizer_config.json", "w"))
 
 

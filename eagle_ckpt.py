@@ -31,7 +31,8 @@ def load_checkpoint(path: Path, expect: dict | None = None) -> dict:
     try:
         ck = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:
-        raise TrainError(f"cannot resume from {path}: not a readable checkpoint ({str(e).splitlines()[0][:120]})") from None
+        raise TrainError(f"cannot resume from {path}: not a readable checkpoint "
+                         f"({str(e).splitlines()[0][:120]})") from None
     if not isinstance(ck, dict) or ck.get("format") != CKPT_FORMAT or "signature" not in ck:
         raise TrainError(f"cannot resume from {path}: not an eagle_train.py checkpoint")
     if expect is not None and ck["signature"] != expect:

@@ -1,5 +1,5 @@
-"""Train full-vocabulary EAGLE-3 draft heads: the training loop, the CLI (data and its batches: eagle_data; the head, its
-training-time-test forward and loss, the target pass: eagle_ttt; checkpoints and export: eagle_ckpt; diagnostics:
+"""Train full-vocabulary EAGLE-3 draft heads: the training loop, the CLI (data and its batches: eagle_data; the head,
+its training-time-test forward and loss, the target pass: eagle_ttt; checkpoints and export: eagle_ckpt; diagnostics:
 eagle_eval).
 
     # data: self-generated (Magpie-style, the default when no dataset is at hand) ...
@@ -388,10 +388,12 @@ def parse_args(argv=None):
     d = sub.add_parser("data", help="generate training data with the target (cached jsonl)")
     target_args(d, cpu)
     d.add_argument("--out", required=True, help="output jsonl (a .meta.json sidecar records how it was made)")
-    d.add_argument("--dataset", default=None, help="ShareGPT/UltraChat jsonl, or ShareGPT's JSON array (a copy cut off mid-record "
-                                                   "gives its complete records), whose assistant turns are regenerated; "
-                                                   "omitted: self-generated (Magpie-style) instructions")
-    d.add_argument("--num", type=int, default=1000, help="conversations (self-generated) or at most this many from --dataset")
+    d.add_argument("--dataset", default=None,
+                   help="ShareGPT/UltraChat jsonl, or ShareGPT's JSON array (a copy cut off mid-record "
+                        "gives its complete records), whose assistant turns are regenerated; "
+                        "omitted: self-generated (Magpie-style) instructions")
+    d.add_argument("--num", type=int, default=1000,
+                   help="conversations (self-generated) or at most this many from --dataset")
     d.add_argument("--offset", type=int, default=0,
                    help="--dataset: skip this many of the shuffled conversations first (disjoint chunks: --offset 0, "
                         "--offset N, ... with the same --num N and --seed)")
@@ -401,10 +403,12 @@ def parse_args(argv=None):
     d.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="--dataset: end a conversation before a turn whose prompt (--as-is: the whole turn) is longer")
     d.add_argument("--max-new-tokens", type=int, default=256, help="assistant tokens per turn")
-    d.add_argument("--request-tokens", type=int, default=64, help="self-generated request budget (unfinished ones are dropped)")
+    d.add_argument("--request-tokens", type=int, default=64,
+                   help="self-generated request budget (unfinished ones are dropped)")
     d.add_argument("--min-request-chars", type=int, default=12, help="self-generated: drop shorter requests")
     d.add_argument("--temperature", type=float, default=0.0, help="answer temperature (0 = greedy)")
-    d.add_argument("--sampled-frac", type=float, default=0.0, help="self-generated: fraction of answers sampled at --temperature")
+    d.add_argument("--sampled-frac", type=float, default=0.0,
+                   help="self-generated: fraction of answers sampled at --temperature")
     d.add_argument("--batch-size", type=int, default=16)
     d.add_argument("--overwrite", action="store_true", help="regenerate even if the cached file matches")
     d.set_defaults(func=cmd_data)
@@ -430,7 +434,8 @@ def parse_args(argv=None):
     t.add_argument("--time-limit", type=float, default=None,
                    help="train for this many seconds: the schedule's length becomes the steps that fit (timed over "
                         "the first steps), the learning rate anneals by then, and the run saves and exports at it")
-    t.add_argument("--batch-tokens", type=int, default=2048 if cpu else 16384, help="padded tokens per batch (per rank)")
+    t.add_argument("--batch-tokens", type=int, default=2048 if cpu else 16384,
+                   help="padded tokens per batch (per rank)")
     t.add_argument("--max-len", type=int, default=2048, help="truncate records to this many tokens")
     t.add_argument("--lr", type=float, default=5e-4 if cpu else 1e-4)
     t.add_argument("--min-lr-ratio", type=float, default=0.0)

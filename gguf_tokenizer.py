@@ -80,7 +80,8 @@ RULES = {  # tokenizer.ggml.pre -> llama.cpp's rule (llama_vocab::impl::load, ll
 # which real files mark control anyway), and gpt-oss's tokens it makes user-defined.
 CONTROL_NAMES = set("""<|eot_id|> <|im_end|> <|end|> <end_of_turn> <|endoftext|> <|end_of_text|> <EOT> _<EOT> [EOT]
     <｜end▁of▁sentence｜> <end_of_utterance> <|eom_id|> <|return|> <|call|> <|flush|> <|calls|> </s> [EOS] <eos>
-    <turn|> <|tool_response> [e~[ <|fim_prefix|> <fim-prefix> <fim_prefix> <｜fim▁begin｜> <PRE> ▁<PRE> <|code_prefix|>
+    <turn|> <|tool_response> [e~[ <|fim_prefix|> <fim-prefix> <fim_prefix> <｜fim▁begin｜> <PRE> ▁<PRE>
+    <|code_prefix|>
     <|prefix|> <|fim_suffix|> <fim-suffix> <fim_suffix> <｜fim▁hole｜> <SUF> ▁<SUF> <|code_suffix|> <|suffix|>
     <|fim_middle|> <fim-middle> <fim_middle> <｜fim▁end｜> <MID> ▁<MID> <|code_middle|> <|middle|> <|fim_pad|>
     <fim-pad> <fim_pad> <PAD> [PAD] <|fim_repo|> <|repo_name|> <fim-repo> <REPO> <reponame> <|file_sep|>""".split())

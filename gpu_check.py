@@ -80,8 +80,8 @@ def engines(path, device, dtype, compile, head_path):
         auto = name.startswith("default")  # the CLI's default: held autoregressive steps, the hybrid's pending ones
         c = dc.DraftConfig(str(draft), vocab, *dc.TREE_GPU, w_max=min(3072, m.args.vocab_size // 2), static=compile,
                            ngram=auto)
-        out.append((name, build_engine(m, tok, c, compile=compile, max_seq=1024, head=head if draft == head_path else None,
-                                        budget=auto)))
+        out.append((name, build_engine(m, tok, c, compile=compile, max_seq=1024,
+                                       head=head if draft == head_path else None, budget=auto)))
     return out, tok, m
 
 

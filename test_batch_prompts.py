@@ -33,8 +33,8 @@ def test_cli_prompts_file(target, tmp_path, monkeypatch, capsys):
 
 
 def test_run_prompts_is_a_library_call(target, tmp_path, monkeypatch, capsys):
-    """batch_prompts.run_prompts takes its settings as parameters (no command line): the CLI's lines for the same file; a
-    batch asked to be exact without the fused CPU pass is refused."""
+    """batch_prompts.run_prompts takes its settings as parameters (no command line): the CLI's lines for the same file;
+    a batch asked to be exact without the fused CPU pass is refused."""
     from engine import load_target
     monkeypatch.setenv(cpu_gemm.ENV, "torch")
     f = tmp_path / "prompts.jsonl"

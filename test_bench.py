@@ -184,7 +184,9 @@ def test_llama_cpp_peer(tiny_bench, tmp_path, capsys):
     assert rc == 0, out.err
     js = json.loads((tmp_path / "bench_questions.json").read_text())
     peer = js["peer"]
-    assert peer["tokens_per_s"] == pytest.approx(50.0) and peer["first_turns"] == len({r["qid"] for r in js["runs"]}) == 3 and set(peer["methods"]) >= {"ar", "ngram"}
+    assert (peer["tokens_per_s"] == pytest.approx(50.0)
+            and peer["first_turns"] == len({r["qid"] for r in js["runs"]}) == 3
+            and set(peer["methods"]) >= {"ar", "ngram"})
     first = [r["tokens_per_s"] for r in js["runs"] if r["method"] == "ngram" and r["turn"] == 1]
     assert peer["methods"]["ngram"] == pytest.approx(sum(first) / len(first))
     md = (tmp_path / "bench_questions.md").read_text()

@@ -12,8 +12,9 @@ def test_table(tmp_path, capsys, monkeypatch):
     png, js, q = tmp_path / "b.png", tmp_path / "b.json", tmp_path / "q.jsonl"
     q.write_text("".join(json.dumps({"turns": [t], "category": c}) + "\n"
                          for t, c in [("a b a b", "qa"), ("c d", "writing"), ("e f e", "qa")]))
-    assert bench_batch.main(["--checkpoint", str(path), "--questions", str(q), "--max-new-tokens", "6", "--batches", "1,2", "--rounds", "1",
-                             "--forced-max", "1", "--hf", "2", "--png", str(png), "--json", str(js)]) == 0
+    assert bench_batch.main(["--checkpoint", str(path), "--questions", str(q), "--max-new-tokens", "6",
+                             "--batches", "1,2", "--rounds", "1", "--forced-max", "1", "--hf", "2",
+                             "--png", str(png), "--json", str(js)]) == 0
     out = capsys.readouterr().out
     head, *rows = [x for x in out.splitlines() if x.startswith("| ") and "---" not in x]
     assert [r.split(" | ")[0] for r in rows] == ["| one at a time (engine, batch 1)", "| 1", "| 2"]

@@ -40,7 +40,8 @@ def test_picks_the_size_with_the_best_rate():
 
 def test_falls_back_to_autoregressive_and_probes_back():
     """Acceptance collapses (novel text): the budget turns to 1 (decode autoregressively), keeps probing the
-    most promising size and the one above it every probe-th step, and turns speculation back on once the probes are accepted again.
+    most promising size and the one above it every probe-th step, and turns speculation back on once the probes are
+    accepted again.
     (probe_share=1: the probes' time is not capped here; test_probes_take_a_bounded_share caps it.)"""
     b = Budget(8, probe=4, max_gap=8, probe_share=1.0)
     cost = {1: 1.0, 2: 1.3, 4: 1.6, 8: 2.0}

@@ -9,7 +9,8 @@ import generate as g
 from budget_memory import pass_costs
 from generate import Engine
 from sampling import Sampling
-from test_generate import PROMPTS, autoregressive, make_drafter, recorded_budgets, target, tiny  # noqa: F401 (tiny: a fixture)
+from test_generate import (PROMPTS, autoregressive, make_drafter, recorded_budgets, target,
+                           tiny)  # noqa: F401 (tiny: a fixture)
 
 
 def test_pass_costs_are_measured_once_per_machine(tiny, monkeypatch, tmp_path):
@@ -55,7 +56,8 @@ def test_budget_memory_outlives_the_process_where_asked(tiny, tmp_path, monkeypa
     stored = json.loads((tmp_path / "budget.json").read_text())
     assert len(stored) == 1 and set(next(iter(stored.values()))["sources"]) == set(first.memory.sources)
     second = new()
-    assert {k: b.state() for k, b in second.memory.sources.items()} == {k: b.state() for k, b in first.memory.sources.items()}
+    assert ({k: b.state() for k, b in second.memory.sources.items()}
+            == {k: b.state() for k, b in first.memory.sources.items()})
     assert second.drafter.start_rate == first.drafter.start_rate
     out, _ = second.generate(prompt, 40)
     assert out == ref

@@ -78,7 +78,8 @@ def test_pack_layout_round_trips():
     cpu_gemm.pack_rows_(p, new, slots)
     w[slots] = new
     assert torch.equal(cpu_gemm.unpack(p, N), w)
-    assert torch.equal(cpu_gemm.kernel_linear(rand(2, 24, seed=2), p, N), cpu_gemm.kernel_linear(rand(2, 24, seed=2), cpu_gemm.pack(w), N))
+    assert torch.equal(cpu_gemm.kernel_linear(rand(2, 24, seed=2), p, N),
+                       cpu_gemm.kernel_linear(rand(2, 24, seed=2), cpu_gemm.pack(w), N))
 
 
 def test_write_rows_is_a_gather_and_pack_rows():
@@ -95,7 +96,8 @@ def test_write_rows_is_a_gather_and_pack_rows():
         slots = torch.tensor([0, P + 2, W - 1, 4, -1, W, 3])
         if not cpu_gemm.writes_rows(rows, packed, weight):
             pytest.skip("the C code is not built here")
-        write = torch.compile(cpu_gemm.write_rows_, fullgraph=True, backend="eager") if compiled else cpu_gemm.write_rows_
+        write = (torch.compile(cpu_gemm.write_rows_, fullgraph=True, backend="eager") if compiled
+                 else cpu_gemm.write_rows_)
         write(rows, packed, weight, tok, slots)
         want = rand(W, 24, seed=4)
         want[[0, P + 2, W - 1]] = weight[[5, 7, 39]]
@@ -135,7 +137,8 @@ def test_linear_module_and_compile(monkeypatch):
     assert cpu_gemm.pack_linears(lin) == 1
     x = rand(5, 64).requires_grad_()
     lin(x).sum().backward()  # training (weights need grad): torch's GEMM, which has a backward
-    assert torch.allclose(lin.weight.grad.float(), (x.detach().float().T @ torch.ones(5, 30)).T, rtol=2 ** -6, atol=1e-2)
+    assert torch.allclose(lin.weight.grad.float(), (x.detach().float().T @ torch.ones(5, 30)).T,
+                          rtol=2 ** -6, atol=1e-2)
     lin.requires_grad_(False)
     lin.packed = None
     x = x.detach()
@@ -206,14 +209,16 @@ SMALLER = [isa for isa in ("avx512", "avx2") if isa != cpu_gemm.ISA and cpu_gemm
            and (isa == "avx2" or "avx512f" in cpu_gemm.cpu_flags())]
 
 
-@pytest.mark.parametrize("isa", SMALLER or [pytest.param("avx2", marks=pytest.mark.skip("this process tests the AVX2 kernel"))])
+@pytest.mark.parametrize("isa", SMALLER or [
+    pytest.param("avx2", marks=pytest.mark.skip("this process tests the AVX2 kernel"))])
 def test_the_smaller_kernels_too(tmp_path, isa):
     """On an AVX-512 CPU the kernels that smaller CPUs run (AVX2-only; AVX-512 without bf16) pass this file's and
     the fused pass's tests too, each in a process of its own (the variant is fixed at import)."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, cpu_gemm.ISA_ENV: isa, "NANOSPEC_CACHE": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not smaller and not agree",
-                        "test_cpu_gemm.py", "test_cpu_forward.py"], cwd=here, env=env, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+                        "not smaller and not agree", "test_cpu_gemm.py", "test_cpu_forward.py"],
+                       cwd=here, env=env, capture_output=True, text=True)
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
 
 

@@ -29,7 +29,8 @@ def test_chained_keeps_each_steps_accepted_rows_and_may_leave_the_states_out():
     paths = [torch.tensor([0]), torch.tensor([0, 2, 3]), torch.tensor([0, 1, 0])]  # (padded past L)
     Ls = [1, 3, 2]
     steps = [dr.Accepted(t, p, torch.tensor(L), torch.tensor(20 + i), torch.randn(t.tokens.shape[0], V, generator=g),
-                         torch.randn(1, t.tokens.shape[0], d, generator=g), torch.randn(1, t.tokens.shape[0], 3 * d, generator=g),
+                         torch.randn(1, t.tokens.shape[0], d, generator=g),
+                         torch.randn(1, t.tokens.shape[0], 3 * d, generator=g),
                          torch.tensor(100))
              for i, (t, p, L) in enumerate(zip(trees, paths, Ls))]
     rows = [p[:L] for p, L in zip(paths, Ls)]

@@ -43,7 +43,8 @@ def test_head_folder_freq_fills_nanospec(draft_env, tmp_path):
 def test_cli_draft_mismatch_errors(draft_env, tmp_path, capsys):
     root, path, cfg = draft_env
     other, _ = write_tiny_hf(tmp_path / "other", vocab_size=300)
-    for argv in (["--draft", str(other)], ["--tree-nodes", "500", "--draft", str(write_eagle_head(tmp_path / "h", cfg, version=3))],
+    for argv in (["--draft", str(other)],
+                 ["--tree-nodes", "500", "--draft", str(write_eagle_head(tmp_path / "h", cfg, version=3))],
                  ["--vocab", "nanospec"], ["--draft", "ngram", "--ngram-min", "4", "--ngram-max", "2"],
                  ["--draft", "ngram", "--ngram-occurrences", "0"],
                  ["--draft", str(tmp_path / "missing")]):

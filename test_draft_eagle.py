@@ -106,7 +106,8 @@ def test_prompt_logits_cover_the_window(k_pre, W):
     than that included (W = 180)."""
     V, T = 200, 50
     g = torch.Generator().manual_seed(W)
-    toks, logits, weight = torch.randint(0, V, (T,), generator=g), torch.randn(T, V, generator=g), torch.randn(V, 8, generator=g)
+    toks, logits, weight = (torch.randint(0, V, (T,), generator=g), torch.randn(T, V, generator=g),
+                            torch.randn(V, 8, generator=g))
     ds = []
     for rows in (T, None):
         d = de.VocabDrafter()

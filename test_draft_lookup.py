@@ -14,7 +14,8 @@ def test_ngram_history_tracks_the_sequence():
     d = dl.NgramDrafter(k=3, nmin=1, nmax=2)
     p = torch.tensor([1, 2, 3, 1, 2])
     d.prefill(dr.Prefill(p, torch.tensor([3]), torch.zeros(5, 256), torch.zeros(1, 5, 8), None))
-    tree = d.draft(torch.tensor([3]), torch.tensor(5))  # sequence 1 2 3 1 2 [3]: suffix [2, 3] was followed by [1, 2, 3]
+    # sequence 1 2 3 1 2 [3]: suffix [2, 3] was followed by [1, 2, 3]
+    tree = d.draft(torch.tensor([3]), torch.tensor(5))
     assert tree.tokens.tolist() == [3, 1, 2, 3]
     d.update(accepted(tree, 2, 9, n=5))  # accepted 1, bonus 9 (the next root)
     assert d.hist == [1, 2, 3, 1, 2, 3, 1]

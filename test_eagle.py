@@ -30,7 +30,8 @@ def test_eagle3_rope_base_from_own_config(draft_env):
     m = load_model(path, dtype=torch.float32)
     h = load_eagle(write_eagle_head(root / "r1", cfg, version=3), m, torch.float32, "cpu")
     assert h.c.args.rope_theta == 10000.0  # official heads omit rope_theta
-    h = load_eagle(write_eagle_head(root / "r2", cfg, version=3, extra_cfg=dict(rope_theta=5e5)), m, torch.float32, "cpu")
+    h = load_eagle(write_eagle_head(root / "r2", cfg, version=3, extra_cfg=dict(rope_theta=5e5)),
+                   m, torch.float32, "cpu")
     assert h.c.args.rope_theta == 5e5
 
 
@@ -38,7 +39,8 @@ def test_loader_errors(draft_env, tmp_path):
     root, path, cfg = draft_env
     m = load_model(path, dtype=torch.float32)
     with pytest.raises(ModelError, match="hidden size"):
-        load_eagle(write_eagle_head(tmp_path / "a", dict(cfg, hidden_size=32, intermediate_size=64), version=1), m, torch.float32, "cpu")
+        load_eagle(write_eagle_head(tmp_path / "a", dict(cfg, hidden_size=32, intermediate_size=64), version=1),
+                   m, torch.float32, "cpu")
     bad = write_eagle_head(tmp_path / "b", cfg, version=3)
     sd = load_file(f"{bad}/model.safetensors")
     sd["fc.weight"] = sd["fc.weight"][:, :128].contiguous()
@@ -46,4 +48,6 @@ def test_loader_errors(draft_env, tmp_path):
     with pytest.raises(ModelError, match="EAGLE-3 fc takes 128 inputs"):
         load_eagle(bad, m, torch.float32, "cpu")
     with pytest.raises(ModelError, match="aux layers"):
-        load_eagle(write_eagle_head(tmp_path / "c", cfg, version=3, extra_cfg=dict(eagle_config=dict(eagle_aux_hidden_state_layer_ids=[1, 2, 9]))), m, torch.float32, "cpu")
+        load_eagle(write_eagle_head(tmp_path / "c", cfg, version=3,
+                                    extra_cfg=dict(eagle_config=dict(eagle_aux_hidden_state_layer_ids=[1, 2, 9]))),
+                   m, torch.float32, "cpu")

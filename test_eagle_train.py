@@ -184,7 +184,8 @@ def test_several_data_files(tiny, tmp_path, capsys):
     assert n2 == 2 * n1 > 0
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
-    rc = et.main(["train", "--checkpoint", str(tiny["path"]), "--data", str(good), str(bad), "--out", str(tmp_path / "r3")])
+    rc = et.main(["train", "--checkpoint", str(tiny["path"]), "--data", str(good), str(bad),
+                  "--out", str(tmp_path / "r3")])
     one_line_error(capsys, rc, "bad.jsonl", "line 1")
 
 
@@ -239,9 +240,11 @@ def test_torchrun_ddp_two_processes(tiny, tmp_path):
         logs = tmp_path / f"logs{attempt}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "--log-dir", str(logs), "--redirects", "3",
-               "eagle_train.py", "train", "--checkpoint", str(tiny["path"]), "--data", str(tiny["root"] / "train.jsonl"),
+               "eagle_train.py", "train", "--checkpoint", str(tiny["path"]),
+               "--data", str(tiny["root"] / "train.jsonl"),
                "--out", str(tmp_path / f"ddp{attempt}"), "--target-dtype", "float32", "--no-bf16",
-               "--batch-tokens", "512", "--ttt-steps", "2", "--max-steps", "4", "--export", str(tmp_path / f"head{attempt}")]
+               "--batch-tokens", "512", "--ttt-steps", "2", "--max-steps", "4",
+               "--export", str(tmp_path / f"head{attempt}")]
         r = subprocess.run(cmd, cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=120)
         said = "".join(f"--- {f.relative_to(logs)}\n{f.read_text()[-1500:]}" for f in sorted(logs.rglob("*.log"))
                        if f.stat().st_size)

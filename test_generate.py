@@ -97,7 +97,8 @@ def test_greedy_lossless_with_lookup_trees(tiny, monkeypatch, budget):
     own greedy output, whole or as the budget's prefixes."""
     m = target(tiny[0])
     shapes, real = [], dl.lookup_tree_of
-    monkeypatch.setattr(dl, "lookup_tree_of", lambda root, tok, par, pad_to=0: shapes.append(par) or real(root, tok, par, pad_to))
+    monkeypatch.setattr(dl, "lookup_tree_of",
+                        lambda root, tok, par, pad_to=0: shapes.append(par) or real(root, tok, par, pad_to))
     eng = Engine(m, drafter=dl.NgramDrafter(k=4), budget=budget)
     for p in PROMPTS + [LOOKUP_PROMPT]:
         assert eng.generate(p, 40)[0] == autoregressive(m, p, 40), p
@@ -145,7 +146,8 @@ def test_greedy_lossless_every_vocab(tiny, tmp_path, vocab_spec, ablation, kind)
 
 
 def _chi2_sf(x, dof):
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64)))
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(x / 2, dtype=torch.float64)))
 
 
 # a prompt whose last token, 0, was followed twice by each token a and then by two different tokens: prompt
@@ -216,7 +218,8 @@ def test_sampler_catches_a_biased_acceptance(tmp_path, monkeypatch, kind):
     must fail the same chi-square check (prompt lookup's case too: its first tree, with siblings)."""
 
     def wrong(tree, probs):
-        return accept_greedy(tree, torch.nn.functional.one_hot(tree.tokens[tree.parents.clamp(min=0)] * 0 + tree.tokens[1], probs.shape[-1]).float())
+        return accept_greedy(tree, torch.nn.functional.one_hot(
+            tree.tokens[tree.parents.clamp(min=0)] * 0 + tree.tokens[1], probs.shape[-1]).float())
     monkeypatch.setattr(engine, "accept_sample", lambda tree, probs: accept_sample_biased(tree, probs))
     with pytest.raises(AssertionError):
         test_speculative_sampling_is_exact(tmp_path, monkeypatch, kind, Sampling(1.0), None)
@@ -302,7 +305,8 @@ def test_eager_cpu_verify_equals_the_traced_step(tiny, dtype):
             x.copy_(old)
         h2, a2 = traced(t, n)
         assert torch.equal(h1, h2)
-        for x, y in zip((a1.path, a1.L, a1.bonus, a1.logits, a1.hidden), (a2.path, a2.L, a2.bonus, a2.logits, a2.hidden)):
+        for x, y in zip((a1.path, a1.L, a1.bonus, a1.logits, a1.hidden),
+                        (a2.path, a2.L, a2.bonus, a2.logits, a2.hidden)):
             assert torch.equal(x, y)
         assert all(torch.equal(x, y) for x, y in zip(after, caches()))
         Ls.append((int(a1.L), a1.path[:int(a1.L)].tolist()))

@@ -193,7 +193,8 @@ def test_every_block_type_loads_as_its_codes(tmp_path, monkeypatch, kind):
     for fused in ("on", "off"):
         monkeypatch.setenv(cpu_forward.ENV, fused)
         a, b = M.load_model(native), M.load_model(wide)
-        assert isinstance(a.embed_tokens, qlinear.QEmbedding) and isinstance(a.layers[1].self_attn.v_proj, qlinear.QLinear)
+        assert (isinstance(a.embed_tokens, qlinear.QEmbedding)
+                and isinstance(a.layers[1].self_attn.v_proj, qlinear.QLinear))
         assert (a.cpu_pass is not None) == (fused == "on")
         for m in (a, b):
             m.setup_caches(1, 64)

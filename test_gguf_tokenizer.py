@@ -24,7 +24,8 @@ TEXTS = [
     "1 12 123 1234 12345 x9y 3.14",  # digit runs
     "a!!! ... ?!\n b--c (x) [y] {z} <w> 'q' \"r\"",  # punctuation runs, a space before them, newlines after
     "x  y   z\t\tw \n\n  \r\n\r\nend  ",  # whitespace runs, newlines, CRLF, trailing spaces
-    "héllo naïve e\u0301 中文 日本 😀 👍🏽 ١٢٣ \u0897\U00013460x",  # letters, marks, CJK, emoji, digits, Unicode 16
+    "héllo naïve e\u0301 中文 日本 😀 👍🏽 "
+    "١٢٣ \u0897\U00013460x",  # letters, marks, CJK, emoji, digits, Unicode 16
     "a<|im_start|>b <|im_end|>\n<tool>x</tool> [PAD9]<|eot_id|>y",  # control / user-defined / unused tokens in text
     "camelCase XMLHttpRequest ABCdef",  # case runs
     "x=1;y+=2<3>$5^6|7~8`9 =`= a,b.c!d?e…f。g，h",  # symbols against punctuation, BLOOM's delimiters
@@ -43,13 +44,16 @@ def _whole(ch: str) -> list:  # the merges that build a multi-byte character fro
     return [(b[:i], b[i:i + 1]) for i in range(1, len(b))]
 
 
-MERGES = [m for ch in "é\u0301中文😀👍🏽١٢٣…\u0897\U00013460" for m in _whole(ch)] + [(a.encode(), b.encode()) for a, b in [
+MERGES = [m for ch in "é\u0301中文😀👍🏽١٢٣…\u0897\U00013460" for m in _whole(ch)] \
+    + [(a.encode(), b.encode()) for a, b in [
     (" ", "1"), ("s", "a"), ("!", "\n"), (" ", " "), ("  ", " "), ("\t", "\t"), ("\n", "\n"), ("\r", "\n"),
     ("\r\n", "\r\n"), (" ", "\n"), (" ", "w"), (" w", "o"), ("H", "e"), ("He", "l"), ("Hel", "l"), ("Hell", "o"),
     ("'", "s"), ("'", "S"), ("'", "L"), ("'L", "L"), ("'", "R"), ("'R", "e"), ("n", "'"), ("1", "2"), ("12", "3"),
     ("123", "4"), ("1234", "5"), ("x", "9"), ("9", "y"), ("!", "!"), ("!!", "!"), (".", "."), ("..", "."), (" ", "."),
-    ("?", "!"), ("-", "-"), (" ", "("), ("(", "x"), ("h", "é"), ("é", "l"), ("e", "\u0301"), (" ", "中"), ("中", "文"),
-    (" ", "😀"), ("👍", "🏽"), ("١", "٢"), ("١٢", "٣"), ("\u0897", "\U00013460"), ("\U00013460", "x"), ("l", "C"),
+    ("?", "!"), ("-", "-"), (" ", "("), ("(", "x"), ("h", "é"), ("é", "l"), ("e", "\u0301"), (" ", "中"),
+    ("中", "文"),
+    (" ", "😀"), ("👍", "🏽"), ("١", "٢"), ("١٢", "٣"), ("\u0897", "\U00013460"), ("\U00013460", "x"),
+    ("l", "C"),
     ("p", "R"), (";", "y"), ("+", "="), ("~", "8"), (",", "b"), ("…", "f"), ("<", "3"), ("$", "5"), ("=", "`")]]
 
 

@@ -23,7 +23,8 @@ def _walk(x, path, tensors, values, seen):
     elif isinstance(x, (list, tuple)):
         for i, v in enumerate(x):
             _walk(v, f"{path}[{i}]", tensors, values, seen)
-    elif id(x) not in seen and (isinstance(x, torch.nn.Module) or type(x).__module__ in ("draft", "draft_eagle", "vocab", "model")):
+    elif id(x) not in seen and (isinstance(x, torch.nn.Module)
+                                or type(x).__module__ in ("draft", "draft_eagle", "vocab", "model")):
         seen.add(id(x))
         for k, v in vars(x).items():
             if k not in ("lm_head_s", "training"):  # a host-side timing metric, not state a step reads
@@ -208,4 +209,5 @@ def test_compiled_steps_equal_eager(tiny, kind, vocab_spec):
     for p, r in zip(PROMPTS, ref):
         assert eng.generate(p, 24)[0] == r
     if kind == "ngram":  # padded to k + 1 nodes: one traced verify shape whatever the proposal length
-        assert eng.drafter.static and eng.drafter.draft(torch.tensor([5]), torch.tensor(3)).tokens.shape[0] == eng.drafter.k + 1
+        assert (eng.drafter.static
+                and eng.drafter.draft(torch.tensor([5]), torch.tensor(3)).tokens.shape[0] == eng.drafter.k + 1)

@@ -138,7 +138,8 @@ SMALLER = [isa for isa in ("avx512", "avx2") if isa != cpu_gemm.ISA and cpu_gemm
 
 
 @needs_kernel
-@pytest.mark.parametrize("isa", SMALLER or [pytest.param("avx2", marks=pytest.mark.skip("this process tests the AVX2 kernel"))])
+@pytest.mark.parametrize("isa", SMALLER or [
+    pytest.param("avx2", marks=pytest.mark.skip("this process tests the AVX2 kernel"))])
 def test_the_smaller_kernels_too(tmp_path, isa):
     """The kernels smaller CPUs run (AVX2; AVX-512 without bf16) pass the kernel test too, each in its own process."""
     here = os.path.dirname(os.path.abspath(__file__))

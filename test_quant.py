@@ -129,7 +129,8 @@ def test_quantized_pass_is_the_bf16_pass_on_its_dequantized_weights(folders, mod
     p = toks(37)
     for m in (q, twin):
         m.setup_caches(1, 256)
-    a, b = q(p, torch.arange(37), return_hidden=True, plan=plan), twin(p, torch.arange(37), return_hidden=True, plan=plan)
+    a, b = (q(p, torch.arange(37), return_hidden=True, plan=plan),
+            twin(p, torch.arange(37), return_hidden=True, plan=plan))
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     # one copy of the codes: the fused pass's q | k | v and gate | up chain the linears' own buffers
     at = q.layers[0].self_attn
@@ -224,8 +225,10 @@ def test_quantize_cli_errors(folders, tmp_path, capsys):
                                     "--out", str(tmp_path / "a")]), "group size 128", "192")
     # a quantized checkpoint is quantized again from its bf16 values: the twin's int4 copy, bit for bit
     assert quantize.main(["--checkpoint", str(folders["int8"]), "--mode", "int4", "--out", str(tmp_path / "b")]) == 0
-    assert quantize.main(["--checkpoint", str(folders["int8_twin"]), "--mode", "int4", "--out", str(tmp_path / "b2")]) == 0
-    re_sd, tw_sd = load_file(str(tmp_path / "b" / "model.safetensors")), load_file(str(tmp_path / "b2" / "model.safetensors"))
+    assert quantize.main(["--checkpoint", str(folders["int8_twin"]), "--mode", "int4",
+                          "--out", str(tmp_path / "b2")]) == 0
+    re_sd, tw_sd = (load_file(str(tmp_path / "b" / "model.safetensors")),
+                    load_file(str(tmp_path / "b2" / "model.safetensors")))
     assert set(re_sd) == set(tw_sd) and all(torch.equal(re_sd[k], tw_sd[k]) for k in re_sd)
     assert json.loads((tmp_path / "b" / "config.json").read_text())[quant.CONFIG_KEY]["requantized_from"] == "int8"
     capsys.readouterr()

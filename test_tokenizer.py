@@ -16,7 +16,8 @@ def test_chat_template_and_named_templates(tmp_path):
     assert tok.apply_chat_template(msgs) == "<user>hi\n<assistant>"
     assert tok.decode(tok.encode_chat(msgs)) == "<user>hi\n<assistant>"
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": cfg["chat_template"]}]
+    cfg["chat_template"] = [{"name": "tool_use", "template": "T"},
+                            {"name": "default", "template": cfg["chat_template"]}]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert Tokenizer(tmp_path).apply_chat_template(msgs) == "<user>hi\n<assistant>"  # the "default" one
 

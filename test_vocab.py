@@ -140,7 +140,8 @@ def run_ops(v, ref, ops, weight, h):
 
 
 @settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios(), st.sampled_from([None, None, "ctx", "ext", "noasync", "nofill"]), st.sampled_from([0, 0, 3, 1.0, 1.5]))
+@given(scenarios(), st.sampled_from([None, None, "ctx", "ext", "noasync", "nofill"]),
+       st.sampled_from([0, 0, 3, 1.0, 1.5]))
 def test_nanospec_matches_reference_window(sc, ablation, n_fill):
     """The window against a reference, after every reset and update, with and without fill tokens in the free
     slots (none, 3, W, more than W ids; "nofill" ignores them)."""
@@ -329,7 +330,8 @@ def test_freq_vocab_and_factory(tmp_path):
 def test_packed_rows_follow_the_window(W, n_fill, monkeypatch):
     """Where cpu_gemm's kernel scores LM heads (bf16 on the CPU), NanoSpec's packed copy holds exactly the rows
     buffer after every update (W = 50: the sink row shares the last panel with real rows), also with fill
-    tokens in the free slots, a compiled update writes the same rows, and the scores are F.linear's to bf16 rounding with the same -inf (free) slots.
+    tokens in the free slots, a compiled update writes the same rows, and the scores are F.linear's to bf16 rounding
+    with the same -inf (free) slots.
     FullVocab and FreqVocab score through packed copies too."""
     monkeypatch.setattr(cpu_gemm, "_ON", [True])
     V, d = 300, 64
