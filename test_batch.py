@@ -16,7 +16,7 @@ from batch import BatchEngine
 import draft_config as dc
 from conftest import write_eagle_head, write_tiny_hf
 from errors import UsageError
-from generate import Engine
+from engine import Engine
 from sampling import Sampling, logits_to_probs
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [40], [7, 7, 7, 7, 8], list(range(20, 60)),

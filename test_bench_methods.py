@@ -2,7 +2,7 @@
 import pytest
 
 import bench_methods
-import generate
+from errors import UsageError
 
 
 def test_method_names():
@@ -12,7 +12,7 @@ def test_method_names():
     assert (names[:4] == ["ar", "ar-fast", "ngram", "eagle3"] and "eagle3+freq-8k" in names
             and "eagle3+nanospec-noasync" in names)
     assert bench_methods.method_from_name("eagle3+nanospec-w1k", heads, 3072).k == 1024
-    with pytest.raises(generate.UsageError, match="EAGLE2"):
+    with pytest.raises(UsageError, match="EAGLE2"):
         bench_methods.method_from_name("eagle2", heads, 3072)
     assert ([m.name for m in bench_methods.expand_methods("main", {}, [8192], [], [], 3072)]
             == ["ar", "ar-fast", "ngram"])

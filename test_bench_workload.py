@@ -2,7 +2,7 @@
 import pytest
 
 import bench_workload
-import generate
+from errors import UsageError
 
 
 def test_builtin_workload_and_selection():
@@ -11,5 +11,5 @@ def test_builtin_workload_and_selection():
     assert {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "code"} == tasks
     assert any(len(q.turns) == 2 for q in qs)
     assert [q.qid for q in bench_workload.select_questions(qs, "qa,rag", 1)] == ["b7", "b11"]
-    with pytest.raises(generate.UsageError, match="unknown category"):
+    with pytest.raises(UsageError, match="unknown category"):
         bench_workload.select_questions(qs, "nope", None)

@@ -2,12 +2,10 @@
 asked."""
 import json
 
-
 import cpu_forward
 import draft_config as dc
-import generate as g
 from budget_memory import pass_costs
-from generate import Engine
+from engine import Engine, build_engine
 from sampling import Sampling
 from test_generate import (PROMPTS, autoregressive, make_drafter, recorded_budgets, target,
                            tiny)  # noqa: F401 (tiny: a fixture)
@@ -48,7 +46,7 @@ def test_budget_memory_outlives_the_process_where_asked(tiny, tmp_path, monkeypa
     prompt = PROMPTS[1] * 3
     ref = autoregressive(m, prompt, 40)
     c = dc.DraftConfig(str(tiny[1]["eagle3"]), "nanospec", 4, 3, 10, spec_k=4, w_max=64, ngram=None)
-    new = lambda sampling=Sampling(): g.build_engine(m, None, c, sampling, budget_cache=True)
+    new = lambda sampling=Sampling(): build_engine(m, None, c, sampling, budget_cache=True)
     first = new()
     assert first.memory.sources == {}
     out, _ = first.generate(prompt, 40)
@@ -62,7 +60,7 @@ def test_budget_memory_outlives_the_process_where_asked(tiny, tmp_path, monkeypa
     out, _ = second.generate(prompt, 40)
     assert out == ref
     assert new(Sampling(temperature=0.7)).memory.sources == {}  # another key
-    assert g.build_engine(m, None, c, Sampling()).memory.sources == {}  # no budget_cache: benchmarks start afresh
+    assert build_engine(m, None, c, Sampling()).memory.sources == {}  # no budget_cache: benchmarks start afresh
     (tmp_path / "budget.json").write_text("{not json")
     assert new().memory.sources == {}
     monkeypatch.setenv("NANOSPEC_BUDGET_CACHE", "off")

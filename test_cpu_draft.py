@@ -15,7 +15,7 @@ import draft_eagle as de
 import model as M
 from conftest import write_eagle_head, write_tiny_hf
 from eagle import load_eagle
-from generate import Engine
+from engine import Engine
 from vocab import FreqVocab, make_vocab
 
 pytestmark = pytest.mark.skipif(cpu_draft.kernel() is None, reason="needs x86-64 with AVX2+FMA and a C compiler")

@@ -6,7 +6,7 @@ import torch
 import draft as dr
 import draft_eagle as de
 from conftest import load_head
-from generate import Engine
+from engine import Engine
 from sampling import Sampling, accept_greedy, accept_sample, logits_to_probs
 from test_generate import PROMPTS, autoregressive, make_drafter, prefilled, target, tiny  # noqa: F401 (tiny: a fixture)
 from vocab import make_vocab

@@ -6,7 +6,7 @@ import torch
 import budget as budget_module
 import draft as dr
 import draft_eagle as de
-from generate import Engine
+from engine import Engine
 import generate as g
 from model import Plan
 from test_generate import (  # noqa: F401 (tiny: a fixture)

@@ -14,7 +14,8 @@ import draft_lookup as dl
 import test_generate as tg
 from draft_hybrid import HybridDrafter
 from draft_model import ModelDrafter
-from generate import Engine, main
+from engine import Engine
+from generate import main
 from model import load_model
 from sampling import Sampling
 from test_generate import PROMPTS, Cycle, Turns, autoregressive, tiny  # noqa: F401 (tiny: a fixture)

@@ -10,7 +10,7 @@ import torch
 import eagle_data as ed
 import eagle_train as et
 from conftest import one_line_error, write_tiny_hf
-from generate import Engine
+from engine import Engine
 from model import load_model
 from tokenizer import Tokenizer
 

@@ -11,7 +11,7 @@ import draft_eagle as de
 import exact
 from conftest import write_tiny_hf
 from eagle import load_eagle
-from generate import Engine
+from engine import Engine
 from model import causal_recent, exact_attention, exact_plan, load_model
 from test_generate import PROMPTS, tiny  # noqa: F401 (tiny: a fixture)
 from vocab import make_vocab

@@ -19,7 +19,8 @@ from eagle import load_eagle
 from exact import Invariance
 import engine
 import generate as g
-from generate import Engine, main
+from engine import Engine
+from generate import main
 from sampling import Sampling, accept_greedy, best_path, logits_to_probs, sample_from
 from model import load_model
 from vocab import make_vocab

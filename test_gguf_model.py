@@ -148,7 +148,7 @@ def test_each_architecture_runs_the_bits_of_its_hf_folder(tmp_path, arch, tied, 
     import transformers as tf
     hfm = tf.AutoModelForCausalLM.from_pretrained(ref, torch_dtype=torch.float32)
     want = hfm.generate(p, max_new_tokens=6, do_sample=False)[0, 8:].tolist()
-    from generate import Engine
+    from engine import Engine
     assert Engine(M.load_model(got, dtype=torch.float32)).generate(p[0].tolist(), 6)[0] == want
 
 

@@ -6,7 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import budget
 import graphs
-from generate import Engine
+from engine import Engine
 from sampling import Sampling
 from test_generate import PROMPTS, autoregressive, make_drafter, target, tiny  # noqa: F401 (tiny: a fixture)
 

@@ -5,7 +5,7 @@ import torch
 
 from conftest import write_tiny_hf
 from download import CheckpointError, resolve_checkpoint
-from generate import Engine
+from engine import Engine
 from model import ModelArgs, ModelError, Transformer, load_model
 from tokenizer import Tokenizer
 from model import Plan

@@ -21,7 +21,7 @@ import quant
 import quantize
 from conftest import gguf_blocks, write_eagle_head, write_tiny_hf
 from eagle import load_eagle
-from generate import Engine
+from engine import Engine
 from test_cpu_forward import load, toks  # the fused-pass tests' loader (GEMM kernel on) and tokens
 from vocab import make_vocab
 

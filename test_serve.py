@@ -23,7 +23,7 @@ import torch
 
 import cpu_forward
 from conftest import write_eagle_head, write_tiny_hf
-from generate import Engine
+from engine import Engine
 from model import load_model
 from serve import Output, parse_request, ApiError
 from tokenizer import Tokenizer
