@@ -1,7 +1,8 @@
 """Tensor parallelism against one process, on this machine: generate.py on one prompt as one process with the fused
 pass, as one process on the PyTorch layers in exact mode (what each rank runs), and under torchrun with N ranks,
-in turn, --rounds times; decode tokens/s, the mean accepted length, and whether each text is the one-process
-layers' text (TP's must be: the exit status is 1 where it is not).
+exact (every linear gathered) and --no-exact (the all-reduce layout), in turn, --rounds times; decode tokens/s,
+the mean accepted length, and whether each text is the one-process layers' text (exact TP's must be: the exit
+status is 1 where it is not).
 
     python bench_tp.py --ranks 2 --rounds 2 --max-new-tokens 128 [--checkpoint DIR] [--draft none] [--prompt TEXT]
 """
@@ -43,7 +44,10 @@ def commands(a) -> dict[str, tuple[list[str], dict]]:
                                                    env | {"NANOSPEC_CPU_FORWARD": "off"}),
             f"{a.ranks} ranks (TP {a.ranks})": ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                                                  str(a.ranks), *gen],
-                                                env | {"OMP_NUM_THREADS": str(max(1, threads // a.ranks))})}
+                                                env | {"OMP_NUM_THREADS": str(max(1, threads // a.ranks))}),
+            f"{a.ranks} ranks, --no-exact (all-reduce)": ([sys.executable, "-m", "torch.distributed.run",
+                                                          "--nproc_per_node", str(a.ranks), *gen, "--no-exact"],
+                                                         env | {"OMP_NUM_THREADS": str(max(1, threads // a.ranks))})}
 
 
 def run_one(argv: list[str], env: dict) -> dict:

@@ -106,7 +106,7 @@ def run(args) -> int:
         raise UsageError("tensor parallelism runs eager, without --chat: drop --chat and --compile")
     ranks = tp.setup(args.device)  # torchrun --nproc_per_node N: tensor parallel (tp.py)
     model, tok, _ = load_target(args.checkpoint, args.device, args.dtype)
-    tp.shard(model)
+    tp.shard(model, exact=args.exact is not False)  # --no-exact: the all-reduce layout
     tp.sync_budget()
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     if args.prompts is not None:

@@ -312,8 +312,9 @@ class Transformer(nn.Module):
             if self.cpu_pass is not None and max_batch == 1 else None
         self.kt = None if self.kv is None else cpu_forward.transposed_keys(self.kv, zeros=True)
         for i, layer in enumerate(self.layers):
-            layer.self_attn.kv_cache = KVCache(max_batch, slots, a.n_kv_heads, a.head_dim, p.dtype, p.device,
-                                               None if self.kv is None else self.kv[i])
+            att = layer.self_attn  # (its heads: a tensor-parallel rank's share, tp.py)
+            att.kv_cache = KVCache(max_batch, slots, att.n_kv_heads, a.head_dim, p.dtype, p.device,
+                                   None if self.kv is None else self.kv[i])
         cos, sin = rope_cache(max_seq, a.head_dim, a.rope_theta, a.rope_scaling)
         self.register_buffer("rope_cos", cos.to(p.device, p.dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(p.device, p.dtype), persistent=False)

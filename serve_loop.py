@@ -143,7 +143,7 @@ class EngineLoop:
         model, self.tok, path = load_target(a.checkpoint, a.device, a.dtype)
         if a.exact and model.cpu_pass is None:
             raise UsageError("--exact batches need the fused CPU pass (bf16 on a CPU with AVX2)")
-        tp.shard(model)  # (torchrun: this rank's slices of the layers; one process: unchanged)
+        tp.shard(model, a.exact is not False)  # (torchrun: this rank's slices of the layers; one process: as it is)
         tp.sync_budget()
         self.model, self.model_id, self.vocab = model, path.name, model.args.vocab_size
         self.drafters = dc.make_drafters(dc.from_flags(a, DEFAULT_HEAD), model, a.batch, Sampling(), self.tok)

@@ -129,6 +129,70 @@ def test_two_ranks_are_one_process(files, tmp_path, monkeypatch):
     assert ref["ngram"] == ref["ar"] == ref["eagle"] == ref["hybrid"] and ref["sampled"] != ref["ar"]
 
 
+def run_summed(path, dtype) -> dict:
+    """--no-exact's all-reduce layout: per pass, each collective's count; the logits; AR's greedy tokens."""
+    m = tp.shard(M.load_model(path, dtype=dtype), exact=False)
+    m.setup_caches(1, 64)
+    calls, real = {"all_gather": 0, "all_reduce": 0}, {k: getattr(dist, k) for k in ("all_gather", "all_reduce")}
+    for k in calls:
+        setattr(dist, k, lambda *a, k=k, **kw: calls.__setitem__(k, calls[k] + 1) or real[k](*a, **kw))
+    try:
+        with torch.no_grad():
+            logits = m(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))[0]
+    finally:
+        for k, f in real.items():
+            setattr(dist, k, f)
+    return dict(logits=logits, calls=calls, heads=[m.layers[0].self_attn.n_heads, m.layers[0].self_attn.n_kv_heads],
+                tokens=build_engine(m, None, dc.DraftConfig("none"), exact=False).generate(PROMPT, 24)[0],
+                summed=sum(isinstance(x, tp.Summed) for x in m.modules()))
+
+
+def _summed(r: int, world: int, init: str, paths, out: str):
+    os.environ.update(ENV)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=r, world_size=world, timeout=LIMIT)
+    try:
+        res = [run_summed(p, dt) for p, dt in paths]
+        if r == 0:
+            torch.save(res, out)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(cpu_gemm.kernel() is None, reason="needs x86-64 with AVX2+FMA and a C compiler")
+def test_no_exact_sums_partial_products(files, tmp_path, monkeypatch):
+    """--no-exact: each rank holds its heads (4 query, 2 key/value heads: 2 and 1 a rank) and its columns of the MLP,
+    and a layer sums o_proj's and down_proj's partial products (2 all_reduces, no gather); where the heads do not
+    divide (3 and 1) attention keeps its 2 gathers; a quantized model (int4) keeps every gather. The logits are one
+    process's up to the sums' order (bf16 partial products; fp32: to 1e-5), and in fp32 the greedy tokens are one
+    process's (in bf16 a tiny random model's near ties part them: at token 15 here)."""
+    monkeypatch.setenv(cpu_gemm.ENV, "kernel")
+    monkeypatch.setenv(cpu_forward.ENV, "off")
+    path, _ = files
+    even, _ = write_tiny_hf(tmp_path / "even", hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)
+    bf16 = torch.bfloat16
+    paths = [(even, torch.float32), (even, bf16), (path, bf16), (path.parent / "int4", bf16)]
+    mp.spawn(_summed, args=(2, str(tmp_path / "init"), paths, str(tmp_path / "out.pt")), nprocs=2)
+    got = torch.load(tmp_path / "out.pt")
+    assert [g["calls"] for g in got] == [dict(all_gather=0, all_reduce=6)] * 2 + [
+        dict(all_gather=6, all_reduce=3), dict(all_gather=12, all_reduce=0)]
+    assert [g["heads"] for g in got] == [[2, 1], [2, 1], [3, 1], [3, 1]]
+    assert [g["summed"] for g in got] == [6, 6, 3, 0]
+    for g, (p, dt) in zip(got, paths):
+        m = M.load_model(p, dtype=dt)
+        m.setup_caches(1, 64)
+        with torch.no_grad():
+            ref = m(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))[0]
+        if g["summed"] == 0:  # gathered: one process's bits
+            assert torch.equal(g["logits"], ref)
+        else:
+            assert (g["logits"] - ref).abs().max() <= (1e-5 if dt == torch.float32 else 0.02) * ref.abs().max()
+        if dt == torch.float32 or g["summed"] == 0:
+            assert g["tokens"] == build_engine(m, None, dc.DraftConfig("none"), exact=False).generate(PROMPT, 24)[0]
+
+
 def _errors(r: int, world: int, init: str, path, out: str):
     os.environ.update(ENV)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=r, world_size=world, timeout=LIMIT)

@@ -9,6 +9,12 @@ an output element is one rank's whole dot product, summed in the order one proce
 gives one process's logits bit for bit. Megatron's layout (o_proj and down_proj split by input rows, their partial
 sums all-reduced) sums each output across ranks in another order.
 
+--no-exact (shard(exact=False)) takes that layout where a block allows it (summed()): q, k, v and gate, up split by
+output rows, each rank its heads (its key/value heads' cache) and its columns of the MLP, and o_proj, down_proj by
+input columns, their partial products summed (all_reduce, fp32): 2 collectives a layer instead of 4 (TP 2 on a
+2-core Zen 4 over gloo: 1.14x the exact layout's AR tok/s, 1.23x with the default drafter). A block with quantized
+weights, or heads its ranks do not divide, keeps the gathers.
+
 The fused CPU pass runs every layer in one C call, with no place for the gathers: under TP the model runs its
 PyTorch layers (the cpu_gemm kernel per linear), in exact mode unless --no-exact. Drafters are replicated: every
 rank drafts the same tree from the same inputs with no communication, and the budget's choice of size and source
@@ -34,6 +40,10 @@ from model import Linear, Transformer
 # the decoder's linear layers, grouped by the input they read: a group's slices travel in one all_gather
 GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
           ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+
+
+# the all-reduce layout (--no-exact): per block, the linears split by output rows, then the one split by input columns
+SUMMED = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
 
 def device() -> str:
@@ -84,6 +94,20 @@ class Gathered(nn.Module):
         return self.group.output(self.index, x)
 
 
+class Summed(nn.Module):
+    """A linear layer's slice of input columns on this rank (a row-parallel layer): forward sums every rank's
+    partial products of its slice of the input, in fp32, then adds the bias."""
+
+    def __init__(self, part: nn.Module, n: int, bias: Tensor | None):
+        super().__init__()
+        self.part, self.out_features, self.bias = part, n, bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.part(x).float()
+        dist.all_reduce(y)
+        return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
+
+
 class Group:
     """A layer's Gathered linears that read one input, and what they gathered for it until each took its part."""
 
@@ -126,21 +150,49 @@ def split(m: nn.Module, name: str, r: int, w: int) -> nn.Module:
     return part
 
 
-def shard(model: Transformer) -> Transformer:
+def split_in(m: nn.Module, name: str, r: int, w: int) -> nn.Module:
+    """Rank r's input columns of the bf16 linear layer m, without its bias (Summed adds it once)."""
+    N, K = m.weight.shape
+    if K % w:
+        raise UsageError(f"tensor parallelism: {name} has {K} inputs, which {w} ranks do not divide")
+    part = Linear(K // w, N, bias=False, device="meta")
+    part.weight = nn.Parameter(m.weight.detach()[:, r * K // w:(r + 1) * K // w].clone(), requires_grad=False)
+    return part
+
+
+def summed(block: nn.Module, w: int) -> bool:
+    """Whether a block (attention, MLP) takes the all-reduce layout: bf16 linears, and heads its ranks divide."""
+    if any(isinstance(m, qlinear.QLinear) for m in block.modules()):
+        return False
+    return not hasattr(block, "n_heads") or (block.n_heads % w == 0 and block.n_kv_heads % w == 0)
+
+
+def shard(model: Transformer, exact: bool = True) -> Transformer:
     """Split every decoder linear layer of model across the process group's ranks (in place); the fused CPU pass
-    off. World size 1: model unchanged."""
+    off. exact=False: the all-reduce layout where a block allows it. World size 1: model unchanged."""
     w, r = world(), rank()
     if w == 1:
         return model
     for i, layer in enumerate(model.layers):
-        for paths in GROUPS:
+        attn, mlp = layer.self_attn, layer.mlp
+        local = {name for name, block in (("self_attn", attn), ("mlp", mlp)) if not exact and summed(block, w)}
+        if "self_attn" in local:  # this rank's heads: its query heads and the key/value heads they read
+            attn.n_heads, attn.n_kv_heads = attn.n_heads // w, attn.n_kv_heads // w
+        for owner in local:
+            block, (*cols, row) = getattr(layer, owner), SUMMED[owner]
+            for attr in cols:
+                setattr(block, attr, split(getattr(block, attr), f"layers.{i}.{owner}.{attr}", r, w))
+            m = getattr(block, row)
+            bias = None if m.bias is None else m.bias.detach().clone()
+            setattr(block, row, Summed(split_in(m, f"layers.{i}.{owner}.{row}", r, w), m.out_features, bias))
+        for paths in (g for g in GROUPS if g[0].split(".")[0] not in local):
             group = Group()
             for path in paths:
                 owner, attr = path.split(".")
                 parent = getattr(layer, owner)
                 m = getattr(parent, attr)
                 setattr(parent, attr, Gathered(split(m, f"layers.{i}.{path}", r, w), m.out_features, group))
-    model.cpu_pass = None
+    model.cpu_pass, model.max_batch = None, -1  # (caches set up again: a rank's heads' keys and values only)
     cpu_gemm.pack_linears(model)  # every linear on the kernel, as one process's PyTorch layers run them
     check_same(model)
     return model
