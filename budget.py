@@ -201,7 +201,8 @@ class Budgets:
         self.nodes, self.kw, self.of, self.key, self.chosen = nodes, kw, {}, None, None  # chosen: the policy's
         self.sizes_of, self.start_of = sizes_of, start_of
         self.setup_of = setup_of  # setup_of(key, b): seconds a draft of b nodes pays once first (0: none)
-        self.needs_of = needs_of  # needs_of(key, b): whether it needs one, priced or not yet (None: setup_of > 0)
+        # needs_of(key, b): whether it needs one, priced or not yet (default: a price above 0)
+        self.needs_of = needs_of or (lambda key, b: setup_of is not None and setup_of(key, b) > 0)
         self.policy = policy or Policy()
         self.policy.estimate = self.estimate
         self.spent = {"probe": 0.0, "total": 0.0}  # one probe cap for the request (Budget.probe_share)
@@ -235,9 +236,7 @@ class Budgets:
 
     def free(self, key, bud: Budget) -> list[int]:
         """Source key's sizes that need no set-up (size 1 always): a trial's, even before a set-up is priced."""
-        if self.needs_of is not None:
-            return [s for s in bud.sizes if s == 1 or not self.needs_of(key, s)]
-        return [s for s in bud.sizes if s == 1 or self.setup_of is None or self.setup_of(key, s) <= 0]
+        return [s for s in bud.sizes if s == 1 or not self.needs_of(key, s)]
 
     def estimate(self, key) -> float:
         """Source key's best estimated rate over its speculative sizes that need no set-up (0: none, or unknown)."""
