@@ -31,7 +31,7 @@ from budget_memory import BudgetMemory, pass_costs
 from draft import Accepted, Behind, Prefill, Tree, chain_tree, stop_at
 from errors import UsageError
 from model import Plan, Transformer, tree_mask
-from sampling import Sampling, accept_sample, argmax, greedy_path, logits_to_probs
+from sampling import Sampling, accept_sample, argmax, greedy_path, logits_to_probs, sample_from
 
 
 @dataclass
@@ -346,7 +346,7 @@ class BatchEngine:
             if s.sampling.greedy:
                 path, L, bonus = greedy_path(t, pred[r - len(ar):r - len(ar) + N])
             else:
-                p, Lt, bt = accept_sample(t, logits_to_probs(logits[r:r + N], s.sampling))
+                p, Lt, bt = accept_sample(t, logits_to_probs(logits[r:r + N], s.sampling), s.gen)
                 L, bonus, path = int(Lt), int(bt), p.tolist()
             self.model.compact_kv([s.slot + s.n + j for j in path[:L]], s.slot + s.n)  # the path's KV to n .. n + L - 1
             toks_i = t.tokens.tolist()
@@ -402,9 +402,8 @@ class BatchEngine:
     def _sample(self, logits: Tensor, seqs: list[Seq]) -> Tensor:
         out = argmax(logits)
         for i, s in enumerate(seqs):
-            if not s.sampling.greedy:  # exponential race on the sequence's own stream (sampling.sample_from)
-                p = logits_to_probs(logits[i], s.sampling)
-                out[i] = argmax(p / torch.empty_like(p).exponential_(1, generator=s.gen))
+            if not s.sampling.greedy:  # on the sequence's own stream
+                out[i] = sample_from(logits_to_probs(logits[i], s.sampling), s.gen)
         return out
 
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

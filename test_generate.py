@@ -226,11 +226,11 @@ def test_sampler_catches_a_biased_acceptance(tmp_path, monkeypatch, kind):
         test_speculative_sampling_is_exact(tmp_path, monkeypatch, kind, Sampling(1.0), None)
 
 
-def accept_sample_biased(tree, probs):
+def accept_sample_biased(tree, probs, generator=None):
     hit = torch.zeros_like(tree.valid)
     hit[1] = True  # the first child is always accepted, whatever the target says
     path, L, best = best_path(tree, hit)
-    return path, L, sample_from(probs[best])
+    return path, L, sample_from(probs[best], generator)
 
 
 def test_cli_errors(tmp_path, capsys):

@@ -81,3 +81,52 @@ def test_argmax_is_torchs(dtype):
         assert sampling._argmax_c(y).tolist() == [7] * 6
     compiled = torch.compile(sampling.argmax, fullgraph=True, backend="eager")  # one node in a traced step
     assert torch.equal(compiled(x), torch.argmax(x, dim=-1))
+
+
+def test_sample_from_draws_each_row_from_its_law():
+    """Rows drawn apart, unnormalised, at their probabilities (chi-square, p > 1e-4 over 20,000 draws), entries of
+    no mass never drawn (the last ones included), an all-zero row gives 0, and a generator repeats its draws."""
+    from test_generate import _chi2_sf
+    p = torch.tensor([[0.0, 0.5, 0.0, 1.5, 1.0, 2.0, 0.0], [3.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0]])
+    n = 20000
+    draws = sampling.sample_from(p[:, None, :].expand(2, n, 7).contiguous())  # [2, n]
+    for row, d in zip(p, draws):
+        counts = torch.bincount(d, minlength=7).double()
+        assert counts[row == 0].sum() == 0, counts
+        exp = row.double() / row.sum() * n
+        stat = float((((counts - exp) ** 2)[row > 0] / exp[row > 0]).sum())
+        assert _chi2_sf(stat, int((row > 0).sum()) - 1) > 1e-4, (counts, exp)
+    assert sampling.sample_from(torch.zeros(3, 5)).tolist() == [0, 0, 0]
+    one = torch.zeros(4, 9)
+    one[:, 8] = 1e-30  # the last entry alone has mass: a uniform rounding up to the sum still draws it
+    assert sampling.sample_from(one).tolist() == [8] * 4
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    q = torch.rand(5, 100)
+    assert torch.equal(sampling.sample_from(q, g1), sampling.sample_from(q, g2))
+
+
+def test_accept_sample_is_exact_on_a_chain_and_a_tree():
+    """accept_sample's first emitted token follows the target's law at the root: on a chain whose tokens are drawn
+    from its draft law q, and on siblings proposed without one (whatever they are): chi-square over 6,000 draws."""
+    from test_generate import _chi2_sf
+    V, n, g = 6, 6000, torch.Generator().manual_seed(1)
+    probs = torch.tensor([[0.1, 0.4, 0.2, 0.3, 0.0, 0.0]] * 3)
+    q = torch.tensor([[0.0, 0.7, 0.1, 0.2, 0.0, 0.0], [0.5, 0.0, 0.0, 0.0, 0.5, 0.0], [0.0] * 5 + [1.0]])
+    sib = dr.Tree(torch.tensor([0, 1, 3]), torch.tensor([-1, 0, 0]), torch.tensor([0, 1, 1]),
+                  torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool), torch.ones(3, dtype=torch.bool),
+                  None, 1)
+    for kind in ("chain", "siblings"):
+        first = []
+        for _ in range(n):
+            tree = sib
+            if kind == "chain":
+                x = torch.multinomial(q[:2], 1, generator=g)[:, 0]
+                tree = dr.Tree(torch.cat([torch.tensor([0]), x]), torch.tensor([-1, 0, 1]), torch.tensor([0, 1, 2]),
+                               torch.tril(torch.ones(3, 3, dtype=torch.bool)), torch.ones(3, dtype=torch.bool), q, 2)
+            path, L, bonus = sampling.accept_sample(tree, probs, g)
+            first.append(int(tree.tokens[path[1]]) if int(L) > 1 else int(bonus))
+        counts = torch.bincount(torch.tensor(first), minlength=V).double()
+        exp = probs[0].double() * n
+        assert counts[4:].sum() == 0, (kind, counts)
+        stat = float((((counts - exp) ** 2)[:4] / exp[:4]).sum())
+        assert _chi2_sf(stat, 3) > 1e-4, (kind, counts, exp)
