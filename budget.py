@@ -308,8 +308,7 @@ class Budgets:
         self.emitted += len(accepted)
         self.steps += 1
         self.served += b > 1 and not (self.setup_of is not None and self.setup_of(self.key, b) > 0)
-        if self.chosen is not None:  # what the source handed the step delivered, its AR steps too
-            self.policy.observe(self.chosen, len(accepted), seconds)
+        self.policy.observe(self.chosen, len(accepted), seconds)  # what the source handed the step delivered
         if b == 1:  # every source's autoregressive time follows it (see pick)
             for k, bud in self.of.items():
                 if k != self.key:

@@ -1,11 +1,11 @@
 """Which source drafts a step (budget_policy.py, through budget.Budgets): a set-up waits until the tokens left would
 repay it (pays_back); explore then exploit: a source never accepted is dropped after bounded trials, one that starts
-paying is picked up, two that pay by stretches are both followed; a trial drafts past the source's best size; thin
-evidence does not lock a set-up out."""
+paying is picked up, two that pay by stretches are both followed; re-trials keep to a share of the time; a trial
+drafts past the source's best size; thin evidence does not lock a set-up out."""
 import pytest
 
 from budget import Budget, Budgets
-from budget_policy import pays_back
+from budget_policy import Policy, pays_back
 from test_budget import trained
 
 
@@ -66,6 +66,27 @@ def test_a_source_never_accepted_is_dropped_after_bounded_trials():
     assert picks[200:].count("eagle") >= 180  # (the rest: the head's budget's own probes of a one-row step)
     picks, _ = offered(400, lambda i, key: 1)
     assert sum(p is not None for p in picks[200:]) <= 2 * (200 // 64 + 1)
+
+
+def test_retrials_stay_under_a_share_of_the_requests_time():
+    """Where nothing pays (four sources, none ever accepted), the sources' re-trials after their first trials take
+    at most Policy.share of the request's seconds (one step over at most); without the cap, gaps back to 8 steps
+    each time a leader stopped paying had let them take more."""
+    def run(share):
+        bs = Budgets(16, settle=1, policy=Policy(share=share))
+        keys, retry_s, total_s = ["ngram1", "ngram2", "ngram3", "eagle"], 0.0, 0.0
+        for i in range(600):
+            b = bs.pick(keys)
+            # the first sources lead now and then (a lucky step), so gaps go back to their start
+            n = min(b, 6) if b > 1 and bs.key == "eagle" and i % 50 == 0 else 1
+            s = 1.0 if b == 1 else 1.0 + 0.05 * b
+            retry_s, total_s = retry_s + s * bs.policy.retrying, total_s + s
+            bs.observe(b, list(range(n)), s)
+        return retry_s, total_s
+    retry_s, total_s = run(0.05)
+    assert 0 < retry_s <= 0.05 * total_s + 1.8
+    retry_s, total_s = run(1.0)
+    assert retry_s > 0.05 * total_s + 1.8
 
 
 def test_a_source_that_starts_paying_mid_request_is_picked_up():
