@@ -89,6 +89,22 @@ def test_retrials_stay_under_a_share_of_the_requests_time():
     assert retry_s > 0.05 * total_s + 1.8
 
 
+def test_a_source_whose_set_up_does_not_pay_leaves_the_other_alone():
+    """Where the head's start would not pay back (a short request), the chain source is the step's only choice:
+    no trials, every size its own Budget's, step for step what prompt lookup alone picks."""
+    accept = lambda i, key: 3 if i % 3 else 1
+    picks, bs = offered(60, accept, setup_of=lambda key, b: 10 ** 6 if key == "eagle" else 0.0)
+    assert "eagle" not in picks and not bs.policy.trying and bs.policy.n.get("ngram3") == 60
+    alone, sizes = Budgets(16, settle=1), []
+    for i in range(60):
+        b = alone.pick(["ngram3"])
+        sizes.append(b)
+        n = min(b, accept(i, "ngram3")) if b > 1 else 1
+        alone.observe(b, list(range(n)), 1.0 if b == 1 else 1.0 + 0.05 * b)
+    assert bs.of["ngram3"].chosen == alone.of["ngram3"].chosen and [p is not None for p in picks] == [
+        b > 1 for b in sizes]
+
+
 def test_a_source_that_starts_paying_mid_request_is_picked_up():
     """Prompt lookup's chains miss for 150 steps (the answer has not started copying), then are right 8 tokens
     deep: within a retrial gap the policy moves from the head's tree (3 tokens a step) to the chain."""
