@@ -41,7 +41,8 @@ class Policy:
         # a source never drafted whose set-up would not pay back is no choice; where one source is left, the step
         # is its own (no trials: the hybrid whose head waits drafts as prompt lookup alone does; their trials had
         # cost it 7-10% on Spec-Bench's translation and QA answers, the head never started)
-        open_ = [s for s in sources if self.n.get(s) or may_try(s)]
+        fresh = {s: may_try(s) for s in sources if not self.n.get(s)}  # never drafted: whether each may be tried
+        open_ = [s for s in sources if fresh.get(s, True)]
         if len(open_) == 1:
             return self.only(open_[0])
         self.steps += 1
@@ -55,7 +56,7 @@ class Policy:
         self.leader, self.trying, self.retrying = best if pays else None, True, False
         self.bar = max(self.rate(best) if best is not None else 0.0, ar_rate)  # what a trial must beat to come back
         for s in sources:
-            if s not in tried and may_try(s):  # explore
+            if s not in tried and (fresh[s] if s in fresh else may_try(s)):  # explore
                 return self.take(s)
         for s in tried if self.retry_s <= self.share * self.total_s else ():
             if s != best and self.steps - self.last[s] >= self.gap.get(s, self.gap0) and may_try(s):
