@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from budget_batch import BatchBudget, PassCosts, bucket, lower_hull
+from budget_policy import Policy
 
 
 def test_lower_hull_slopes_never_fall():
@@ -152,6 +153,20 @@ def two_sources(pass_s, drafter, steps: int = 60) -> list[tuple[str, int, bool]]
         rows = sum(sizes)
         bb.observe(rows, pass_s(rows), 16, pass_s(rows))
     return out
+
+
+def test_a_step_without_a_draft_counts_for_no_source():
+    """A sequence's step of one row is no draft of the source its policy handed it (the source's rate is its drafts'),
+    unless the step was that source's trial: as at batch 1 (test_budget_policy)."""
+    bb = BatchBudget(16, sizes_of=lambda k: [1, 2, 4, 8, 16])
+    s = Seq(0.5, drafter=Drafter())
+    s.policy, s.chosen, s.step_s = Policy(), "ngram3", 0.01
+    bb.observe_seq(s, 1, [0])
+    assert not s.policy.n and s.policy.total_s == pytest.approx(0.01)
+    bb.observe_seq(s, 4, [0, 1])
+    s.policy.trying = True
+    bb.observe_seq(s, 1, [0])
+    assert s.policy.n == {"ngram3": 2} and s.policy.tok["ngram3"] == pytest.approx(0.8 * 2 + 1)
 
 
 def test_a_trial_pays_no_set_up():
