@@ -44,7 +44,10 @@ class Engine:
         # a one-node tree's accepted path and length (_spec_decode), made once: no allocation inside a step
         self.root_path = (torch.zeros(1, dtype=torch.long, device=self.device),
                           torch.ones((), dtype=torch.long, device=self.device))
-        self.verify_step, self.advance_step = self._spec_verify, self._spec_advance
+        # eager greedy CPU steps accept on host lists (_verify_host); traced (compile, CUDA graphs) and sampled ones
+        # keep to device ops: picked here, once
+        host = sampling.greedy and self.device.type == "cpu" and not compile
+        self.verify_step, self.advance_step = self._verify_host if host else self._spec_verify, self._spec_advance
         # CUDA graphs need fixed buffer addresses: one KV cache of max_seq slots for every request
         graphed = compile and self.device.type == "cuda"
         self.planner = Planner(model, exact, min(max_seq, model.args.max_position_embeddings) if graphed else None,
@@ -129,24 +132,33 @@ class Engine:
 
     def _spec_verify(self, tree: Tree, n: Tensor) -> tuple[Tensor, Accepted]:
         # a step's first static-shape, sync-free half: target pass, acceptance, KV compaction (then _spec_advance)
-        if tree.tokens.shape[0] == 1 and self.R_ver.gemm == 1 and not self.planner.attention:
+        if self._one_row(tree):
             return self._spec_decode(tree, n)
         logits, hid, aux = self._verify(tree.tokens, tree.depth, tree.anc, n)  # [N, V], [1, N, d], [1, N, 3d]
-        if self.sampling.greedy and self.device.type == "cpu" and not torch.compiler.is_compiling():
-            # eager CPU: host-list acceptance, KV moves in one C call (small device ops met cold caches: 1.02-1.06x)
-            p, L, bonus = accept_greedy_host(tree, logits)
-            if tree.tokens.shape[0] > 1:
-                n0 = int(n)
-                self.model.compact_kv([n0 + i for i in p], n0)
-            toks = tree.tokens.tolist()
-            host = torch.tensor([L, bonus] + [toks[i] for i in p] + p)  # the Accepted holds views of it
-            return host, Accepted(tree, host[2 + len(p):], host[0], host[1], logits, hid, aux, n)
         path, L, bonus = (accept_greedy(tree, logits) if self.sampling.greedy else
                           accept_sample(tree, logits_to_probs(logits, self.sampling)))
         if tree.tokens.shape[0] > 1:  # the accepted path's KV moves to slots n .. n + L - 1
             self.model.compact_kv(n + path, n)
         host = torch.cat([L.view(1), bonus.view(1), tree.tokens[path], path])  # what the host needs, in one sync
         return host, Accepted(tree, path, L, bonus, logits, hid, aux, n)
+
+    def _verify_host(self, tree: Tree, n: Tensor) -> tuple[Tensor, Accepted]:
+        """_spec_verify's values for eager greedy CPU steps: host-list acceptance, KV moves in one C call (small
+        device ops met cold caches: 1.02-1.06x)."""
+        if self._one_row(tree):
+            return self._spec_decode(tree, n)
+        logits, hid, aux = self._verify(tree.tokens, tree.depth, tree.anc, n)
+        p, L, bonus = accept_greedy_host(tree, logits)
+        if tree.tokens.shape[0] > 1:
+            n0 = int(n)
+            self.model.compact_kv([n0 + i for i in p], n0)
+        toks = tree.tokens.tolist()
+        host = torch.tensor([L, bonus] + [toks[i] for i in p] + p)  # the Accepted holds views of it
+        return host, Accepted(tree, host[2 + len(p):], host[0], host[1], logits, hid, aux, n)
+
+    def _one_row(self, tree: Tree) -> bool:
+        """A one-node tree verified as the decode step runs it (exact attention's padded passes excepted)."""
+        return tree.tokens.shape[0] == 1 and self.R_ver.gemm == 1 and not self.planner.attention
 
     def _spec_decode(self, tree: Tree, n: Tensor) -> tuple[Tensor, Accepted]:
         """_spec_verify of a one-node tree as the decode step runs it: 25 fewer small ops (7.21 -> 6.90 ms a step)."""

@@ -286,6 +286,9 @@ def test_eager_cpu_verify_equals_the_traced_step(tiny, dtype):
     prompt = PROMPTS[2]
     c = autoregressive(m, prompt, 5)  # the first token (the root), then the target's next four
     eng = Engine(m, drafter=dl.NgramDrafter(k=4), budget=True)
+    sampled = Engine(m, Sampling(0.7), drafter=dl.NgramDrafter(k=4))
+    # the variant is picked when the engine is built: eager greedy CPU steps on host lists, sampled on device ops
+    assert eng.verify_step == eng._verify_host and sampled.verify_step == sampled._spec_verify
     traced = torch.compile(eng._spec_verify, fullgraph=True, backend="eager")
     S, eng.R_ver = eng.planner.plan(len(prompt), 16, 8)
     m.setup_caches(1, S)
@@ -300,7 +303,7 @@ def test_eager_cpu_verify_equals_the_traced_step(tiny, dtype):
     for t in (tree, tree.prefix(5), tree.prefix(3), tree.prefix(1), dr.chain_tree(torch.tensor(c[:3]))):
         eng.R_ver = eng.planner.pass_rows(t.tokens.shape[0], S)
         before = [x.clone() for x in caches()]
-        h1, a1 = eng._spec_verify(t, n)
+        h1, a1 = eng._verify_host(t, n)
         after = [x.clone() for x in caches()]
         for x, old in zip(caches(), before):
             x.copy_(old)
