@@ -109,8 +109,8 @@ def test_a_source_whose_set_up_does_not_pay_leaves_the_other_alone():
 def test_a_step_without_a_draft_is_no_sources_trial():
     """Where lookup has no chain, the hybrid offers its waiting head alone, whose Budget decodes (the start would
     not pay): that step is no draft of the head's. Counted as one, the head had joined the chains' steps at
-    decoding's rate, and the chains were re-tried past their best size (Spec-Bench QA, 0.91x lookup alone). So the
-    chain steps are lookup alone's, size for size, and no step is a trial."""
+    decoding's rate, and the chains were re-tried past their best size (0.89x lookup alone on a Spec-Bench QA
+    answer). So the chain steps are lookup alone's, size for size, and no step is a trial."""
     chain = lambda i: i % 4 != 3  # every fourth step lookup has no chain
     accept = lambda i: 3 if i % 2 else 1
     cost = lambda b: 1.0 if b == 1 else 1.0 + 0.05 * b
