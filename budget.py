@@ -308,10 +308,7 @@ class Budgets:
         self.emitted += len(accepted)
         self.steps += 1
         self.served += b > 1 and not (self.setup_of is not None and self.setup_of(self.key, b) > 0)
-        # what the source handed the step delivered; a step without a draft is no source's but a trial's (the
-        # hybrid's waiting head, offered alone where lookup had no chain, had counted as tried at decoding's rate:
-        # it then took steps from the chains, and their re-trials drafted past their best size)
-        self.policy.observe(self.chosen if b > 1 or self.policy.trying else None, len(accepted), seconds)
+        self.policy.observe(self.chosen, len(accepted), seconds, b > 1)  # what the source handed the step delivered
         if b == 1:  # every source's autoregressive time follows it (see pick)
             for k, bud in self.of.items():
                 if k != self.key:

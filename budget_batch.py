@@ -138,8 +138,8 @@ class BatchBudget:
 
     def observe_seq(self, seq, b: int, accepted: list[int]):
         """A sequence's step of size b (1: no draft): its accepted node indices, root first."""
-        if getattr(seq, "policy", None) is not None:  # what its policy's source paid (no draft: its time alone)
-            seq.policy.observe(seq.chosen if b > 1 or seq.policy.trying else None, len(accepted), seq.step_s or 1e-9)
+        if getattr(seq, "policy", None) is not None:  # what its policy's source paid (None: its time alone)
+            seq.policy.observe(seq.chosen, len(accepted), seq.step_s or 1e-9, b > 1)
         if b == 1:
             return
         for own, d in ((seq.budgets, seq.key), (self.common, seq.key)):

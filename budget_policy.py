@@ -78,12 +78,15 @@ class Policy:
         self.last[s] = self.steps
         return s
 
-    def observe(self, s, tokens: int, seconds: float):
-        """A step source s drafted: tokens emitted in seconds."""
+    def observe(self, s, tokens: int, seconds: float, drafted: bool = True):
+        """A step handed to source s (None: to none): tokens emitted in seconds. A step without a draft is no
+        source's but a trial's: the hybrid's waiting head, offered alone where lookup had no chain and decoding, had
+        counted as tried at decoding's rate, took steps from the chains, and their re-trials drafted past their
+        best size."""
         d = self.decay
         self.total_s += seconds
         self.retry_s += seconds if self.retrying else 0.0
-        if s is None:  # a step without a draft: its time alone
+        if s is None or not (drafted or self.trying):  # its time alone
             return
         self.tok[s], self.sec[s] = d * self.tok.get(s, 0.0) + tokens, d * self.sec.get(s, 0.0) + seconds
         self.n[s] = self.n.get(s, 0) + 1
