@@ -47,10 +47,11 @@ from pathlib import Path
 
 import torch
 
+import bench_plots
 import draft_config as dc
 from bench_latency import latency_mode
 from bench_methods import Method, build_method, expand_methods, fmt_k, parse_k, run_benchmark
-from bench_report import (_f, check_targets, command_line, figure1, human_bytes, make_plots, md_table, state_table,
+from bench_report import (_f, check_targets, command_line, figure1, human_bytes, md_table, state_table,
                           summarize, write_reports)
 from bench_workload import (SHAPES, TASK_TITLES, WARMUP_PROMPT, ensure_cache, load_questions, select_questions,
                             self_freq_file, shape_args, write_random_eagle3)
@@ -370,7 +371,7 @@ def run(args, log) -> int:
                targets=check_targets(S, methods), peer=peer)
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        make_plots(out_dir, tag, fig1, S, methods, tasks, log)
+        bench_plots.make_plots(out_dir, tag, fig1, S, methods, tasks, log)
     except Exception as e:  # a plotting problem must not cost the measurements
         log(f"WARNING: plotting failed ({type(e).__name__}: {e}); the Markdown report has the same data")
     write_reports(out_dir, tag, ctx, S, methods, tasks, records, mismatches, fig1, log)

@@ -9,11 +9,16 @@ recall is conditioned on the earlier tokens being right, which is what acceptanc
 The draft vocabulary's window follows the text as the engine's does: reset from the prompt (and the target's
 top-k_pre at each prompt position), then per answer position the target's top-k_ver there and the head's
 first-level candidates (its top-`tree_k` at the previous position, the tree's first level)."""
+import json
+import re
+from pathlib import Path
+
 import torch
 
 import vocab as vc
 from draft_config import DraftConfig
 from eagle import load_eagle
+from eagle_data import TrainError
 from eagle_ttt import rope_cache, ttt_forward
 from engine import build_engine
 from model import Plan, Transformer
@@ -142,6 +147,23 @@ def table(res: dict, eng: dict | None = None) -> str:
     if eng:
         tail += f"; engine τ {eng['tau']} over {eng['steps']} steps"
     return "\n".join(out) + "\n\n" + tail
+
+
+def read_point(spec: str, tokens: bool = False) -> tuple:
+    """`curve`'s LABEL=FILE.json (an `eval --json` result) -> (label, result); tokens: the label read as a token
+    count (410k, 2.21M)."""
+    label, sep, f = spec.partition("=")
+    if not sep or not Path(f).is_file():
+        raise TrainError(f"{spec!r}: expected LABEL=FILE.json with an existing file")
+    try:
+        res = json.loads(Path(f).read_text())
+    except json.JSONDecodeError as e:
+        raise TrainError(f"{f} is not JSON ({e.msg})") from None
+    if not tokens:
+        return label, res
+    if not (m := re.fullmatch(r"([\d.]+)([kKmM]?)", label)):
+        raise TrainError(f"{label!r} is not a token count (e.g. 410k, 2.21M)")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6}[m.group(2).lower()], res
 
 
 def curve(points: list[tuple[float, dict]], png: str | None = None, ref: tuple[str, dict] | None = None) -> str:

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -335,22 +334,8 @@ def cmd_eval(args):
 
 
 def cmd_curve(args):
-    def read(spec):
-        label, sep, f = spec.partition("=")
-        if not sep or not Path(f).is_file():
-            raise TrainError(f"{spec!r}: expected LABEL=FILE.json with an existing file")
-        try:
-            return label, json.loads(Path(f).read_text())
-        except json.JSONDecodeError as e:
-            raise TrainError(f"{f} is not JSON ({e.msg})") from None
-
-    def tokens(label):
-        m = re.fullmatch(r"([\d.]+)([kKmM]?)", label)
-        if not m:
-            raise TrainError(f"{label!r} is not a token count (e.g. 410k, 2.21M)")
-        return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6}[m.group(2).lower()]
-    points = [(tokens(lb), r) for lb, r in map(read, args.points)]
-    print(ev.curve(points, args.png, read(args.ref) if args.ref else None))
+    print(ev.curve([ev.read_point(p, tokens=True) for p in args.points], args.png,
+                   ev.read_point(args.ref) if args.ref else None))
     return 0
 
 

@@ -1,5 +1,6 @@
 """The target transformer (Llama-3.x / SmolLM2 / Qwen2 / Qwen3 in HF weight layout), gpt-fast style: one forward
 serves prefill, decode and tree verification (explicit mask over the static KV cache)."""
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -346,18 +347,16 @@ class Transformer(nn.Module):
         fused = self.kv is not None and tokens.shape[0] == 1 and input_pos.dim() == 1 and mask.dim() == 2
         plan = plan or NO_PLAN
         aux_ids = plan.aux_layers
-        if fused and plan.layers_from is not None and tokens.shape[1] >= plan.layers_from:
-            with cpu_gemm.turned_off():  # a large --no-exact pass: the PyTorch layers with torch's GEMMs
-                h, aux = self._layers(x, cos, sin, input_pos, mask, cache_pos, recent, attn_rows, mask_base, causal,
-                                      aux_ids)
-        elif fused:
+        large = fused and plan.layers_from is not None and tokens.shape[1] >= plan.layers_from
+        if fused and not large:
             # layers and final norm in one C call, row-invariant by construction: no exact mode needed (cpu_forward.py)
             h, aux = self.cpu_pass(x[0], cos, sin, mask, cache_pos, self.kv, aux_ids, kt=self.kt,
                                    norm=self.norm.weight, mask_base=mask_base)
             h, aux = h[None], (aux[None] if aux_ids else None)
-        else:
-            h, aux = self._layers(x, cos, sin, input_pos, mask, cache_pos, recent, attn_rows, mask_base, causal,
-                                  aux_ids)
+        else:  # (a large --no-exact pass: the PyTorch layers with torch's GEMMs)
+            with cpu_gemm.turned_off() if large else contextlib.nullcontext():
+                h, aux = self._layers(x, cos, sin, input_pos, mask, cache_pos, recent, attn_rows, mask_base, causal,
+                                      aux_ids)
         logits = self.lm_head(h) if compute_logits else None
         return (logits, h, aux) if return_hidden else logits
 
