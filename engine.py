@@ -16,7 +16,7 @@ from download import resolve_checkpoint
 from draft import Accepted, Prefill, Tree, chain_tree, stop_at
 from errors import UsageError
 from exact import PassRows
-from planner import Planner
+from planner import Planner, Request
 from model import Plan, Transformer, causal_recent, load_model, tree_mask, tree_recent
 from sampling import Sampling, accept_greedy, accept_greedy_host, accept_sample, logits_to_probs, sample
 from stats import PHASES, Clock, Stats, sync
@@ -56,7 +56,6 @@ class Engine:
         # cpu_forward.layers_from's size on the PyTorch layers
         self.plan = Plan(() if drafter is None else drafter.aux_layers,
                          cpu_forward.layers_from(model) if exact is False else None)
-        self.R_dec = self.R_ver = PassRows(1, 1)  # rows of the decode and verify passes of the current request
         # compiled: the drafter's update and next draft run as one step (eager keeps them apart to time each)
         self.fused_steps = compile and drafter is not None and drafter.graphable
         if compile:
@@ -65,25 +64,25 @@ class Engine:
         key = f"exact={exact} compile={compile} {budget_cache}" if budget_cache is not None else None
         self.memory = BudgetMemory(model, drafter, key if budget and drafter is not None else None, self.plan)
 
-    def _decode_one(self, tok: Tensor, pos: Tensor) -> Tensor:
-        # padded to R_dec rows (exact mode): the pad rows write KV slots the next step overwrites before any read
-        R = self.R_dec.gemm
+    def _decode_one(self, tok: Tensor, pos: Tensor, rows: PassRows) -> Tensor:
+        # padded to rows.gemm rows (exact mode): the pad rows write KV slots the next step overwrites before any read
+        R = rows.gemm
         p = pos + torch.arange(R, device=pos.device)
-        logits = self.model(tok.expand(1, R), p, recent=causal_recent(p) if self.planner.attention else None,
-                            attn_rows=self.R_dec.attn, plan=self.plan)[:, 0]
+        logits = self.model(tok.expand(1, R), p, recent=causal_recent(p) if rows.recent else None,
+                            attn_rows=rows.attn, plan=self.plan)[:, 0]
         return sample(logits, self.sampling)
 
-    def _verify(self, tokens: Tensor, depth: Tensor, anc: Tensor, n: Tensor):
+    def _verify(self, tokens: Tensor, depth: Tensor, anc: Tensor, n: Tensor, rows: PassRows):
         # one target pass over the tree: positions n + depth, KV slots n + node index; pad nodes see only themselves
         m, N = self.model, tokens.shape[0]
-        R = max(self.R_ver.gemm, N)
+        R = max(rows.gemm, N)
         if N < R:
             tokens, depth = torch.cat([tokens, tokens.new_zeros(R - N)]), torch.cat([depth, depth.new_zeros(R - N)])
             anc = torch.block_diag(anc, torch.eye(R - N, dtype=torch.bool, device=anc.device))
         mask = tree_mask(m.seq_range, anc, n)
-        recent = tree_recent(anc, depth, n) if self.planner.attention else None
+        recent = tree_recent(anc, depth, n) if rows.recent else None
         logits, hid, aux = m(tokens[None], n + depth, mask=mask, cache_pos=n + torch.arange(R, device=n.device),
-                             return_hidden=True, recent=recent, attn_rows=max(self.R_ver.attn, R), plan=self.plan)
+                             return_hidden=True, recent=recent, attn_rows=max(rows.attn, R), plan=self.plan)
         return logits[0, :N], hid[:, :N], (aux[:, :N] if aux is not None else None)
 
     def _prefill(self, ptoks: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -111,16 +110,16 @@ class Engine:
         if self.drafter is not None:
             return self._generate_spec(prompt, max_new_tokens, on_tokens)
         m, dev = self.model, self.device
-        S, self.R_dec = self.planner.plan(T, max_new_tokens, 1)
-        m.setup_caches(1, S)
+        req = self.planner.plan(T, max_new_tokens, 1)  # (the request's plan: passed, never kept)
+        m.setup_caches(1, req.S)
         graphs.follow_buffers((self.decode_fn,), m, None)
-        st = Stats(extra=dict(exact=self.planner.exact))
+        st, rows = Stats(extra=dict(exact=req.exact)), req.rows
         tok, out, n = self._spec_prefill(prompt, st)
         if on_tokens:
             on_tokens(out)
         t0, pos = time.perf_counter(), n.view(1)
         while len(out) < max_new_tokens and out[-1] not in m.args.eos_ids:
-            tok = self.decode_fn(tok.view(1, 1), pos)
+            tok = self.decode_fn(tok.view(1, 1), pos, rows)
             pos += 1
             out.append(int(tok))  # the one host sync per token: needed for eos and streaming
             st.target_forwards += 1
@@ -130,11 +129,11 @@ class Engine:
         st.decode_s, st.new_tokens = time.perf_counter() - t0, len(out)
         return out, st
 
-    def _spec_verify(self, tree: Tree, n: Tensor) -> tuple[Tensor, Accepted]:
+    def _spec_verify(self, tree: Tree, n: Tensor, rows: PassRows) -> tuple[Tensor, Accepted]:
         # a step's first static-shape, sync-free half: target pass, acceptance, KV compaction (then _spec_advance)
-        if self._one_row(tree):
+        if self._one_row(tree, rows):
             return self._spec_decode(tree, n)
-        logits, hid, aux = self._verify(tree.tokens, tree.depth, tree.anc, n)  # [N, V], [1, N, d], [1, N, 3d]
+        logits, hid, aux = self._verify(tree.tokens, tree.depth, tree.anc, n, rows)  # [N, V], [1, N, d], [1, N, 3d]
         path, L, bonus = (accept_greedy(tree, logits) if self.sampling.greedy else
                           accept_sample(tree, logits_to_probs(logits, self.sampling)))
         if tree.tokens.shape[0] > 1:  # the accepted path's KV moves to slots n .. n + L - 1
@@ -142,12 +141,12 @@ class Engine:
         host = torch.cat([L.view(1), bonus.view(1), tree.tokens[path], path])  # what the host needs, in one sync
         return host, Accepted(tree, path, L, bonus, logits, hid, aux, n)
 
-    def _verify_host(self, tree: Tree, n: Tensor) -> tuple[Tensor, Accepted]:
+    def _verify_host(self, tree: Tree, n: Tensor, rows: PassRows) -> tuple[Tensor, Accepted]:
         """_spec_verify's values for eager greedy CPU steps: host-list acceptance, KV moves in one C call (small
         device ops met cold caches: 1.02-1.06x)."""
-        if self._one_row(tree):
+        if self._one_row(tree, rows):
             return self._spec_decode(tree, n)
-        logits, hid, aux = self._verify(tree.tokens, tree.depth, tree.anc, n)
+        logits, hid, aux = self._verify(tree.tokens, tree.depth, tree.anc, n, rows)
         p, L, bonus = accept_greedy_host(tree, logits)
         if tree.tokens.shape[0] > 1:
             n0 = int(n)
@@ -156,9 +155,9 @@ class Engine:
         host = torch.tensor([L, bonus] + [toks[i] for i in p] + p)  # the Accepted holds views of it
         return host, Accepted(tree, host[2 + len(p):], host[0], host[1], logits, hid, aux, n)
 
-    def _one_row(self, tree: Tree) -> bool:
+    def _one_row(self, tree: Tree, rows: PassRows) -> bool:
         """A one-node tree verified as the decode step runs it (exact attention's padded passes excepted)."""
-        return tree.tokens.shape[0] == 1 and self.R_ver.gemm == 1 and not self.planner.attention
+        return tree.tokens.shape[0] == 1 and rows.gemm == 1 and not rows.recent
 
     def _spec_decode(self, tree: Tree, n: Tensor) -> tuple[Tensor, Accepted]:
         """_spec_verify of a one-node tree as the decode step runs it: 25 fewer small ops (7.21 -> 6.90 ms a step)."""
@@ -175,8 +174,8 @@ class Engine:
 
     def _generate_spec(self, prompt: list[int], max_new_tokens: int, on_tokens=None) -> tuple[list[int], Stats]:
         d, eos = self.drafter, set(self.model.args.eos_ids)
-        S, fit = self._spec_setup(prompt, max_new_tokens)
-        st = Stats(phase_s=dict.fromkeys(PHASES, 0.0), extra=dict(exact=self.planner.exact))
+        req, fit = self._spec_setup(prompt, max_new_tokens)
+        st = Stats(phase_s=dict.fromkeys(PHASES, 0.0), extra=dict(exact=req.exact))
         tok, out, n = self._spec_prefill(prompt, st)
         if on_tokens:
             on_tokens(out)
@@ -185,9 +184,9 @@ class Engine:
         tree = self._draft(tok, n, b, fit, clock)
         while len(out) < max_new_tokens and out[-1] not in eos:
             sub = tree.prefix(b)
-            self.R_ver = self.planner.pass_rows(sub.tokens.shape[0], S)
+            rows = self.planner.pass_rows(req, sub.tokens.shape[0])
             with clock("verify"):
-                host, acc = self.verify_step(sub, n)  # target pass over the tree, acceptance, KV compaction
+                host, acc = self.verify_step(sub, n, rows)  # target pass over the tree, acceptance, KV compaction
             with clock("sync"):
                 L, emitted, nodes = accepted_tokens(host.tolist())  # the one host sync of the step
             acc = dataclasses.replace(acc, tree=tree)  # the drafter learns from every drafted token (NanoSpec)
@@ -208,17 +207,18 @@ class Engine:
         st.phase_s["lm_head"], st.phase_s["draft"] = lm, st.phase_s["draft"] - lm
         return out, st
 
-    def _spec_setup(self, prompt: list[int], max_new_tokens: int) -> tuple[int, StepBudget]:
-        """Plans the request, sets up the caches and the drafter -> (KV slots S, the request's budget)."""
+    def _spec_setup(self, prompt: list[int], max_new_tokens: int) -> tuple[Request, StepBudget]:
+        """Plans the request, sets up the caches and the drafter -> (its plan, its budget)."""
         d = self.drafter
-        S, self.R_ver = self.planner.plan(len(prompt), max_new_tokens, d.nodes)
+        req = self.planner.plan(len(prompt), max_new_tokens, d.nodes)
+        S = req.S
         pass_s = pass_costs(self.model, d.nodes, d.budget_sizes() or (), self.plan) if self.budget else None
         self.model.setup_caches(1, S)
         d.setup(S)
         graphs.follow_buffers((self.verify_step, self.advance_step), self.model, d)
         # eager CPU steps pay no one-time set-up per shape: one timing step of each end of the budget range
         settle = 1 if self.device.type == "cpu" and not self.compiled else 2
-        return S, StepBudget(d, prompt, max_new_tokens, self.memory if self.budget else None, settle, pass_s)
+        return req, StepBudget(d, prompt, max_new_tokens, self.memory if self.budget else None, settle, pass_s)
 
     def _spec_prefill(self, prompt: list[int], st: Stats) -> tuple[Tensor, list[int], Tensor]:
         t0 = time.perf_counter()

@@ -40,6 +40,7 @@ def rows_agree(fn, x: torch.Tensor, r: int) -> bool:
 class PassRows(NamedTuple):
     gemm: int  # rows of the pass's GEMMs, norms and activations: the tokens, padded
     attn: int  # query rows of exact attention (>= gemm), padded with copies of the last row
+    recent: bool = False  # the PyTorch layers take exact_attention's recent-key tables (exact mode, no fused pass)
 
 
 class Invariance:

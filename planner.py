@@ -1,9 +1,18 @@
 """A request's plan (Planner): its KV slots, the rows of its decode and verify passes, and whether it runs in exact
 mode, where passes are padded to sizes exact.Invariance found row-invariant on this machine (CPU only)."""
+from typing import NamedTuple
+
 from cpu_gemm import machine_id
 from errors import UsageError
 from exact import MAX_ROWS, Invariance, PassRows
 from model import RECENT, Transformer
+
+
+class Request(NamedTuple):
+    """A request's plan, passed with its steps (nothing of it is kept on the engine or the planner)."""
+    S: int  # KV slots
+    rows: PassRows  # the rows of its passes of the planned size
+    exact: bool  # passes padded to row-invariant sizes (pass_rows)
 
 
 def cache_len(prompt_len: int, max_new: int, margin: int, limit: int) -> int:
@@ -28,9 +37,10 @@ class Planner:
         if requested and too_deep:
             raise UsageError(f"--tree-depth must be below {RECENT} (exact tree verification), got {drafter.depth}")
         self.invariance = None if requested is False or cuda or too_deep else Invariance(model)
-        self.exact = False  # decided per request (plan): the attention check depends on the KV length
 
-    def plan(self, T: int, max_new: int, n: int) -> tuple[int, PassRows]:
+    def plan(self, T: int, max_new: int, n: int) -> Request:
+        """The request's plan for passes of n rows (exact mode: decided per request, the attention check depends
+        on the KV length)."""
         # exact mode sizes the cache without the drafter's margin: every run attends over the same KV length
         limit = self.model.args.max_position_embeddings
         S, R = cache_len(T, max_new, n + 1, limit), PassRows(n, n)  # raises where the plain request does not fit
@@ -38,29 +48,26 @@ class Planner:
             if T + max_new + n + 1 > self.fixed:
                 raise UsageError(f"prompt of {T} tokens + {max_new} new tokens exceeds --max-seq {self.fixed}")
             S = self.fixed
-        self.exact, Re = False, None
+        exact, Re = False, None
         if self.invariance is not None and n <= MAX_ROWS:
             Se = self.fixed or min(limit, -(-(T + max_new + MAX_ROWS) // 128) * 128)
             Re = self.invariance.pass_rows(n, Se)
             if Re is not None and T + max_new + Re.attn + 1 <= Se:
-                self.exact, S, R = True, Se, Re
-        if self.requested and not self.exact:
+                exact, S, R = True, Se, Re._replace(recent=self.model.cpu_pass is None)
+        if self.requested and not exact:
             why = (f"a pass of {n} tokens is more than exact mode's {MAX_ROWS} rows" if n > MAX_ROWS else
                    f"no target pass of {n} to {MAX_ROWS} rows gives every row the same bits on this CPU "
                    f"({machine_id()})"
                    if Re is None else "the padded passes do not fit the model's context")
             raise UsageError(f"--exact: {why}; use --no-exact")
-        return S, R
+        return Request(S, R, exact)
 
-    def pass_rows(self, n: int, S: int) -> PassRows:
-        if not self.exact:
+    def pass_rows(self, req: Request, n: int) -> PassRows:
+        """The rows of req's pass of n tokens. Exact mode needs exact_attention's recent-key tables in the PyTorch
+        layers (recent), not in the fused CPU pass."""
+        if not req.exact:
             return PassRows(n, n)
-        R = self.invariance.pass_rows(n, S)
+        R = self.invariance.pass_rows(n, req.S)
         if R is None:
             raise UsageError(f"--exact: no target pass of {n} rows is row-invariant on this CPU; use --no-exact")
-        return R
-
-    @property
-    def attention(self) -> bool:
-        """Exact mode needs exact_attention's recent-key tables in the PyTorch layers, not in the fused CPU pass."""
-        return self.exact and self.model.cpu_pass is None
+        return R._replace(recent=self.model.cpu_pass is None)

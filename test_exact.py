@@ -128,17 +128,17 @@ def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trus
         e.planner.invariance.gemm_agrees = e.planner.invariance.attn_agrees = lambda r, S=None: True
     p = torch.tensor(PROMPTS[2] * 3)
     T = len(p)
-    S, e.R_ver = e.planner.plan(T, 8, nodes)
-    e.R_dec = e.planner.pass_rows(1, S)
-    assert e.planner.exact
+    req = e.planner.plan(T, 8, nodes)
+    S, R_ver, R_dec = req.S, req.rows, e.planner.pass_rows(req, 1)
+    assert req.exact
     assert (cpu_gemm.enabled() and m.lm_head.packed is not None) == kernel
     assert (m.cpu_pass is not None) == fused
     if fused:  # the fused CPU pass: row-invariant by construction, no padding at all
-        assert e.R_dec == exact.PassRows(1, 1) and e.R_ver == exact.PassRows(nodes, nodes), (e.R_dec, e.R_ver)
+        assert R_dec == exact.PassRows(1, 1) and R_ver == exact.PassRows(nodes, nodes), (R_dec, R_ver)
     elif kernel:  # row-invariant GEMMs by construction: no padding rows past the ladder's next size
-        assert e.R_dec.gemm == 1 and e.R_ver.gemm == next(r for r in exact.LADDER if r >= nodes), (e.R_dec, e.R_ver)
+        assert R_dec.gemm == 1 and R_ver.gemm == next(r for r in exact.LADDER if r >= nodes), (R_dec, R_ver)
     if plain_sdpa:
-        e.planner.exact, e.R_ver, e.R_dec = False, exact.PassRows(nodes, nodes), exact.PassRows(1, 1)
+        R_ver, R_dec = exact.PassRows(nodes, nodes), exact.PassRows(1, 1)
     m.setup_caches(1, S)
     d.setup(S)
     with torch.no_grad():
@@ -147,15 +147,15 @@ def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trus
         d.prefill(dr.Prefill(p, tok, logits[0], hid, aux))
         tree = d.draft(tok, torch.tensor(T))
         assert bool((tree.depth != torch.arange(len(tree.depth))).any())  # some nodes are off the spine
-        tree_logits = e._verify(tree.tokens, tree.depth, tree.anc, torch.tensor(T))[0]
+        tree_logits = e._verify(tree.tokens, tree.depth, tree.anc, torch.tensor(T), R_ver)[0]
         same = []
         for i in range(len(tree.tokens)):
             chain = sorted(torch.nonzero(tree.anc[i])[:, 0].tolist(), key=lambda j: int(tree.depth[j]))
             m(p[None], torch.arange(T))  # same prefix KV; later slots are rewritten before being read
             for t, j in enumerate(chain):  # autoregressive decode steps, as Engine._decode_one runs them
-                pos = T + t + torch.arange(e.R_dec.gemm)
-                out = m(tree.tokens[j].view(1, 1).expand(1, e.R_dec.gemm), pos,
-                        recent=causal_recent(pos) if e.planner.exact else None, attn_rows=e.R_dec.attn)[0, 0]
+                pos = T + t + torch.arange(R_dec.gemm)
+                out = m(tree.tokens[j].view(1, 1).expand(1, R_dec.gemm), pos,
+                        recent=causal_recent(pos) if R_dec.recent else None, attn_rows=R_dec.attn)[0, 0]
             same.append(torch.equal(out, tree_logits[i]))
     return same
 

@@ -290,8 +290,8 @@ def test_eager_cpu_verify_equals_the_traced_step(tiny, dtype):
     # the variant is picked when the engine is built: eager greedy CPU steps on host lists, sampled on device ops
     assert eng.verify_step == eng._verify_host and sampled.verify_step == sampled._spec_verify
     traced = torch.compile(eng._spec_verify, fullgraph=True, backend="eager")
-    S, eng.R_ver = eng.planner.plan(len(prompt), 16, 8)
-    m.setup_caches(1, S)
+    req = eng.planner.plan(len(prompt), 16, 8)
+    m.setup_caches(1, req.S)
     eng._prefill(torch.tensor(prompt), 1)
     n = torch.tensor(len(prompt))
     P = torch.tensor([-1, 0, 0, 2, 2, 4, 5])  # root -> (wrong, c1); c1 -> (wrong, c2); c2 -> c3 -> c4
@@ -301,13 +301,13 @@ def test_eager_cpu_verify_equals_the_traced_step(tiny, dtype):
     caches = lambda: [b for name, b in m.named_buffers() if name.split(".")[-1] in ("k", "v", "kv", "kt")]
     Ls = []
     for t in (tree, tree.prefix(5), tree.prefix(3), tree.prefix(1), dr.chain_tree(torch.tensor(c[:3]))):
-        eng.R_ver = eng.planner.pass_rows(t.tokens.shape[0], S)
+        rows = eng.planner.pass_rows(req, t.tokens.shape[0])
         before = [x.clone() for x in caches()]
-        h1, a1 = eng._verify_host(t, n)
+        h1, a1 = eng._verify_host(t, n, rows)
         after = [x.clone() for x in caches()]
         for x, old in zip(caches(), before):
             x.copy_(old)
-        h2, a2 = traced(t, n)
+        h2, a2 = traced(t, n, rows)
         assert torch.equal(h1, h2)
         for x, y in zip((a1.path, a1.L, a1.bonus, a1.logits, a1.hidden),
                         (a2.path, a2.L, a2.bonus, a2.logits, a2.hidden)):
@@ -394,7 +394,7 @@ def test_real_budget_generates_and_reports(tiny, monkeypatch):
 def prefilled(m, drafters, prompt):
     """The target's prefill of prompt, handed to each drafter (set up for it) -> (first token [1], n)."""
     p = torch.tensor(prompt)
-    S, _ = Engine(m, drafter=drafters[0]).planner.plan(len(p), 8, max(d.nodes for d in drafters))
+    S = Engine(m, drafter=drafters[0]).planner.plan(len(p), 8, max(d.nodes for d in drafters)).S
     m.setup_caches(1, S)
     with torch.no_grad():
         logits, hid, aux = m(p[None], torch.arange(len(p)), return_hidden=True, plan=Plan(drafters[0].aux_layers))

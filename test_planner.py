@@ -6,7 +6,7 @@ from conftest import write_tiny_hf
 from errors import UsageError
 from exact import PassRows
 from model import load_model
-from planner import Planner
+from planner import Planner, Request
 
 
 def test_planner_sizes_the_cache_and_refuses_what_does_not_fit(tmp_path):
@@ -15,12 +15,13 @@ def test_planner_sizes_the_cache_and_refuses_what_does_not_fit(tmp_path):
     exact verification gathers."""
     m = load_model(write_tiny_hf(tmp_path / "t")[0], dtype=torch.float32)
     p = Planner(m, False, None)
-    assert p.invariance is None and p.plan(10, 20, 5) == (64, PassRows(5, 5)) and not p.exact
-    assert p.pass_rows(3, 64) == PassRows(3, 3) and not p.attention
+    req = p.plan(10, 20, 5)
+    assert p.invariance is None and req == Request(64, PassRows(5, 5), False) and not req.exact
+    assert p.pass_rows(req, 3) == PassRows(3, 3) and not p.pass_rows(req, 3).recent
     with pytest.raises(UsageError, match="exceeds the model's context of 512"):
         p.plan(500, 20, 5)
     fixed = Planner(m, False, 128)
-    assert fixed.plan(10, 20, 5)[0] == 128
+    assert fixed.plan(10, 20, 5).S == 128
     with pytest.raises(UsageError, match="exceeds --max-seq 128"):
         fixed.plan(110, 20, 5)
 
