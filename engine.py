@@ -95,26 +95,24 @@ class Engine:
         return (torch.cat([self.model.lm_head(hid[0, T - R:-1]), last]) if R > 1 else last), hid, aux
 
     def warmup(self):
-        """A tiny generation, so one-time kernel set-up is not billed to the first prompt."""
-        saved, self.drafter = self.drafter, None
-        try:
-            self.generate([0, 1], 2)
-        finally:
-            self.drafter = saved
+        """A tiny autoregressive generation, so one-time kernel set-up is not billed to the first prompt."""
+        self._generate_ar([0, 1], 2)
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, on_tokens=None) -> tuple[list[int], Stats]:
-        T = len(prompt)
-        if T == 0:
+        if not prompt:
             raise UsageError("empty prompt")
-        if self.drafter is not None:
-            return self._generate_spec(prompt, max_new_tokens, on_tokens)
+        run = self._generate_ar if self.drafter is None else self._generate_spec
+        return run(prompt, max_new_tokens, on_tokens)
+
+    @torch.no_grad()
+    def _generate_ar(self, prompt: list[int], max_new_tokens: int, on_tokens=None) -> tuple[list[int], Stats]:
         m, dev = self.model, self.device
-        req = self.planner.plan(T, max_new_tokens, 1)  # (the request's plan: passed, never kept)
+        req = self.planner.plan(len(prompt), max_new_tokens, 1)  # (the request's plan: passed, never kept)
         m.setup_caches(1, req.S)
         graphs.follow_buffers((self.decode_fn,), m, None)
         st, rows = Stats(extra=dict(exact=req.exact)), req.rows
-        tok, out, n = self._spec_prefill(prompt, st)
+        tok, out, n = self._prefill_request(prompt, st, None)
         if on_tokens:
             on_tokens(out)
         t0, pos = time.perf_counter(), n.view(1)
@@ -176,7 +174,7 @@ class Engine:
         d, eos = self.drafter, set(self.model.args.eos_ids)
         req, fit = self._spec_setup(prompt, max_new_tokens)
         st = Stats(phase_s=dict.fromkeys(PHASES, 0.0), extra=dict(exact=req.exact))
-        tok, out, n = self._spec_prefill(prompt, st)
+        tok, out, n = self._prefill_request(prompt, st, d)
         if on_tokens:
             on_tokens(out)
         clock = Clock(st.phase_s)
@@ -220,13 +218,14 @@ class Engine:
         settle = 1 if self.device.type == "cpu" and not self.compiled else 2
         return req, StepBudget(d, prompt, max_new_tokens, self.memory if self.budget else None, settle, pass_s)
 
-    def _spec_prefill(self, prompt: list[int], st: Stats) -> tuple[Tensor, list[int], Tensor]:
+    def _prefill_request(self, prompt: list[int], st: Stats, d) -> tuple[Tensor, list[int], Tensor]:
+        """The target's prefill, its first token and (d: the drafter, or None) the drafter's Prefill."""
         t0 = time.perf_counter()
         ptoks = torch.tensor(prompt, device=self.device)
-        logits, hid, aux = self._prefill(ptoks, self.drafter.prompt_logits if self.drafter else 0)
+        logits, hid, aux = self._prefill(ptoks, d.prompt_logits if d is not None else 0)
         tok = sample(logits[-1:], self.sampling)  # [1]
-        if self.drafter is not None:
-            self.drafter.prefill(Prefill(ptoks, tok, logits, hid, aux))
+        if d is not None:
+            d.prefill(Prefill(ptoks, tok, logits, hid, aux))
         out, n = [int(tok)], torch.tensor(len(prompt), device=self.device)
         st.prefill_s, st.target_forwards = time.perf_counter() - t0, 1
         return tok, out, n
