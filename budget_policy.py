@@ -78,7 +78,7 @@ class Policy:
         self.last[s] = self.steps
         return s
 
-    def observe(self, s, tokens: int, seconds: float, drafted: bool = True):
+    def observe(self, s, tokens: int, seconds: float, drafted: bool):
         """A step handed to source s (None: to none): tokens emitted in seconds. A step without a draft is no
         source's but a trial's: the hybrid's waiting head, offered alone where lookup had no chain and decoding, had
         counted as tried at decoding's rate, took steps from the chains, and their re-trials drafted past their
