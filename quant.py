@@ -327,9 +327,14 @@ def unpack_planes(low: Tensor, high: Tensor | None, N: int, bits: int, k: bool =
     return _unpanels(e, N)
 
 
+def factorized(qw: QWeight) -> bool:
+    """Whether qw is a K-quant the C kernels multiply factorized, codes unwidened (csrc/gemm_kquant.h, gemm_kfma.h)."""
+    return qw.subscales is not None and qw.bits in (4, 5, 6)
+
+
 def klayout(qw: QWeight) -> bool:
-    """Whether qw (a K-quant) takes the factorized tiles' layout: the AVX-512 BF16 kernel's (csrc/gemm_kquant.h)."""
-    return cpu_gemm.ISA == "avx512bf16" and qw.subscales is not None and qw.bits in (4, 5, 6)
+    """Whether qw (a K-quant) takes the factorized tiles' own layout: the AVX-512 BF16 kernel's (gemm_kquant.h)."""
+    return cpu_gemm.ISA == "avx512bf16" and factorized(qw)
 
 
 def pack_groups(t: Tensor) -> Tensor:

@@ -61,20 +61,20 @@ def test_torch_kernels_where_the_c_kernel_is_off(monkeypatch, bits, group, torch
 def test_block_types_kernel_is_the_bf16_kernel_on_dequantized_weights():
     """Every GGUF type (and a chain of three types in one matrix, as a Q4_K_M file's q | k | v) gives the bf16
     GEMM's bits on its dequantized matrix, for register tiles of 1-6 rows, widened panels, tails and padded panels;
-    but the K-quants on the AVX-512 BF16 kernel, which multiply their codes unwidened (test_kquant_products...):
-    there a chain gives each part's own products."""
+    but the K-quants, which every kernel multiplies with their codes unwidened (test_kquant_products...): there a
+    chain gives each part's own products."""
     rng = np.random.default_rng(7)
     P = cpu_gemm.PANEL
     for kind in GGUF_KINDS:
         for N, K in [(P + 9, 256), (2 * P, 512)]:
             qw = quant.from_gguf(gguf_blocks(kind, N, K, rng), kind, K)
-            if not quant.klayout(qw):
+            if not quant.factorized(qw):
                 _same_as_bf16(qlinear.KernelWeight.of(quant.to_kernel(qw), K), qw.dequantize(), (kind, N, K))
     parts = [quant.from_gguf(gguf_blocks(k, n, 256, rng), k, 256) for k, n in (("Q4_K", 2 * P), ("Q5_0", P),
                                                                                ("Q6_K", P + 5))]
     kws = [qlinear.KernelWeight.of(quant.to_kernel(q), 256) for q in parts]
     kw = qlinear.KernelWeight.stack(kws, [q.N for q in parts])
-    if not any(quant.klayout(q) for q in parts):
+    if not any(quant.factorized(q) for q in parts):
         _same_as_bf16(kw, torch.cat([q.dequantize() for q in parts]), "chain")
     else:
         g = torch.Generator().manual_seed(5)
@@ -87,10 +87,10 @@ def test_block_types_kernel_is_the_bf16_kernel_on_dequantized_weights():
 
 
 @needs_kernel
-@pytest.mark.skipif(cpu_gemm.ISA != "avx512bf16", reason="the factorized K-quant tiles are the AVX-512 BF16 kernel's")
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 def test_kquant_products_are_the_dequantized_matrix_times_x(kind):
-    """A K-quant's codes multiplied unwidened, sub-block by sub-block (csrc/gemm_kquant.h): every product is the
+    """A K-quant's codes multiplied unwidened, sub-block by sub-block (csrc/gemm_kquant.h on AVX-512 BF16,
+    gemm_kfma.h on the FMA kernels): every product is the
     gguf package's dequantized values (unrounded) times x, to fp32 sums, rounded to bf16 once; the same bits for
     every row count (register tiles of 1-6 rows, widened panels, tails and padded panels), thread count and bias;
     and the kernel layout round-trips."""
@@ -103,7 +103,7 @@ def test_kquant_products_are_the_dequantized_matrix_times_x(kind):
         ref = torch.from_numpy(ref.reshape(N, K)).double()
         qw = quant.from_gguf(raw, kind, K)
         kq = quant.to_kernel(qw)
-        assert quant.klayout(qw) and torch.equal(quant.from_kernel(kq, N).dequantize(), qw.dequantize())
+        assert quant.factorized(qw) and torch.equal(quant.from_kernel(kq, N).dequantize(), qw.dequantize())
         kw = qlinear.KernelWeight.of(kq, K)
         g = torch.Generator().manual_seed(N)
         x, b = torch.randn(13, K, generator=g).bfloat16(), torch.randn(N, generator=g).bfloat16()
@@ -118,8 +118,9 @@ def test_kquant_products_are_the_dequantized_matrix_times_x(kind):
             torch.set_num_threads(threads)
         exact = x.double() @ ref.T + b.double()
         # one bf16 rounding (half a unit in the last place: up to 2^-8 relative) and the fp32 sums' (sub-block chains of
-        # x times 128 + q, then s and c = m - 128 s: 2^-16 of those terms is 2^8 of fp32's unit roundoff); a wrong
-        # code or scale would be off by about |x| s
+        # x times 128 + q, then s and c = m - 128 s; on the FMA kernels x times q, then s and m, whose terms |s| q +
+        # |m| are below |w| + 126 |s|: 2^-16 of those terms is 2^8 of fp32's unit roundoff); a wrong code or scale
+        # would be off by about |x| s
         s_abs = qw.scale_offset()[0].double().abs()
         tol = exact.abs() * 2.0 ** -8 + (x.double().abs() @ (ref.abs() + 128 * s_abs).T) * 2.0 ** -16
         assert ((full.double() - exact).abs() <= tol).all(), (kind, N, K)
@@ -144,9 +145,38 @@ def test_the_smaller_kernels_too(tmp_path, isa):
     """The kernels smaller CPUs run (AVX2; AVX-512 without bf16) pass the kernel test too, each in its own process."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, cpu_gemm.ISA_ENV: isa, "NANOSPEC_CACHE": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel_is_the_bf16",
-                        "test_qlinear.py"], cwd=here, env=env, capture_output=True, text=True)
-    assert r.returncode == 0 and "3 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+                        "kernel_is_the_bf16 or kquant_products", "test_qlinear.py"], cwd=here, env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "6 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+_KQUANT_BITS = """
+import hashlib, numpy as np, torch, qlinear, quant
+from conftest import gguf_blocks
+rng, out = np.random.default_rng(3), []
+for kind in ("Q4_K", "Q5_K", "Q6_K"):
+    qw = quant.from_gguf(gguf_blocks(kind, 80, 512, rng), kind, 512)
+    kw = qlinear.KernelWeight.of(quant.to_kernel(qw), 512)
+    x = torch.from_numpy(rng.standard_normal((13, 512), dtype=np.float32)).bfloat16()
+    out += [qlinear.kernel_linear(x[:r], kw, 80).view(torch.int16).numpy().tobytes() for r in (1, 4, 13)]
+print(hashlib.sha256(b"".join(out)).hexdigest())
+"""
+
+
+@needs_kernel
+@pytest.mark.skipif("avx512f" not in cpu_gemm.cpu_flags(), reason="needs AVX-512F to run both FMA kernels")
+def test_the_fma_kernels_give_the_same_kquant_bits(tmp_path):
+    """AVX2 and AVX-512F multiply a K-quant with the same operations lane for lane (csrc/gemm_kfma.h): the same bits
+    for one row, a tile and several tiles over a widened panel."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    digests = []
+    for isa in ("avx2", "avx512"):
+        env = {**os.environ, cpu_gemm.ISA_ENV: isa, "NANOSPEC_CACHE": str(tmp_path / isa)}
+        r = subprocess.run([sys.executable, "-c", _KQUANT_BITS], cwd=here, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        digests.append(r.stdout.split()[-1])
+    assert digests[0] == digests[1]
 
 
 @pytest.mark.skipif(not cpu_gemm.VNNI or cpu_gemm.kernel() is None, reason="needs AVX-512 VNNI and a C compiler")

@@ -42,16 +42,38 @@ typedef void (*tile_fn)(const void* x, long kx, const Packed* W, const uint16_t*
 /* panel pd of a quantized part W widened to pack()'s bf16 layout, into dst [panel x K] (each ISA's header) */
 static void widen_panel(const Packed* W, long pd, long K, uint16_t* dst);
 
-#define NFMT 8  /* bf16, int8, 4, 5, 6-bit codes; the AVX-512 BF16 build's K-quant tiles: 4, 5-6 bits, widened */
-static inline int fmt(long bits) { return bits == 16 ? 0 : bits == 8 ? 1 : bits == 4 ? 2 : bits == 5 ? 3 : 4; }
+/* the tile tables' formats: bf16; int8, 4, 5, 6-bit codes; then the K-quants' factorized tiles (the sub-block's codes
+   times x, then its scale and offset: gemm_kquant.h on AVX-512 BF16, 4 and 5-6 bits; gemm_kfma.h on the FMA
+   kernels, 4, 5 and 6 bits), and KWIDE, theirs over a panel widened once */
 #if defined(__AVX512BF16__)
-#define KQ 1  /* K-quants on the factorized tiles (gemm_kquant.h) */
-static void kwiden_panel(const Packed* W, long pd, long K, uint16_t* dst);
+#define KWIDE 7
 #else
-#define KQ 0
+#define KWIDE 8
 #endif
+#define NFMT 9
+static inline int fmt(long bits) { return bits == 16 ? 0 : bits == 8 ? 1 : bits == 4 ? 2 : bits == 5 ? 3 : 4; }
+/* panel pd of a K-quant part W as its tiles' codes, into dst, and its groups' scales into ksc_buf (each ISA's) */
+static void kwiden_panel(const Packed* W, long pd, long K, uint16_t* dst);
 static inline int fmt_of(const Packed* W) {
-    return KQ && W->sup && W->bits != 8 ? (W->bits == 4 ? 5 : 6) : fmt(W->bits);
+    if (!W->sup || W->bits == 8) return fmt(W->bits);
+    return KWIDE == 7 ? (W->bits == 4 ? 5 : 6) : (int)W->bits + 1;
+}
+static inline int has_kquant(const Packed* W) {
+    for (; W; W = W->next)
+        if (W->sup && W->bits != 8) return 1;
+    return 0;
+}
+static __thread float* xsum_buf;  /* the K-quant tiles' sums of x [M][K / 16], each thread its own copy */
+static __thread long xsum_cap;
+static __thread float* ksc_buf;  /* kwiden_panel's scales and offsets per group and vector of the panel */
+static __thread long ksc_cap;
+/* room for n floats in a thread's buffer *buf of *cap, grown as needed, kept (64-byte aligned) */
+static inline void room(float** buf, long* cap, long n) {
+    if (*cap < n) {
+        free(*buf);
+        *cap = n;
+        *buf = aligned_alloc(64, (sizeof(float) * n + 63) / 64 * 64);
+    }
 }
 static inline long wbits(long bits) { return bits == 5 || bits == 6 ? 4 : bits; }  /* bits a code in w */
 static inline long hbits(long bits) { return bits == 5 || bits == 6 ? bits - 4 : 0; }  /* bits a code in h */
@@ -131,7 +153,7 @@ static void tiled(const tile_fn (*tiles)[7], const tile_fn (*halves)[7], long mt
            tiles over it, not every tile widening every code (the same bits: a quantized tile widens in registers
            to these bf16 values). Measured on Zen 5, a pass of the default model's int4 GEMMs: 16 rows 7.3 ms
            widening per tile, 5.9 widening once (bf16 5.9); 64 rows 25.6 and 17.1 (bf16 17.1) */
-        const int fw = f && nt > 1 ? (f >= 5 ? 7 : 0) : f;
+        const int fw = f && nt > 1 ? (f >= 5 ? KWIDE : 0) : f;
         const uint16_t* wide = 0;
         if (f && nt > 1) {
             if (widen_cap < panel * K) {
@@ -139,9 +161,7 @@ static void tiled(const tile_fn (*tiles)[7], const tile_fn (*halves)[7], long mt
                 widen_cap = panel * K;
                 widen_buf = aligned_alloc(64, (widen_cap * 2 + 63) / 64 * 64);
             }
-#if KQ
             if (f >= 5) kwiden_panel(Wp, p - Wp->p0, K, widen_buf); else
-#endif
             widen_panel(Wp, p - Wp->p0, K, widen_buf);
             wide = widen_buf;
         }
@@ -172,6 +192,7 @@ static void tiled(const tile_fn (*tiles)[7], const tile_fn (*halves)[7], long mt
 #if defined(__AVX512BF16__)
 #include "gemm_avx512bf16.h"
 #else
+#include "gemm_kfma.h"
 #if defined(__AVX512F__)
 #include "gemm_avx512.h"
 #else
@@ -179,13 +200,15 @@ static void tiled(const tile_fn (*tiles)[7], const tile_fn (*halves)[7], long mt
 #endif
 
 /* y[M, N] (bf16; or yf, fp32 holding bf16 values) = xf[M, K] @ W[N, K]^T (+ b[N]); xf fp32 holding bf16
-   values, b bf16; xs: scratch the AVX-512 BF16 kernel needs (unused here). Every
-   output is one fp32 FMA chain over k in order, plus the bias, rounded once: the same whatever the tile, the
-   row count or the row's place in the pass (row-invariant, as exact mode needs). Tiles of up to 6 rows. */
+   values, b bf16; xs: scratch the AVX-512 BF16 kernel needs (unused here). Every output is one fp32 FMA chain
+   over k in order (a K-quant's: one per sub-block, then its scale and offset, gemm_kfma.h), plus the bias, rounded
+   once: the same whatever the tile, the row count or the row's place in the pass (row-invariant, as exact mode
+   needs). Tiles of up to 6 rows. */
 static void gemm_rows(const float* xf, long M, long K, const Packed* W, const uint16_t* b, long N, uint16_t* y,
                       float* yf, uint16_t* xs) {
     (void)xs;
     FAST(xf, 0, M, K, W, b, N, y, yf)
+    if (has_kquant(W)) fsums(xf, M, K);  /* each thread its own (no barrier before) */
     tiled(tiles, FMA_HALVES, 6, FMA_PANEL, FMA_SPREAD, xf, K, M, K, W, b, N, y, yf);
 }
 #endif

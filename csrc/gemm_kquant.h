@@ -12,29 +12,16 @@
 /* the codes' layout (quant.pack_planes, k): per panel and k pair, 32 bytes per vector pair (vector 2 h's value j in
    byte j's low nibble, vector 2 h + 1's in its high one; a vector: rows 16 v .. 16 v + 15's pairs) and, 5 and 6
    bits, 32 bytes of 2-bit high fields (vector v's value j at bits 2 v of byte j) */
-static __thread float* xsum_buf;  /* ksums' x sums [M][K / 16], each thread its own copy */
-static __thread long xsum_cap;
-
 /* the sums of x (bf16 pairs, K2 a row) over each 16 k of each row, in fp32, in one fixed order */
 static void ksums(const uint32_t* x, long M, long K2) {
     const long NB = K2 / 8;
-    if (xsum_cap < M * NB) {
-        free(xsum_buf);
-        xsum_cap = M * NB;
-        xsum_buf = malloc(sizeof(float) * xsum_cap);
-    }
+    room(&xsum_buf, &xsum_cap, M * NB);
     for (long m = 0; m < M; m++)
         for (long j = 0; j < NB; j++) {
             const __m256i v = _mm256_loadu_si256((const __m256i*)(x + m * K2 + 8 * j));
             const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
             xsum_buf[m * NB + j] = _mm512_reduce_add_ps(f);
         }
-}
-
-static inline int has_kquant(const Packed* W) {
-    for (; W; W = W->next)
-        if (W->sup && W->bits != 8) return 1;
-    return 0;
 }
 
 /* vector v of k pair k from a panel's codes q (and high fields hp): the bf16 values 128 + code */
@@ -52,9 +39,6 @@ static inline __attribute__((always_inline)) __m512bh kcodes(const uint8_t* q, c
     return (__m512bh)w;
 }
 
-static __thread float* ksc_buf;  /* kwiden_panel's scales s and c = m - 128 s per group and vector of the panel */
-static __thread long ksc_cap;
-
 /* panel pd of a K-quant part W as bf16 128 + code values in pack()'s layout, into dst [K / 2][64][2], and its
    groups' s and c into ksc_buf [groups][4 vectors][s 16, c 16] (several tiles over one panel read these instead
    of decoding the codes and scales each: 16-row passes of the 1.5B's FFN matrices ran 1.6x slower without) */
@@ -66,11 +50,7 @@ static void kwiden_panel(const Packed* W, long pd, long K, uint16_t* dst) {
         for (int v = 0; v < 4; v++)
             _mm512_storeu_si512((__m512i*)(dst + (4 * k + v) * 32),
                                 (__m512i)(hp ? kcodes(q, hp, k, v, 6) : kcodes(q, hp, k, v, 4)));
-    if (ksc_cap < NG * 128) {
-        free(ksc_buf);
-        ksc_cap = NG * 128;
-        ksc_buf = aligned_alloc(64, sizeof(float) * ksc_cap);
-    }
+    room(&ksc_buf, &ksc_cap, NG * 128);
     for (long g = 0; g < NG; g++)
         for (int v = 0; v < 4; v++) {
             __m512 s, m;
