@@ -473,9 +473,9 @@ def load_model(path, dtype=torch.bfloat16, device="cpu", fast: bool = False) -> 
         cpu = torch.device(device).type == "cpu"
         if cpu:  # this machine picks the C kernel or torch's for them
             qlinear.choose(qlinear.schemes_of(sd))
-        packed = qlinear.read_kernel_cache(path, files, fast) if cpu else None
+        packed, fast_names = (qlinear.read_kernel_cache(path, files, fast) if cpu else None) or (None, frozenset())
         try:
-            qlinear.swap_linears(model, sd, f"checkpoint {path}", packed, fast)
+            qlinear.swap_linears(model, sd, f"checkpoint {path}", packed, fast_names)
         except quant.QuantError as e:
             raise ModelError(str(e)) from None
         if fast and packed is None:  # other formats quantized again to 4 bits: a draft only proposes

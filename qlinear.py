@@ -312,10 +312,11 @@ def fuse(layers: list[QLinear]) -> KernelWeight:
     return KernelWeight.of(to_kernel(qw), m0.in_features)
 
 
-def swap_linears(model: nn.Module, sd: dict, where: str, packed: dict | None = None, fast: bool = False) -> int:
+def swap_linears(model: nn.Module, sd: dict, where: str, packed: dict | None = None, fast: frozenset = frozenset()
+                 ) -> int:
     """Replace each Linear whose `<name>.qweight` is in sd by a QLinear of sd's tensors (popped), and an embedding
     with quantized rows by a QEmbedding; how many. packed: read_kernel_cache()'s tensors, the kernel's layout of the
-    same matrices (no packing at load); fast: packed holds fast_layout's."""
+    same matrices (no packing at load); fast: the names of those in fast_layout's."""
     n = 0
     for name, mod in list(model.named_modules()):
         if f"{name}.qweight" not in sd:
@@ -330,7 +331,7 @@ def swap_linears(model: nn.Module, sd: dict, where: str, packed: dict | None = N
                 get = lambda b: packed.get(f"{name}.{b}")
                 kq = QWeight(get("codes"), get("scales"), get("offsets"), qw.bits, get("high"), get("subscales"),
                              get("submins"), qw.zero)
-            new = QLinear(qw, sd.pop(f"{name}.bias", None), kq, fast and kq is not None)
+            new = QLinear(qw, sd.pop(f"{name}.bias", None), kq, name in fast and kq is not None)
         setattr(parent, name.rpartition(".")[2], new)
         n += 1
     return n
@@ -338,7 +339,7 @@ def swap_linears(model: nn.Module, sd: dict, where: str, packed: dict | None = N
 
 # the kernel's layout of a quantized checkpoint, saved beside it once per ISA: later loads map it as it is
 # (the 1.5B Q4_K_M GGUF: 1 s and 1.1 GB resident, against 5 s and a 3.8 GB peak packing it at each load)
-KERNEL_LAYOUT = "2"  # bump when pack_planes / pack_groups change
+KERNEL_LAYOUT = "3"  # bump when pack_planes / pack_groups or what the file records change
 
 
 def _kernel_cache(folder, files, fast: bool) -> tuple:
@@ -348,16 +349,18 @@ def _kernel_cache(folder, files, fast: bool) -> tuple:
     return Path(folder) / f"kernel-{cpu_gemm.ISA}{'-fast' if fast else ''}.safetensors", key
 
 
-def read_kernel_cache(folder, files, fast: bool = False) -> dict | None:
-    """The kernel-layout tensors saved for these checkpoint files on this ISA (fast: the draft models' layout,
-    QLinear.make_fast), or None (none, or stale)."""
+def read_kernel_cache(folder, files, fast: bool = False) -> tuple[dict, frozenset] | None:
+    """The kernel-layout tensors saved for these checkpoint files on this ISA, and the names of the linears among
+    them in the draft models' layout (fast: a draft model's file, QLinear.make_fast, which some matrices or CPUs
+    do not take), or None (none, or stale)."""
     from safetensors import safe_open
     f, key = _kernel_cache(folder, files, fast)
     try:
         with safe_open(str(f), framework="pt", device="cpu") as fh:
-            if (fh.metadata() or {}).get("key") != key:
+            meta = fh.metadata() or {}
+            if meta.get("key") != key:
                 return None
-            return {k: fh.get_tensor(k) for k in fh.keys()}
+            return {k: fh.get_tensor(k) for k in fh.keys()}, frozenset(meta.get("fast", "").split())
     except Exception:  # absent, unreadable or cut short: pack at load as without it
         return None
 
@@ -374,10 +377,11 @@ def write_kernel_cache(model: nn.Module, folder, files, fast: bool = False):
          for b, v in m.named_buffers(recurse=False) if v is not None and b != "bias"}
     if not t:
         return
+    fast_names = " ".join(n for n, m in model.named_modules() if isinstance(m, QLinear) and m.kw is not None and m.fast)
     try:
         fd, tmp = tempfile.mkstemp(prefix=".kernel-", dir=f.parent)
         os.close(fd)
-        save_file(t, tmp, metadata={"key": key})
+        save_file(t, tmp, metadata={"key": key, "fast": fast_names})
         os.chmod(tmp, 0o644)
         os.replace(tmp, f)
     except OSError:

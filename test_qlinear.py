@@ -206,6 +206,31 @@ def test_the_draft_models_integer_gemm(kind, monkeypatch):
     assert not qlinear.QLinear(quant.from_gguf(gguf_blocks("Q6_K", P, 256, rng), "Q6_K", 256)).make_fast()
 
 
+@needs_kernel
+def test_a_draft_model_without_the_integer_gemm_loads_again_as_it_was(tmp_path, monkeypatch):
+    """load_model(fast=True) where the integer GEMM does not apply (a CPU without AVX-512 VNNI): the matrices stay in
+    the kernel's own layout, and a second load from the saved layout keeps them there, with the same logits (it
+    once took every saved matrix for the integer GEMM's layout, and NanoSpec's window failed on the Q8_0 head)."""
+    import download
+    from conftest import write_tiny_gguf
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_gemm, "VNNI", False)
+    types = {f"blk.0.{n}.weight": "Q5_0" for n in ["attn_q", "attn_k", "attn_v", "attn_output"]}
+    write_tiny_gguf(tmp_path / "d.gguf", arch="qwen2", types=types | {"output.weight": "Q8_0"}, dim=256, ffn=512,
+                    heads=4, kv_heads=2, head_dim=64, tied=False)
+    path = download.resolve_checkpoint(str(tmp_path / "d.gguf"))
+    first = M.load_model(path, fast=True)
+    assert (path / f"kernel-{cpu_gemm.ISA}-fast.safetensors").is_file()
+    again = M.load_model(path, fast=True)
+    for m in (first, again):
+        lins = [q for q in m.modules() if isinstance(q, qlinear.QLinear)]
+        assert len(lins) == 5 and not any(q.fast for q in lins) and m.lm_head.bits == 8
+    p = torch.tensor([[5, 9, 100, 3, 7, 7, 200, 261, 12]])
+    for m in (first, again):
+        m.setup_caches(1, 64)
+    assert torch.equal(first(p, torch.arange(9)), again(p, torch.arange(9)))
+
+
 @pytest.mark.skipif(not cpu_gemm.VNNI or cpu_gemm.kernel() is None, reason="needs AVX-512 VNNI and a C compiler")
 def test_a_draft_model_loads_on_the_integer_gemm(tmp_path, monkeypatch):
     """load_model(fast=True): every quantized matrix on the integer GEMM, other formats (Q5_0, Q6_K, Q8_0) quantized
