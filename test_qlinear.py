@@ -138,13 +138,19 @@ SMALLER = [isa for isa in ("avx512", "avx2") if isa != cpu_gemm.ISA and cpu_gemm
            and (isa == "avx2" or "avx512f" in cpu_gemm.cpu_flags())]
 
 
+@pytest.fixture(scope="module")
+def isa_cache(tmp_path_factory):
+    """One kernel cache per ISA for this module's subprocesses: each smaller kernel is built once (15-45 s)."""
+    return lambda isa: str(tmp_path_factory.getbasetemp() / f"kernels-{isa}")
+
+
 @needs_kernel
 @pytest.mark.parametrize("isa", SMALLER or [
     pytest.param("avx2", marks=pytest.mark.skip("this process tests the AVX2 kernel"))])
-def test_the_smaller_kernels_too(tmp_path, isa):
+def test_the_smaller_kernels_too(isa_cache, isa):
     """The kernels smaller CPUs run (AVX2; AVX-512 without bf16) pass the kernel test too, each in its own process."""
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, cpu_gemm.ISA_ENV: isa, "NANOSPEC_CACHE": str(tmp_path)}
+    env = {**os.environ, cpu_gemm.ISA_ENV: isa, "NANOSPEC_CACHE": isa_cache(isa)}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
                         "kernel_is_the_bf16 or kquant_products", "test_qlinear.py"], cwd=here, env=env,
                        capture_output=True, text=True)
@@ -166,13 +172,13 @@ print(hashlib.sha256(b"".join(out)).hexdigest())
 
 @needs_kernel
 @pytest.mark.skipif("avx512f" not in cpu_gemm.cpu_flags(), reason="needs AVX-512F to run both FMA kernels")
-def test_the_fma_kernels_give_the_same_kquant_bits(tmp_path):
+def test_the_fma_kernels_give_the_same_kquant_bits(isa_cache):
     """AVX2 and AVX-512F multiply a K-quant with the same operations lane for lane (csrc/gemm_kfma.h): the same bits
     for one row, a tile and several tiles over a widened panel."""
     here = os.path.dirname(os.path.abspath(__file__))
     digests = []
     for isa in ("avx2", "avx512"):
-        env = {**os.environ, cpu_gemm.ISA_ENV: isa, "NANOSPEC_CACHE": str(tmp_path / isa)}
+        env = {**os.environ, cpu_gemm.ISA_ENV: isa, "NANOSPEC_CACHE": isa_cache(isa)}
         r = subprocess.run([sys.executable, "-c", _KQUANT_BITS], cwd=here, env=env, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr[-2000:]
         digests.append(r.stdout.split()[-1])
