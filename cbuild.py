@@ -62,7 +62,8 @@ class UpdateArgs(ctypes.Structure):
 
 class Window(ctypes.Structure):
     _fields_ = [("V", L), ("W", L), ("ring", P), ("head", P), ("count", P), ("slot_of", P), ("token_of", P),
-                ("winner", P), ("fill_tok", P), ("has_fill", INT), ("ids", P), ("bias", P), ("dst", RowsDst)]
+                ("winner", P), ("fill_tok", P), ("fill_slot", P), ("has_fill", INT), ("ids", P), ("bias", P),
+                ("dst", RowsDst)]
 
 
 ptr = ctypes.byref

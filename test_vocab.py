@@ -218,6 +218,38 @@ def test_fewer_active_than_topk():
     assert ids[top.indices[2:]].tolist() == [0, 0]               # inactive -> valid id 0, -inf
 
 
+@pytest.mark.parametrize("c_append", ["on", "off"])
+def test_the_window_displaces_the_least_frequent_fill_tokens(c_append, monkeypatch):
+    """A born fill token takes its own slot (its fill row scored it already: nothing leaves the GEMM); another born
+    token takes the highest free slot, so the least frequent fill tokens leave first. Through the C append and the
+    PyTorch one."""
+    import cpu_draft
+    monkeypatch.setenv(cpu_gemm.ENV, "kernel")
+    cpu_gemm.switch(True)
+    monkeypatch.setenv(cpu_draft.ENV, c_append)
+    used, real = [], cpu_draft.append_kernel
+    monkeypatch.setattr(cpu_draft, "append_kernel", lambda: used.append(1) or real())
+    fill = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12])  # most frequent first: fill token i sits in slot i
+    v = NanoSpecVocab(torch.randn(64, 32).bfloat16(), w_max=8, k_pre=1, k_ver=1, fill=fill)
+
+    def scored():
+        s, ids = v.logits(torch.randn(32).bfloat16())
+        return sorted(ids[torch.isfinite(s)].tolist())
+
+    v.reset(torch.tensor([7, 40]))
+    assert v.token_of.tolist() == [-1, -1, 7, -1, -1, -1, -1, 40]
+    assert scored() == [5, 6, 7, 8, 9, 10, 11, 40]
+    none = (torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.bool))
+    v.update(torch.tensor([41, 5, 42]), torch.ones(3, dtype=torch.bool), *none)
+    assert v.token_of.tolist() == [5, -1, 7, -1, -1, 42, 41, 40]
+    assert scored() == [5, 6, 7, 8, 9, 40, 41, 42]
+    # 7 and 40 leave the ring (their slots 2 and 7 free), and five new tokens take the free slots from the top
+    v.update(torch.tensor([43, 44, 45, 46, 47]), torch.ones(5, dtype=torch.bool), *none)
+    assert v.token_of.tolist() == [5, 47, 46, 45, 44, 42, 41, 43]
+    assert scored() == [5, 41, 42, 43, 44, 45, 46, 47]
+    assert bool(used) == (c_append == "on" and real() is not None)
+
+
 def test_out_of_range_valid_ids_dropped():
     weight = torch.randn(32, 8)
     v = NanoSpecVocab(weight, 8, 1, 1)

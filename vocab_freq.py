@@ -92,8 +92,19 @@ def _json_texts(obj, is_text=False):
 
 
 def corpus_texts(path, id_lists=None):
-    """Texts of a .txt (one per non-empty line) or .jsonl corpus. Token-id records ({"ids": [...]}) go to id_lists
+    """Texts of a .txt (one per non-empty line), .jsonl or .json corpus (a JSON array of ShareGPT or OpenAI
+    conversations: only the assistant turns, what the model writes). Token-id records ({"ids": [...]}) go to id_lists
     when given, only their "spans" (the target's answers: FR-Spec ranks what the model writes) where they have any."""
+    if str(path).endswith(".json"):  # one JSON array of conversations (ShareGPT's release): the assistant turns
+        from eagle_data import ROLE_MAP, json_objects
+        for _, rec in json_objects(Path(path))[0]:
+            turns = (rec.get("conversations") or rec.get("messages") or []) if isinstance(rec, dict) else []
+            for m in turns if isinstance(turns, list) else []:
+                m = m if isinstance(m, dict) else {}
+                text = m.get("value", m.get("content"))
+                if ROLE_MAP.get(str(m.get("from", m.get("role"))).lower()) == "assistant" and isinstance(text, str):
+                    yield text
+        return
     is_jsonl = str(path).endswith(".jsonl")
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -110,9 +121,13 @@ def corpus_texts(path, id_lists=None):
                 yield line.rstrip("\n")
 
 
-def build_freq_file(tokenizer_path, corpus_paths, out_path, vocab_size=None, batch=256):
-    """Rank token ids by count over one or more corpora (text, or token-id records of the same tokenizer)."""
-    tok = Tokenizer.from_file(tokenizer_path)
+def build_freq_file(tokenizer_path, corpus_paths, out_path, vocab_size=None, batch=256, top=None):
+    """Rank token ids by count over one or more corpora (text, or token-id records of the same tokenizer); the
+    tokenizer: a tokenizer.json, or a checkpoint's (folder, GGUF file or named model); top: keep the first top."""
+    if not str(tokenizer_path).endswith(".json"):
+        from download import resolve_checkpoint
+        tokenizer_path = resolve_checkpoint(str(tokenizer_path)) / "tokenizer.json"
+    tok = Tokenizer.from_file(str(tokenizer_path))
     V = vocab_size or tok.get_vocab_size(with_added_tokens=True)
     counts = torch.zeros(V, dtype=torch.long)
     texts, id_lists = [], []
@@ -127,8 +142,8 @@ def build_freq_file(tokenizer_path, corpus_paths, out_path, vocab_size=None, bat
                 if int(ids.max()) >= V:
                     raise ValueError(f"tokenizer produced id {int(ids.max())} >= --vocab-size {V}")
                 counts += torch.bincount(ids, minlength=V)
-    ranked = _rank(counts)
-    torch.save(ranked, out_path)
+    ranked = _rank(counts)[:top]
+    torch.save(torch.tensor(ranked, dtype=torch.int32) if top else ranked, out_path)
     return ranked
 
 
@@ -136,11 +151,15 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="NanoSpec vocabulary tools")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build-freq", help="rank token ids by frequency in a corpus (FR-Spec file)")
-    b.add_argument("--tokenizer", required=True, help="path to tokenizer.json")
+    b.add_argument("--tokenizer", required=True, help="a tokenizer.json, or a checkpoint (folder, .gguf, named model)")
     b.add_argument("--corpus", required=True, nargs="+",
-                   help=".txt (one text per line) or .jsonl (texts, or token-id records {\"ids\": [...]})")
+                   help=".txt (one text per line), .jsonl (texts, or token-id records {\"ids\": [...]}) or .json (a "
+                        "JSON array of ShareGPT or OpenAI conversations: their assistant turns)")
+    b.add_argument("--top", type=int, help="keep the top K ids (an int32 tensor; default: every id seen, a list)")
     b.add_argument("--out", required=True, help="output .pt (list of ids, most frequent first)")
     b.add_argument("--vocab-size", type=int, help="model vocabulary size (default: the tokenizer's, added tokens too)")
     a = p.parse_args(argv)
-    ranked = build_freq_file(a.tokenizer, a.corpus, a.out, a.vocab_size)
+    if a.top is not None and a.top < 1:
+        p.error(f"--top must be >= 1, got {a.top}")
+    ranked = build_freq_file(a.tokenizer, a.corpus, a.out, a.vocab_size, top=a.top)
     print(f"wrote {len(ranked)} ranked token ids to {a.out}")

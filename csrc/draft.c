@@ -106,11 +106,19 @@ void nanospec_append(const Window* w, const int64_t* new_in, const uint8_t* vali
         if (has_fill && rows && fill_tok[dead] >= 0)  /* a freed slot scores its fill token again */
             write_rows(rows, fill_tok + dead, &dead, 1);
     }
-    long br = 0;
     for (long c = 0; c < m; c++) slot[c] = W;
-    for (long s = 0; s < W && br < m; s++) {  /* the k-th born id takes the k-th free slot */
+    for (long c = 0; c < m; c++) {  /* a born fill token takes its own slot where free (fill ids are distinct) */
+        int32_t own = has_fill && (flags[c] & 1) ? w->fill_slot[cand[c]] : -1;
+        if (own < 0 || token_of[own] >= 0) continue;
+        slot[c] = own;
+        token_of[own] = cand[c];
+        slot_of[cand[c]] = own;
+        flags[c] |= 4;
+    }
+    long br = 0;
+    for (long s = W - 1; s >= 0 && br < m; s--) {  /* the k-th other born id takes the k-th free slot from the top */
         if (token_of[s] >= 0) continue;
-        while (br < m && !(flags[br] & 1)) br++;
+        while (br < m && (!(flags[br] & 1) || (flags[br] & 4))) br++;
         if (br == m) break;
         slot[br] = s;
         token_of[s] = cand[br];

@@ -72,7 +72,7 @@ typedef struct {
 /* NanoSpec's window state (vocab.NanoSpecVocab's tensors; nanospec_append in draft.c); dst.rows = 0: no rows */
 typedef struct {
     long V, W; int64_t *ring, *head; int32_t *count, *slot_of; int64_t* token_of; int32_t* winner;
-    const int64_t* fill_tok; int has_fill; int64_t* ids; uint16_t* bias; RowsDst dst;
+    const int64_t* fill_tok; const int32_t* fill_slot; int has_fill; int64_t* ids; uint16_t* bias; RowsDst dst;
 } Window;
 
 void eagle_tree_bf16(const TreeArgs* a);
