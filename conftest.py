@@ -1,7 +1,9 @@
 """Shared test fixtures: tiny random models written as real HF checkpoint folders, and the EAGLE-3 training
 tests' fixtures (test_eagle_data, test_eagle_ckpt, test_eagle_train, test_eagle_ttt opt in to one_thread and quiet)."""
+import atexit
 import json
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -15,8 +17,10 @@ from model import load_model
 # exact.py caches this machine's invariance answers on disk; tests start from an empty cache of their own
 # (subprocesses inherit it, and processes that import this file again, as spawned ranks do, take it back from
 # NANOSPEC_TEST_CACHE) so that they always exercise the check and never touch the user's cache
-os.environ["NANOSPEC_CACHE"] = os.environ.get("NANOSPEC_TEST_CACHE") or tempfile.mkdtemp(prefix="nanospec-test-cache-")
-os.environ["NANOSPEC_TEST_CACHE"] = os.environ["NANOSPEC_CACHE"]
+if not os.environ.get("NANOSPEC_TEST_CACHE"):  # the process that made it removes it (its kernels: 5 MB a run)
+    os.environ["NANOSPEC_TEST_CACHE"] = tempfile.mkdtemp(prefix="nanospec-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["NANOSPEC_TEST_CACHE"], True)
+os.environ["NANOSPEC_CACHE"] = os.environ["NANOSPEC_TEST_CACHE"]
 # the CLI's budget memory outlives its process (engine.Engine's budget_cache): off, so that no test starts
 # from another's; test_generate turns it on where it tests it
 os.environ["NANOSPEC_BUDGET_CACHE"] = "off"
