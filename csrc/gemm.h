@@ -44,7 +44,8 @@ static void widen_panel(const Packed* W, long pd, long K, uint16_t* dst);
 
 /* the tile tables' formats: bf16; int8, 4, 5, 6-bit codes; then the K-quants' factorized tiles (the sub-block's codes
    times x, then its scale and offset: gemm_kquant.h on AVX-512 BF16, 4 and 5-6 bits; gemm_kfma.h on the FMA
-   kernels, 4, 5 and 6 bits), and KWIDE, theirs over a panel widened once */
+   kernels, 4, 5 and 6 bits), and KWIDE, the FMA kernels' over a panel widened once (the AVX-512 BF16 kernel's decode
+   their codes in each tile: tiled()) */
 #if defined(__AVX512BF16__)
 #define KWIDE 7
 #else
@@ -52,8 +53,10 @@ static void widen_panel(const Packed* W, long pd, long K, uint16_t* dst);
 #endif
 #define NFMT 9
 static inline int fmt(long bits) { return bits == 16 ? 0 : bits == 8 ? 1 : bits == 4 ? 2 : bits == 5 ? 3 : 4; }
-/* panel pd of a K-quant part W as its tiles' codes, into dst, and its groups' scales into ksc_buf (each ISA's) */
+#if KWIDE != 7
+/* panel pd of a K-quant part W as its tiles' codes, into dst, and its groups' scales into ksc_buf (the FMA kernels') */
 static void kwiden_panel(const Packed* W, long pd, long K, uint16_t* dst);
+#endif
 static inline int fmt_of(const Packed* W) {
     if (!W->sup || W->bits == 8) return fmt(W->bits);
     return KWIDE == 7 ? (W->bits == 4 ? 5 : 6) : (int)W->bits + 1;
@@ -65,8 +68,10 @@ static inline int has_kquant(const Packed* W) {
 }
 static __thread float* xsum_buf;  /* the K-quant tiles' sums of x [M][K / 16], each thread its own copy */
 static __thread long xsum_cap;
-static __thread float* ksc_buf;  /* kwiden_panel's scales and offsets per group and vector of the panel */
+#if KWIDE != 7
+static __thread float* ksc_buf;  /* the FMA kernels' kwiden_panel's scales and offsets per group of the panel */
 static __thread long ksc_cap;
+#endif
 /* room for n floats in a thread's buffer *buf of *cap, grown as needed, kept (64-byte aligned) */
 static inline void room(float** buf, long* cap, long n) {
     if (*cap < n) {
@@ -152,16 +157,22 @@ static void tiled(const tile_fn (*tiles)[7], const tile_fn (*halves)[7], long mt
         /* quantized, with several tiles to a panel: widen it once into this thread's buffer (L2) and run bf16
            tiles over it, not every tile widening every code (the same bits: a quantized tile widens in registers
            to these bf16 values). Measured on Zen 5, a pass of the default model's int4 GEMMs: 16 rows 7.3 ms
-           widening per tile, 5.9 widening once (bf16 5.9); 64 rows 25.6 and 17.1 (bf16 17.1) */
-        const int fw = f && nt > 1 ? (f >= 5 ? KWIDE : 0) : f;
+           widening per tile, 5.9 widening once (bf16 5.9); 64 rows 25.6 and 17.1 (bf16 17.1). Not the K-quants
+           on the AVX-512 BF16 kernel: its tiles take their codes as bf16 in one or two bitwise ops a vector, less
+           than storing and reloading a widened panel (the 1.5B's FFN matrix, Q4_K, Zen 4: 8 rows 15.2 to 19.1 G
+           weights/s, 12 rows 12.0 to 13.9); the FMA kernels convert each code (Q6_K slower per tile on AVX2) */
+        const int once = f && nt > 1 && (f < 5 || KWIDE != 7);
+        const int fw = once ? (f >= 5 ? KWIDE : 0) : f;
         const uint16_t* wide = 0;
-        if (f && nt > 1) {
+        if (once) {
             if (widen_cap < panel * K) {
                 free(widen_buf);
                 widen_cap = panel * K;
                 widen_buf = aligned_alloc(64, (widen_cap * 2 + 63) / 64 * 64);
             }
+#if KWIDE != 7
             if (f >= 5) kwiden_panel(Wp, p - Wp->p0, K, widen_buf); else
+#endif
             widen_panel(Wp, p - Wp->p0, K, widen_buf);
             wide = widen_buf;
         }

@@ -131,8 +131,7 @@ TILES(16) TILES(8) TILES(4) TILES(5) TILES(6)
 static const tile_fn tiles[NFMT][7] = {{0, t1_16, t2_16, t3_16, t4_16, t5_16, t6_16},
     {0, t1_8, t2_8, t3_8, t4_8, t5_8, t6_8}, {0, t1_4, t2_4, t3_4, t4_4, t5_4, t6_4},
     {0, t1_5, t2_5, t3_5, t4_5, t5_5, t6_5}, {0, t1_6, t2_6, t3_6, t4_6, t5_6, t6_6},
-    {0, k1_4, k2_4, k3_4, k4_4, k5_4, k6_4}, {0, k1_6, k2_6, k3_6, k4_6, k5_6, k6_6},
-    {0, k1_16, k2_16, k3_16, k4_16, k5_16, k6_16}};
+    {0, k1_4, k2_4, k3_4, k4_4, k5_4, k6_4}, {0, k1_6, k2_6, k3_6, k4_6, k5_6, k6_6}};
 
 /* y[M, N] = x[M, K] @ W[N, K]^T (+ b), x as bf16 pairs, in tiles of up to 6 rows over panels of 64. Row-invariant
    by construction: every output is one chain of vdpbf16ps over the k pairs in order, plus the bias, rounded

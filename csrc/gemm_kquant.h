@@ -39,37 +39,16 @@ static inline __attribute__((always_inline)) __m512bh kcodes(const uint8_t* q, c
     return (__m512bh)w;
 }
 
-/* panel pd of a K-quant part W as bf16 128 + code values in pack()'s layout, into dst [K / 2][64][2], and its
-   groups' s and c into ksc_buf [groups][4 vectors][s 16, c 16] (several tiles over one panel read these instead
-   of decoding the codes and scales each: 16-row passes of the 1.5B's FFN matrices ran 1.6x slower without) */
-static void kwiden_panel(const Packed* W, long pd, long K, uint16_t* dst) {
-    const long K2 = K / 2, NG = K / W->group;
-    const uint8_t* q = (const uint8_t*)W->w + pd * 64 * K2;
-    const uint8_t* hp = W->bits == 4 ? 0 : W->h + pd * 32 * K2;
-    for (long k = 0; k < K2; k++)
-        for (int v = 0; v < 4; v++)
-            _mm512_storeu_si512((__m512i*)(dst + (4 * k + v) * 32),
-                                (__m512i)(hp ? kcodes(q, hp, k, v, 6) : kcodes(q, hp, k, v, 4)));
-    room(&ksc_buf, &ksc_cap, NG * 128);
-    for (long g = 0; g < NG; g++)
-        for (int v = 0; v < 4; v++) {
-            __m512 s, m;
-            group_sm(W, K, pd, g, 16 * v, &s, &m);
-            _mm512_store_ps(ksc_buf + (g * 4 + v) * 32, s);
-            _mm512_store_ps(ksc_buf + (g * 4 + v) * 32 + 16, _mm512_fmadd_ps(s, _mm512_set1_ps(-128.f), m));
-        }
-}
-
-/* MT rows of x times panel p of K-quant part W (BITS 4, or 6 for 5 and 6 bits; 16: wide holds the panel's 128 +
-   code values). Few rows, the panel's 4 vectors at once (4 chains for the latency); more, one half of it at a
-   time (2 x MT chains and as many accumulators in registers). Each output's chains and FMAs are the same either
-   way. */
+/* MT rows of x times panel p of K-quant part W (BITS 4, or 6 for 5 and 6 bits), each tile decoding the codes
+   itself (tiled() widens no K-quant panel on this kernel). Few rows, the panel's 4 vectors at once (4 chains for
+   the latency); more, one half of it at a time (2 x MT chains and as many accumulators in registers). Each
+   output's chains and FMAs are the same either way. */
 static inline __attribute__((always_inline)) void ktile(const uint32_t* x, long K2, const Packed* W,
         const uint16_t* wide, const uint16_t* b, uint16_t* y, float* yf, long N, long m0, long p, const char* pf,
         long l0, long l1, const int MT, const int BITS) {
-    /* 3-4 rows decoding their codes: the whole panel too (1.2-1.4x a half at a time, Zen 4); widened, 4 rows a
-       half (the same or better at 8 rows, where 2 tiles of 4 share a panel) */
-    const int HV = MT <= 2 || (MT <= 4 && BITS != 16) ? 4 : 2;
+    /* 3-4 rows: the whole panel too (1.2-1.4x a half at a time, Zen 4) */
+    (void)wide;
+    const int HV = MT <= 4 ? 4 : 2;
     const long pd = p - W->p0, K = 2 * K2, GK = W->group / 2, NG = K2 / GK, XB = K / 16, xs = W->group / 16;
     const uint8_t* q = (const uint8_t*)W->w + pd * 64 * K2;
     const uint8_t* hp = BITS == 6 ? W->h + pd * 32 * K2 : 0;
@@ -87,24 +66,16 @@ static inline __attribute__((always_inline)) void ktile(const uint32_t* x, long 
                 if (pf && hf == 0)  /* this tile's share of the next panel (as tile()) */
                     for (due += l1 - l0; due >= K2; due -= K2, l++) _mm_prefetch(pf + l * 64, _MM_HINT_T0);
                 __m512bh wv[4];
-                for (int v = 0; v < HV; v++)
-                    wv[v] = BITS == 16 ? (__m512bh)_mm512_loadu_si512((const __m512i*)wide + 4 * k + hf * HV + v)
-                                       : kcodes(q, hp, k, hf * HV + v, BITS);
+                for (int v = 0; v < HV; v++) wv[v] = kcodes(q, hp, k, hf * HV + v, BITS);
                 for (int i = 0; i < MT; i++) {
                     const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x0[i * K2 + k]);
                     for (int v = 0; v < HV; v++) S[i][v] = _mm512_dpbf16_ps(S[i][v], xb, wv[v]);
                 }
             }
             for (int v = 0; v < HV; v++) {
-                __m512 s, c;
-                if (BITS == 16) {  /* kwiden_panel's */
-                    s = _mm512_load_ps(ksc_buf + (g * 4 + hf * HV + v) * 32);
-                    c = _mm512_load_ps(ksc_buf + (g * 4 + hf * HV + v) * 32 + 16);
-                } else {
-                    __m512 m;
-                    group_sm(W, K, pd, g, 16 * (hf * HV + v), &s, &m);
-                    c = _mm512_fmadd_ps(s, _mm512_set1_ps(-128.f), m);
-                }
+                __m512 s, m;
+                group_sm(W, K, pd, g, 16 * (hf * HV + v), &s, &m);
+                const __m512 c = _mm512_fmadd_ps(s, _mm512_set1_ps(-128.f), m);
                 for (int i = 0; i < MT; i++) {
                     const float xg = xs == 2 ? X[i * XB + 2 * g] + X[i * XB + 2 * g + 1] : X[i * XB + g];
                     acc[i][v] = _mm512_fmadd_ps(c, _mm512_set1_ps(xg), _mm512_fmadd_ps(s, S[i][v], acc[i][v]));
@@ -121,4 +92,4 @@ static inline __attribute__((always_inline)) void ktile(const uint32_t* x, long 
         const uint16_t* b, uint16_t* y, float* yf, long N, long m, long p, const char* pf, long l0, long l1) { \
         ktile((const uint32_t*)x, K2, W, wide, b, y, yf, N, m, p, pf, l0, l1, MT, BITS); }
 #define KTILES(BITS) KTILE(1, BITS) KTILE(2, BITS) KTILE(3, BITS) KTILE(4, BITS) KTILE(5, BITS) KTILE(6, BITS)
-KTILES(4) KTILES(6) KTILES(16)
+KTILES(4) KTILES(6)
