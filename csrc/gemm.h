@@ -158,10 +158,12 @@ static void tiled(const tile_fn (*tiles)[7], const tile_fn (*halves)[7], long mt
            tiles over it, not every tile widening every code (the same bits: a quantized tile widens in registers
            to these bf16 values). Measured on Zen 5, a pass of the default model's int4 GEMMs: 16 rows 7.3 ms
            widening per tile, 5.9 widening once (bf16 5.9); 64 rows 25.6 and 17.1 (bf16 17.1). Not the K-quants
-           on the AVX-512 BF16 kernel: its tiles take their codes as bf16 in one or two bitwise ops a vector, less
-           than storing and reloading a widened panel (the 1.5B's FFN matrix, Q4_K, Zen 4: 8 rows 15.2 to 19.1 G
-           weights/s, 12 rows 12.0 to 13.9); the FMA kernels convert each code (Q6_K slower per tile on AVX2) */
-        const int once = f && nt > 1 && (f < 5 || KWIDE != 7);
+           on the AVX-512 BF16 kernel, nor Q4_K on any: their tiles take the codes in a bitwise op or two a vector
+           (bf16 128 + q, or the 4-bit integer), less than storing and reloading a widened panel (the 1.5B's FFN
+           matrix, Q4_K, Zen 4: 8 rows 14.6 to 17.7 G weights/s on AVX-512 BF16, 7.4 to 8.4 on AVX2, 12 rows 11.6
+           to 13.8 and 5.5 to 6.0); the FMA kernels' 5 and 6-bit tiles place 2-bit fields first (Q6_K per tile on
+           AVX2: 8 rows 5.6 to 5.0) */
+        const int once = f && nt > 1 && (f < 5 || (KWIDE != 7 && Wp->bits != 4));
         const int fw = once ? (f >= 5 ? KWIDE : 0) : f;
         const uint16_t* wide = 0;
         if (once) {
