@@ -263,17 +263,21 @@ class NanoSpecVocab:
         # needs more). Why: taking free slots from the bottom displaced the most frequent fill tokens (' is', ' =')
         # and cost a draft model 2-5% of its tau (BENCHMARKS.md).
         free = self.token_of_ < 0                                     # [W+1]
-        free[W:].fill_(False)                                        # (the sink is never free)
-        own_slot = self.fill_slot_[cand].long() if self.has_fill else torch.full_like(cand, -1)
-        own = born & (own_slot >= 0) & free[own_slot.clamp(min=0)]
-        free.index_fill_(0, torch.where(own, own_slot, W), False)    # own slots taken
+        rest = born  # the born tokens without a free fill slot of their own
+        if self.has_fill:
+            free[W:].fill_(False)                                    # (the sink is never free)
+            own_slot = self.fill_slot_[cand].long()
+            own = born & (own_slot >= 0) & free[own_slot.clamp(min=0)]
+            free.index_fill_(0, torch.where(own, own_slot, W), False)  # own slots taken
+            rest = born & ~own
         free = free[:W]
         free_rank = torch.where(free, free.flip(0).cumsum(0).flip(0) - 1, W)  # 0 = the highest free slot
         free_list = torch.empty(W + 1, dtype=torch.long, device=new.device)
         free_list.index_copy_(0, free_rank, self._arange_w)          # free_list[r] = r-th free slot from the top
-        rest = born & ~own
         born_rank = torch.where(rest, torch.cumsum(rest, 0) - 1, W)
-        slot = torch.where(own, own_slot, torch.where(rest, free_list[born_rank], W))  # [2n], W = no slot
+        slot = torch.where(rest, free_list[born_rank], W)            # [2n], W = no slot
+        if self.has_fill:
+            slot = torch.where(own, own_slot, slot)
         self.token_of_.index_copy_(0, slot, torch.where(born, cand, -1))
         self.slot_of_.index_copy_(0, torch.where(born, cand, V), slot.to(torch.int32))
         self.slot_of_[V:].fill_(-1)  # (fill_, not x[V] = -1: that copies from the host, illegal in a CUDA graph)
