@@ -1,8 +1,8 @@
 """Tensor parallelism against one process, on this machine: generate.py on one prompt as one process with the fused
-pass, as one process on the PyTorch layers in exact mode (what each rank runs), and under torchrun with N ranks,
-exact (every linear gathered) and --no-exact (the all-reduce layout), in turn, --rounds times; decode tokens/s,
-the mean accepted length, and whether each text is the one-process layers' text (exact TP's must be: the exit
-status is 1 where it is not).
+pass and on the PyTorch layers in exact mode, and under torchrun with N ranks on each of the same two passes (exact:
+every linear gathered) and on the layers with --no-exact (the all-reduce layout), in turn, --rounds times; decode
+tokens/s, the mean accepted length, and whether each text is one process's on the same pass (exact TP's must be: the
+exit status is 1 where it is not).
 
     python bench_tp.py --ranks 2 --rounds 2 --max-new-tokens 128 [--checkpoint DIR] [--draft none] [--prompt TEXT]
 """
@@ -34,20 +34,23 @@ def parse_args(argv=None):
     return a
 
 
-def commands(a) -> dict[str, tuple[list[str], dict]]:
-    """{configuration: (argv, environment)}; the ranks share this machine's threads."""
+FUSED, LAYERS = "one process, fused pass", "one process, PyTorch layers, exact"
+
+
+def commands(a) -> dict[str, tuple[list[str], dict, str | None]]:
+    """{configuration: (argv, environment, the one-process configuration whose text it must give)}; the ranks share
+    this machine's threads."""
     gen = ["generate.py", "--prompt", a.prompt, "--max-new-tokens", str(a.max_new_tokens), "--json"]
     gen += (["--checkpoint", a.checkpoint] if a.checkpoint else []) + (["--draft", a.draft] if a.draft else [])
     env, threads = dict(os.environ), torch.get_num_threads()
-    return {"one process, fused pass": ([sys.executable, *gen], env),
-            "one process, PyTorch layers, exact": ([sys.executable, *gen, "--exact"],
-                                                   env | {"NANOSPEC_CPU_FORWARD": "off"}),
-            f"{a.ranks} ranks (TP {a.ranks})": ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                                                 str(a.ranks), *gen],
-                                                env | {"OMP_NUM_THREADS": str(max(1, threads // a.ranks))}),
-            f"{a.ranks} ranks, --no-exact (all-reduce)": ([sys.executable, "-m", "torch.distributed.run",
-                                                          "--nproc_per_node", str(a.ranks), *gen, "--no-exact"],
-                                                         env | {"OMP_NUM_THREADS": str(max(1, threads // a.ranks))})}
+    layers = {"NANOSPEC_CPU_FORWARD": "off"}
+    tp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.ranks), *gen]
+    ranks = env | {"OMP_NUM_THREADS": str(max(1, threads // a.ranks))}
+    return {FUSED: ([sys.executable, *gen], env, FUSED),
+            LAYERS: ([sys.executable, *gen, "--exact"], env | layers, LAYERS),
+            f"{a.ranks} ranks (TP {a.ranks}), fused pass": (tp, ranks, FUSED),
+            f"{a.ranks} ranks (TP {a.ranks}), PyTorch layers": (tp + ["--exact"], ranks | layers, LAYERS),
+            f"{a.ranks} ranks, PyTorch layers, --no-exact (all-reduce)": (tp + ["--no-exact"], ranks | layers, None)}
 
 
 def run_one(argv: list[str], env: dict) -> dict:
@@ -62,22 +65,23 @@ def run_one(argv: list[str], env: dict) -> dict:
 def run(a) -> int:
     cmds, got = commands(a), {}
     for _ in range(a.rounds):
-        for name, (argv, env) in cmds.items():
+        for name, (argv, env, _) in cmds.items():
             got.setdefault(name, []).append(run_one(argv, env))
-    ref = got["one process, PyTorch layers, exact"][0]["text"]
     print(f"{a.max_new_tokens} new tokens, greedy, {torch.get_num_threads()} threads, {a.rounds} rounds in turn\n")
-    print("| configuration | decode tok/s | median | vs one process's layers | τ | text = layers' |")
+    print("| configuration | decode tok/s | median | vs one process's fused pass | τ | text = one process's |")
     print("|---|---|---|---|---|---|")
-    base = statistics.median(x["decode_tokens_per_s"] for x in got["one process, PyTorch layers, exact"])
+    base = statistics.median(x["decode_tokens_per_s"] for x in got[FUSED])
     same_tp = True
     for name, rs in got.items():
         speeds = [x["decode_tokens_per_s"] for x in rs]
         taus = [x.get("mean_accepted_length") for x in rs]
-        same = all(x["text"] == ref for x in rs)
-        same_tp &= same or not name.endswith(")")
+        ref = cmds[name][2]
+        same = ref is not None and all(x["text"] == got[ref][0]["text"] for x in rs)
+        same_tp &= same or ref is None
         tau = "-" if taus[0] is None else ", ".join(f"{t:.2f}" for t in taus)
+        said = "-" if ref is None else f"{'yes' if same else 'no'} ({'fused' if ref == FUSED else 'layers'})"
         print(f"| {name} | {', '.join(f'{s:.2f}' for s in speeds)} | {statistics.median(speeds):.2f} | "
-              f"{statistics.median(speeds) / base:.2f}x | {tau} | {'yes' if same else 'no'} |")
+              f"{statistics.median(speeds) / base:.2f}x | {tau} | {said} |")
     return 0 if same_tp else 1
 
 

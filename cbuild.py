@@ -33,11 +33,14 @@ Packed._fields_ = [("w", P), ("s", P), ("m", P), ("bits", L), ("group", L), ("h"
                    ("sup", L), ("zero", L), ("p0", L), ("next", ctypes.POINTER(Packed)), ("fast", L)]
 
 
+GATHER = ctypes.CFUNCTYPE(None, L, L, P, P)  # (g, T, part, full): StackArgs.gather, tensor parallelism's (tp.py)
+
+
 class StackArgs(ctypes.Structure):
     _fields_ = [("tab", P), ("L", L), ("D", L), ("H", L), ("Hkv", L), ("hd", L), ("I", L), ("eps", F32), ("T", L),
                 ("S", L), ("x", P), ("emb", P), ("cs", P), ("sn", P), ("mask", P), ("mbase", P), ("W", L), ("cpos", P),
                 ("kv", P), ("kt", P),
-                ("aux_of", P), ("n_aux", L), ("aux", P), ("fnorm", P), ("threads", INT)]
+                ("aux_of", P), ("n_aux", L), ("aux", P), ("fnorm", P), ("threads", INT), ("gather", GATHER), ("tp", L)]
 
 
 class KVCache(ctypes.Structure):

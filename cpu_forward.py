@@ -151,7 +151,8 @@ def layers_from(model, reps: int = 3) -> int | None:
     throughout. Timed once per machine and model shape, cached. Their rows are not invariant: --no-exact only.
     Why: the fused pass's GEMMs win by streaming the weights once at few rows, but on an AMX Xeon oneDNN's took
     41.5 ms for the whole model at 128 rows against the fused pass's 97.7 at 60."""
-    if model.cpu_pass is None or any(isinstance(m, qlinear.QLinear) for m in model.modules()):
+    if (model.cpu_pass is None or model.cpu_pass.gather is not None  # (TP: the ranks would time their own choices)
+            or any(isinstance(m, qlinear.QLinear) for m in model.modules())):
         return None
     key = f"{cpu_gemm.machine_id()} layers with torch GEMMs from, against the {shape_key(model.args)} at {LAYER_SIZES}"
     return cpu_gemm.cached(key, lambda: _layers_from(model, reps))
@@ -160,27 +161,30 @@ def layers_from(model, reps: int = 3) -> int | None:
 @torch.no_grad()
 def _layers_from(model, reps: int) -> int | None:
     stack, on = model.cpu_pass, cpu_gemm.enabled()
-    ts = {f: {r: [] for r in LAYER_SIZES} for f in (True, False)}
+    sizes = [r for r in LAYER_SIZES if r <= model.args.max_position_embeddings]
+    if not sizes:
+        return None
+    ts = {f: {r: [] for r in sizes} for f in (True, False)}
     try:
         for _ in range(reps + 1):  # the first round warms up
             for fused in (True, False):
                 cpu_gemm.switch(fused)
                 model.cpu_pass = stack if fused else None
-                for r, t in pass_seconds(model, list(LAYER_SIZES), reps=1).items():
+                for r, t in pass_seconds(model, sizes, reps=1).items():
                     ts[fused][r].append(t)
     finally:
         model.cpu_pass = stack
         cpu_gemm.switch(on)
     med = {f: {r: sorted(v[1:])[reps // 2] for r, v in d.items()} for f, d in ts.items()}
-    wins = [r for r in LAYER_SIZES if med[False][r] < med[True][r]]
-    return next((r for r in LAYER_SIZES if all(x in wins for x in LAYER_SIZES if x >= r)), None)
+    wins = [r for r in sizes if med[False][r] < med[True][r]]
+    return next((r for r in sizes if all(x in wins for x in sizes if x >= r)), None)
 
 
 @torch.no_grad()
 def pass_seconds(model, rows: list[int], reps: int = 3, ctx: int = 256, plan=None) -> dict[int, float]:
     """{rows: median seconds of reps} of the model's pass as it runs now (with plan: a model.Plan), over ctx keys;
     leaves no caches."""
-    ctx = max(1, min(ctx, model.args.max_position_embeddings - max(rows)))
+    ctx = max(0, min(ctx, model.args.max_position_embeddings - max(rows)))
     tok = torch.randint(0, model.args.vocab_size, (1, max(rows)), generator=torch.Generator().manual_seed(0))
     model.max_batch = -1
     model.setup_caches(1, ctx + max(rows))
@@ -197,8 +201,9 @@ def pass_seconds(model, rows: list[int], reps: int = 3, ctx: int = 256, plan=Non
 class Stack:
     """Decoder layers' packed, fused weights and the C pass's pointer table (holding the tensors it points at)."""
 
-    def __init__(self, a, layers):
-        self.args, self.L = a, len(layers)
+    def __init__(self, a, layers, gather=None):
+        """gather: tensor parallelism's (tp.FusedGather): layers holds this rank's slices of the GEMMs' rows."""
+        self.args, self.L, self.gather = a, len(layers), gather
         self.keep, rows = [], []
         for layer in layers:
             at, mlp = layer.self_attn, layer.mlp
@@ -231,6 +236,8 @@ class Stack:
             self.aux_of[key] = torch.tensor(list(key) or [-1], dtype=torch.int64)
         args = (x, emb, cos, sin, mask, cache_pos, kv, self.no_kt if kt is None else kt, self.table, self.aux_of[key],
                 len(key), a.n_heads, a.intermediate_size, a.norm_eps, norm, mask_base)
+        if self.gather is not None:  # (tensor parallelism runs eager: no compiled op)
+            return self.gather.run(_pass, *args)
         return torch.ops.nanospec.cpu_stack(*args) if torch.compiler.is_compiling() else run(*args)
 
 
@@ -251,6 +258,12 @@ def fused(lins: list) -> qlinear.KernelWeight:
 def run(x: Tensor, emb: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor, cache_pos: Tensor, kv: Tensor,
         kt: Tensor, table: Tensor, aux_of: Tensor, n_aux: int, n_heads: int, inter: int, eps: float,
         norm: Tensor | None = None, mask_base: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    return _pass(x, emb, cos, sin, mask, cache_pos, kv, kt, table, aux_of, n_aux, n_heads, inter, eps, norm, mask_base)
+
+
+def _pass(x, emb, cos, sin, mask, cache_pos, kv, kt, table, aux_of, n_aux, n_heads, inter, eps, norm=None,
+          mask_base=None, gather=None, tp=1):
+    """run's call; gather, tp: tensor parallelism's StackArgs.gather (a cbuild.GATHER) and world size."""
     T, D = x.shape
     L, _, Hkv, S, hd = kv.shape
     W = mask.shape[1]
@@ -268,7 +281,8 @@ def run(x: Tensor, emb: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor, c
                          0 if e is None else e.data_ptr(), cos.data_ptr(), sin.data_ptr(), m.data_ptr(),
                          0 if mb is None else mb.data_ptr(), W, pos.data_ptr(),
                          kv.data_ptr(), kt.data_ptr() if kt.numel() else 0, aux_of.data_ptr(), n_aux, aux.data_ptr(),
-                         0 if norm is None else norm.data_ptr(), torch.get_num_threads())
+                         0 if norm is None else norm.data_ptr(), torch.get_num_threads(),
+                         gather or cbuild.GATHER(), tp)
     kernel()(cbuild.ptr(a))
     return x, aux
 

@@ -1,6 +1,6 @@
-"""bench_tp.py end to end on a tiny random model: the four configurations' rows (one process fused, one process on
-the PyTorch layers, two ranks under torch.distributed.run, exact and --no-exact), exact TP's text equal to the
-layers', the exit status."""
+"""bench_tp.py end to end on a tiny random model: the five configurations' rows (one process fused and on the
+PyTorch layers, two ranks under torch.distributed.run on each of the two passes and with --no-exact), exact TP's text
+equal to one process's on the same pass, the exit status."""
 import pytest
 
 import bench_tp
@@ -18,8 +18,10 @@ def test_the_table(tmp_path, capsys):
     assert rc == 0, out
     rows = [x for x in out.splitlines() if x.startswith("| ") and "tok/s" not in x]
     assert [r.split(" | ")[0] for r in rows] == ["| one process, fused pass", "| one process, PyTorch layers, exact",
-                                                  "| 2 ranks (TP 2)", "| 2 ranks, --no-exact (all-reduce)"]
-    assert rows[2].endswith("| yes |") and rows[1].endswith("| yes |")
+                                                  "| 2 ranks (TP 2), fused pass", "| 2 ranks (TP 2), PyTorch layers",
+                                                  "| 2 ranks, PyTorch layers, --no-exact (all-reduce)"]
+    assert [r.rsplit(" | ", 1)[1] for r in rows] == ["yes (fused) |", "yes (layers) |", "yes (fused) |",
+                                                     "yes (layers) |", "- |"]
 
 
 def test_bad_flags(capsys):

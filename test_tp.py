@@ -1,7 +1,8 @@
 """tp.py: two ranks over gloo (torch.multiprocessing.spawn) on a tiny random model, against one process on the same
-PyTorch layers: the same logits bit for bit, the same greedy tokens for AR and each drafter (prompt lookup, EAGLE-3
-with NanoSpec, the hybrid under the budget whose choices rank 0 broadcasts), the same sampled tokens from the same
-seed, the batch engine's outputs one process's; int8 and int4 targets too (their codes split with their scales);
+pass (the fused CPU pass, or the PyTorch layers): the same logits bit for bit, the same greedy tokens for AR and each
+drafter (prompt lookup, EAGLE-3 with NanoSpec and with FR-Spec, the hybrid under the budget whose choices rank 0
+broadcasts, a draft model), the same sampled tokens from the same seed, the batch engine's outputs one process's;
+int8 and int4 targets too (their codes split with their scales);
 a layer on the draft models' integer GEMM and a world size that does not divide a layer's outputs are one-line
 errors; serve.py under torchrun serves one process's outputs."""
 import concurrent.futures as cf
@@ -45,6 +46,9 @@ def files(tmp_path_factory):
     path, _ = write_tiny_hf(root / "target", hidden_size=192, intermediate_size=256, num_hidden_layers=3,
                             num_attention_heads=3, num_key_value_heads=1, vocab_size=300, max_position_embeddings=256)
     write_eagle_head(root / "head", json.loads((path / "config.json").read_text()), version=3, seed=1)
+    torch.save(list(range(299, -1, -2)), root / "freq.pt")
+    write_tiny_hf(root / "draft", seed=2, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, vocab_size=300, max_position_embeddings=256)
     for mode in ("int8", "int4"):
         assert quantize.main(["--checkpoint", str(path), "--mode", mode, "--groupsize", "32",
                               "--out", str(root / mode)]) == 0
@@ -53,9 +57,8 @@ def files(tmp_path_factory):
 
 def run_all(path, head) -> dict:
     """What a rank (or one process) computes: a prompt's logits, each drafter's greedy tokens, sampled tokens."""
-    m = M.load_model(path, dtype=torch.bfloat16)
-    fused = m.cpu_pass is not None
-    m = tp.shard(m)
+    m = tp.shard(M.load_model(path, dtype=torch.bfloat16))
+    fused = "layers" if m.cpu_pass is None else "gathered" if m.cpu_pass.gather else "fused"
     tp.sync_budget()
     m.setup_caches(1, 64)
     gathers, real = [], dist.all_gather
@@ -70,6 +73,8 @@ def run_all(path, head) -> dict:
     out["packed"] = [x.packed is not None for x in m.modules() if isinstance(x, M.Linear)]
     configs = {"ar": dc.DraftConfig("none"), "ngram": dc.DraftConfig("ngram", spec_k=4),
                "eagle": dc.DraftConfig(str(head), "nanospec", 4, 3, 10, w_max=64, ngram=False),
+               "frspec": dc.DraftConfig(str(head), f"freq:{head.parent / 'freq.pt'}:40", 4, 3, 10, ngram=False),
+               "model": dc.DraftConfig(str(head.parent / "draft"), "nanospec", 2, 3, 6, w_max=256, ngram=False),
                "hybrid": dc.DraftConfig(str(head), "nanospec", 4, 3, 10, spec_k=4, w_max=64, ngram=True)}
     for name, c in configs.items():
         e = build_engine(m, None, c, exact=True, budget=name == "hybrid")
@@ -96,8 +101,8 @@ def run_quantized(path) -> dict:
     return out
 
 
-def _rank(r: int, world: int, init: str, path, head, out: str):
-    os.environ.update(ENV)
+def _rank(r: int, world: int, init: str, path, head, out: str, env: dict):
+    os.environ.update(env)
     torch.set_num_threads(1)  # (two ranks on two cores)
     os.environ["NANOSPEC_BUDGET_CACHE"] = "off"
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=r, world_size=world, timeout=LIMIT)
@@ -111,26 +116,34 @@ def _rank(r: int, world: int, init: str, path, head, out: str):
 
 
 @pytest.mark.skipif(cpu_gemm.kernel() is None, reason="needs x86-64 with AVX2+FMA and a C compiler")
-def test_two_ranks_are_one_process(files, tmp_path, monkeypatch):
-    """The ranks load the model with the fused CPU pass; one process runs its PyTorch layers (what TP runs)."""
-    monkeypatch.setenv(cpu_gemm.ENV, "kernel")
-    monkeypatch.setenv(cpu_forward.ENV, "off")
-    monkeypatch.setenv("NANOSPEC_BUDGET_CACHE", "off")
+@pytest.mark.parametrize("fused", ["on", "off"])
+def test_two_ranks_are_one_process(files, tmp_path, monkeypatch, fused):
+    """The ranks and one process load the model alike: with the fused CPU pass (the ranks' passes gather their GEMMs'
+    slices through its callback), or with the PyTorch layers (Gathered linears)."""
+    env = {cpu_gemm.ENV: "kernel", cpu_forward.ENV: fused, "NANOSPEC_BUDGET_CACHE": "off"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     path, head = files
-    mp.spawn(_rank, args=(2, str(tmp_path / "init"), path, head, str(tmp_path / "out.pt")), nprocs=2)
+    mp.spawn(_rank, args=(2, str(tmp_path / "init"), path, head, str(tmp_path / "out.pt"), env), nprocs=2)
     got, ref = torch.load(tmp_path / "out.pt"), run_all(path, head) | run_quantized(path)
-    assert got["fused"] and not ref["fused"] and all(got["packed"]) and len(got["packed"]) == 3 * 7 + 1
+    assert (got["fused"], ref["fused"]) == (("gathered", "fused") if fused == "on" else ("layers", "layers"))
+    assert len(got["packed"]) == 3 * 7 + 1
+    # the layers' slices on the kernel as one process's linears (whose q, k, v, gate, up the fused pass serves)
+    assert got["packed"] == ref["packed"] and all(got["packed"]) == (fused == "off")
     assert got["gathers"] == 3 * 4 and ref["gathers"] == 0
     assert torch.equal(got["logits"], ref["logits"])
     assert got["batch"] == ref["batch"]
-    for name in ("ar", "ngram", "eagle", "hybrid", "sampled", "int8 tokens", "int4 tokens"):
+    for name in ("ar", "ngram", "eagle", "frspec", "model", "hybrid", "sampled", "int8 tokens", "int4 tokens"):
         assert got[name] == ref[name], name
     assert torch.equal(got["int8"], ref["int8"]) and torch.equal(got["int4"], ref["int4"])
-    assert ref["ngram"] == ref["ar"] == ref["eagle"] == ref["hybrid"] and ref["sampled"] != ref["ar"]
+    assert ref["ngram"] == ref["ar"] == ref["eagle"] == ref["frspec"] == ref["model"] == ref["hybrid"]
+    assert ref["sampled"] != ref["ar"]
 
 
-def run_summed(path, dtype) -> dict:
-    """--no-exact's all-reduce layout: per pass, each collective's count; the logits; AR's greedy tokens."""
+def run_summed(path, dtype, fused="off") -> dict:
+    """--no-exact's all-reduce layout (the PyTorch layers; fused "on": the fused pass, which keeps its gathers): per
+    pass, each collective's count; the logits; AR's greedy tokens."""
+    os.environ[cpu_forward.ENV] = fused
     m = tp.shard(M.load_model(path, dtype=dtype), exact=False)
     m.setup_caches(1, 64)
     calls, real = {"all_gather": 0, "all_reduce": 0}, {k: getattr(dist, k) for k in ("all_gather", "all_reduce")}
@@ -152,7 +165,7 @@ def _summed(r: int, world: int, init: str, paths, out: str):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=r, world_size=world, timeout=LIMIT)
     try:
-        res = [run_summed(p, dt) for p, dt in paths]
+        res = [run_summed(*p) for p in paths]
         if r == 0:
             torch.save(res, out)
     finally:
@@ -166,21 +179,22 @@ def test_no_exact_sums_partial_products(files, tmp_path, monkeypatch):
     and a layer sums o_proj's and down_proj's partial products (2 all_reduces, no gather); where the heads do not
     divide (3 and 1) attention keeps its 2 gathers; a quantized model (int4) keeps every gather. The logits are one
     process's up to the sums' order (bf16 partial products; fp32: to 1e-5), and in fp32 the greedy tokens are one
-    process's (in bf16 a tiny random model's near ties part them: at token 15 here)."""
+    process's (in bf16 a tiny random model's near ties part them: at token 15 here). Where the fused pass runs,
+    --no-exact keeps its gathers (4 a layer), and one process's logits bit for bit."""
     monkeypatch.setenv(cpu_gemm.ENV, "kernel")
-    monkeypatch.setenv(cpu_forward.ENV, "off")
     path, _ = files
     even, _ = write_tiny_hf(tmp_path / "even", hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                             num_attention_heads=4, num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)
     bf16 = torch.bfloat16
-    paths = [(even, torch.float32), (even, bf16), (path, bf16), (path.parent / "int4", bf16)]
+    paths = [(even, torch.float32), (even, bf16), (path, bf16), (path.parent / "int4", bf16), (even, bf16, "on")]
     mp.spawn(_summed, args=(2, str(tmp_path / "init"), paths, str(tmp_path / "out.pt")), nprocs=2)
     got = torch.load(tmp_path / "out.pt")
     assert [g["calls"] for g in got] == [dict(all_gather=0, all_reduce=6)] * 2 + [
-        dict(all_gather=6, all_reduce=3), dict(all_gather=12, all_reduce=0)]
-    assert [g["heads"] for g in got] == [[2, 1], [2, 1], [3, 1], [3, 1]]
-    assert [g["summed"] for g in got] == [6, 6, 3, 0]
-    for g, (p, dt) in zip(got, paths):
+        dict(all_gather=6, all_reduce=3), dict(all_gather=12, all_reduce=0), dict(all_gather=12, all_reduce=0)]
+    assert [g["heads"] for g in got] == [[2, 1], [2, 1], [3, 1], [3, 1], [4, 2]]
+    assert [g["summed"] for g in got] == [6, 6, 3, 0, 0]
+    for g, (p, dt, *fused) in zip(got, paths):
+        monkeypatch.setenv(cpu_forward.ENV, fused[0] if fused else "off")
         m = M.load_model(p, dtype=dt)
         m.setup_caches(1, 64)
         with torch.no_grad():
@@ -242,10 +256,10 @@ def test_what_tp_does_not_run_is_a_one_line_error(tmp_path, monkeypatch, capsys)
         assert err == ["error: tensor parallelism runs eager, without --chat: drop --chat and --compile"], argv
 
 
-def test_two_tensor_parallel_ranks_serve_one_process_layers_outputs(folders, tmp_path):
+def test_two_tensor_parallel_ranks_serve_one_process_outputs(folders, tmp_path):
     """torchrun --nproc_per_node 2 serve.py: rank 0 serves HTTP and sends each turn's submits, aborts and steps to
     rank 1, whose engine follows; 6 concurrent greedy requests with the hybrid drafter (budget on) each equal the
-    batch-1 output of one process on the PyTorch layers (what TP ranks run). SIGTERM to the launcher: rank 1 keeps
+    batch-1 output of one process (the fused CPU pass, as the ranks run it). SIGTERM to the launcher: rank 1 keeps
     following until rank 0 stops, so the request in flight streams to its end."""
     if cpu_forward.kernel() is None:
         pytest.skip("needs x86-64 with AVX2+FMA and a C compiler")
@@ -259,14 +273,13 @@ def test_two_tensor_parallel_ranks_serve_one_process_layers_outputs(folders, tmp
         while not s.ready() and time.time() < end:
             time.sleep(0.05)
         assert s.seen and s.seen[-1] == 200, s.log.read_text()
-        import cpu_gemm
-        os.environ[cpu_gemm.ENV], os.environ[cpu_forward.ENV] = "kernel", "off"
+        os.environ[cpu_gemm.ENV] = "kernel"
         try:
             m = M.load_model(folders / "tiny", dtype=torch.bfloat16)
         finally:
-            del os.environ[cpu_gemm.ENV], os.environ[cpu_forward.ENV]
-        assert m.cpu_pass is None
-        eng, tok = Engine(m, exact=True), Tokenizer(folders / "tiny")
+            del os.environ[cpu_gemm.ENV]
+        assert m.cpu_pass is not None
+        eng, tok = Engine(m, exact=None), Tokenizer(folders / "tiny")
         jobs = [(QUESTIONS[i], 12 + 4 * i) for i in range(6)]
         want = []
         for q, n in jobs:

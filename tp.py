@@ -9,28 +9,35 @@ an output element is one rank's whole dot product, summed in the order one proce
 gives one process's logits bit for bit. Megatron's layout (o_proj and down_proj split by input rows, their partial
 sums all-reduced) sums each output across ranks in another order.
 
---no-exact (shard(exact=False)) takes that layout where a block allows it (summed()): q, k, v and gate, up split by
-output rows, each rank its heads (its key/value heads' cache) and its columns of the MLP, and o_proj, down_proj by
-input columns, their partial products summed (all_reduce, fp32): 2 collectives a layer instead of 4 (TP 2 on a
-2-core Zen 4 over gloo: 1.14x the exact layout's AR tok/s, 1.23x with the default drafter). A block with quantized
-weights, or heads its ranks do not divide, keeps the gathers.
+--no-exact (shard(exact=False)) on the PyTorch layers takes that layout where a block allows it (summed()): q, k, v
+and gate, up split by output rows, each rank its heads (its key/value heads' cache) and its columns of the MLP, and
+o_proj, down_proj by input columns, their partial products summed (all_reduce, fp32): 2 collectives a layer
+instead of 4 (TP 2 on a 2-core Zen 4 over gloo: 1.06x the exact layout's AR tok/s on those layers, 1.32x with the
+default drafter). A block with quantized weights, or heads its ranks do not divide, keeps the gathers.
 
-The fused CPU pass runs every layer in one C call, with no place for the gathers: under TP the model runs its
-PyTorch layers (the cpu_gemm kernel per linear), in exact mode unless --no-exact. Drafters are replicated: every
-rank drafts the same tree from the same inputs with no communication, and the budget's choice of size and source
-(timed on each rank) is rank 0's, broadcast every step (sync_budget), at batch 1 and in the batch engine. serve.py
-under a launcher: rank 0 serves HTTP and shares each turn of its engine loop; the other ranks follow it
-(serve_loop.follow).
+Where one process runs the fused CPU pass (every layer in one C call, cpu_forward.py), so do the ranks, in the exact
+layout with or without --no-exact: the pass's four GEMMs a layer read this rank's rows (q | k | v and gate | up fused
+from its slices), and its thread 0 calls back into Python between them for the all_gather (FusedGather), so a TP run
+gives one process's output whichever pass that process takes (and the fused pass's gathers beat the all-reduce
+layout on the layers: 11.2 against 6.9 tok/s AR, 13.0 against 11.5 with the default drafter, same machine).
+Drafters are replicated: every rank drafts the same tree from the same inputs with no communication, and the budget's
+choice of size and source (timed on each rank) is rank 0's, broadcast every step (sync_budget), at batch 1 and in
+the batch engine. serve.py under a launcher: rank 0 serves HTTP and shares each turn of its engine loop; the other
+ranks follow it (serve_loop.follow).
 """
 import atexit
+import ctypes
 import datetime
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+import cbuild
+import cpu_forward
 import cpu_gemm
 import qlinear
 from budget import Budgets
@@ -144,6 +151,52 @@ class Group:
         return out
 
 
+class FusedGather:
+    """The fused CPU pass's gathers (cpu_forward.Stack's gather): its GEMMs a layer (0 q | k | v, 1 o, 2 gate | up,
+    3 down) each compute this rank's slices of their linears' rows, and the pass's thread 0 calls back here to
+    all_gather every rank's into one process's column order. A callback's error is raised when the pass returns."""
+
+    def __init__(self, a):
+        w = world()
+        Q, KV, D, I = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.dim, a.intermediate_size
+        self.order = []  # per GEMM: one process's columns as places in the gathered row (rank-major, then member)
+        for widths in ((Q, KV, KV), (D,), (I, I), (D,)):
+            n = [x // w for x in widths]
+            self.order.append(torch.tensor([r * sum(n) + sum(n[:j]) + i for j in range(len(n))
+                                            for r in range(w) for i in range(n[j])]))
+        self.fn, self.error = cbuild.GATHER(self.gather), None
+
+    def gather(self, g: int, T: int, part: int, full: int):
+        try:
+            order = self.order[g]
+            mine = floats(part, T * (len(order) // world())).view(T, -1)
+            every = [torch.empty_like(mine) for _ in range(world())]
+            dist.all_gather(every, mine)
+            floats(full, T * len(order)).view(T, -1).copy_(torch.cat(every, -1)[:, order])
+        except BaseException as e:  # (called from C: nothing can be raised through it)
+            self.error = self.error or e
+
+    def run(self, fused_pass, *args):
+        self.error = None
+        out = fused_pass(*args, gather=self.fn, tp=world())
+        if self.error is not None:
+            raise self.error
+        return out
+
+
+def floats(address: int, n: int) -> Tensor:
+    """The n fp32 values at address as a tensor (no copy)."""
+    return torch.frombuffer((ctypes.c_float * n).from_address(address), dtype=torch.float32)
+
+
+def parts(layer: nn.Module) -> SimpleNamespace:
+    """A decoder layer as cpu_forward.Stack reads it, its linears this rank's slices (Gathered's parts)."""
+    ns, at, mlp = SimpleNamespace, layer.self_attn, layer.mlp
+    return ns(self_attn=ns(**{k: getattr(at, k).part for k in ("q_proj", "k_proj", "v_proj", "o_proj")}),
+              mlp=ns(**{k: getattr(mlp, k).part for k in ("gate_proj", "up_proj", "down_proj")}),
+              input_layernorm=layer.input_layernorm, post_attention_layernorm=layer.post_attention_layernorm)
+
+
 def split(m: nn.Module, name: str, r: int, w: int) -> nn.Module:
     """Rank r's rows of the linear layer m (one of w equal slices)."""
     q = isinstance(m, qlinear.QLinear)
@@ -182,10 +235,14 @@ def summed(block: nn.Module, w: int) -> bool:
 
 def shard(model: Transformer, exact: bool = True) -> Transformer:
     """Split every decoder linear layer of model across the process group's ranks (in place); the fused CPU pass
-    off. exact=False: the all-reduce layout where a block allows it. World size 1: model unchanged."""
+    where rank 0 has it, on the ranks' slices, in the exact layout (else the PyTorch layers). exact=False, on the
+    PyTorch layers: the all-reduce layout where a block allows it (where the fused pass runs, its gathers are
+    faster: bench_tp.py on a 2-core Zen 4, 11.2 against 6.9 tok/s AR). World size 1: model unchanged."""
     w, r = world(), rank()
     if w == 1:
         return model
+    fused = broadcast_ints([int(model.cpu_pass is not None)])[0] == 1  # (each rank timed its own choice)
+    exact = exact or fused
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         local = {name for name, block in (("self_attn", attn), ("mlp", mlp)) if not exact and summed(block, w)}
@@ -206,7 +263,12 @@ def shard(model: Transformer, exact: bool = True) -> Transformer:
                 m = getattr(parent, attr)
                 setattr(parent, attr, Gathered(split(m, f"layers.{i}.{path}", r, w), m.out_features, group))
     model.cpu_pass, model.max_batch = None, -1  # (caches set up again: a rank's heads' keys and values only)
+    if fused:
+        cpu_gemm.switch(True)  # (as cpu_forward.attach: the process takes the kernel's products)
     cpu_gemm.pack_linears(model)  # every linear on the kernel, as one process's PyTorch layers run them
+    if fused:  # (its fused copies of q | k | v and gate | up then serve those slices, as in one process)
+        layers = [parts(layer) for layer in model.layers]
+        model.cpu_pass = cpu_forward.Stack(model.args, layers, FusedGather(model.args))
     check_same(model)
     return model
 

@@ -387,6 +387,21 @@ enum { W_IN, W_QKV, B_QKV, W_O, W_POST, W_GU, W_DOWN, W_HID, NW };
    aux_of[j] (repeats allowed). An EAGLE-3 layer (tab's W_HID set: its hidden_norm) takes q/k/v from
    [input_layernorm(emb[t]); hidden_norm(x[t])] (2D wide, emb [T, D] bf16: the token embeddings) and keeps
    x as the residual, as eagle.EagleHead.forward; W_HID = 0 is a plain decoder layer. */
+/* one of a layer's GEMMs (g, as StackArgs' gather numbers them): y [T, N] = x W^T (+ b); under tensor parallelism
+   this rank's N / tp outputs into part, then thread 0 gathers every rank's into y while the others wait */
+static void gemm_layer(const StackArgs* a, long g, const float* x, long T, long K, const Packed* W, const uint16_t* b,
+                       long N, float* y, float* part, uint16_t* xs) {
+    if (!a->gather) {
+        gemm_rows(x, T, K, W, b, N, 0, y, xs);
+        return;
+    }
+    gemm_rows(x, T, K, W, b, N / a->tp, 0, part, xs);
+    #pragma omp barrier
+    #pragma omp master
+    a->gather(g, T, part, y);
+    #pragma omp barrier
+}
+
 void stack_bf16(const StackArgs* a) {
     const int64_t* tab = a->tab;
     long L = a->L, D = a->D, H = a->H, Hkv = a->Hkv, hd = a->hd, I = a->I, T = a->T, S = a->S, n_aux = a->n_aux;
@@ -418,6 +433,7 @@ void stack_bf16(const StackArgs* a) {
     float* ef = emb ? malloc(sizeof(float) * T * D) : 0;
     float* y = malloc(sizeof(float) * T * wide);
     float* o = malloc(sizeof(float) * T * D);
+    float* part = a->gather ? malloc(sizeof(float) * T * wide) : 0;  /* a rank's slice of a GEMM's outputs */
     int* keys = malloc(sizeof(int) * T * W);
     long* nk = malloc(sizeof(long) * 2 * T);  /* each row's key count, then its leading run of consecutive slots */
     long* npre = nk + T;
@@ -476,7 +492,8 @@ void stack_bf16(const StackArgs* a) {
             kin = 2 * D;
         } else rmsnorm(xr, (const uint16_t*)w[W_IN], h, D, T, D, eps);
         PH(PH_NORM);
-        gemm_rows(h, T, kin, (const Packed*)w[W_QKV], (const uint16_t*)w[B_QKV], NQKV, 0, y, xs);  /* [T, q | k | v] */
+        /* [T, q | k | v] */
+        gemm_layer(a, 0, h, T, kin, (const Packed*)w[W_QKV], (const uint16_t*)w[B_QKV], NQKV, y, part, xs);
         PH(PH_GEMM);
         #pragma omp for schedule(static)
         for (long t = 0; t < T; t++) {
@@ -537,17 +554,17 @@ void stack_bf16(const StackArgs* a) {
             for (int i = 0; i < NQ; i++) for (long d = 0; d < hd; d++) os[i][d] = rbf(os[i][d]);
         }
         PH(PH_ATTN);
-        gemm_rows(h, T, Q, (const Packed*)w[W_O], 0, D, 0, o, xs);
+        gemm_layer(a, 1, h, T, Q, (const Packed*)w[W_O], 0, D, o, part, xs);
         PH(PH_GEMM);
         residual(xr, o, T * D);
         PH(PH_RESID);
         rmsnorm(xr, (const uint16_t*)w[W_POST], h, D, T, D, eps);
         PH(PH_NORM);
-        gemm_rows(h, T, D, (const Packed*)w[W_GU], 0, 2 * I, 0, y, xs);  /* [T, gate | up] */
+        gemm_layer(a, 2, h, T, D, (const Packed*)w[W_GU], 0, 2 * I, y, part, xs);  /* [T, gate | up] */
         PH(PH_GEMM);
         silu_mul(y, h, T, I);
         PH(PH_SILU);
-        gemm_rows(h, T, I, (const Packed*)w[W_DOWN], 0, D, 0, o, xs);
+        gemm_layer(a, 3, h, T, I, (const Packed*)w[W_DOWN], 0, D, o, part, xs);
         PH(PH_GEMM);
         residual(xr, o, T * D);
         PH(PH_RESID);
@@ -559,7 +576,7 @@ void stack_bf16(const StackArgs* a) {
     }
     const float* fin = fnorm ? h : xr;
     for (long i = 0; i < T * D; i++) x[i] = to_bf16(fin[i]);
-    free(xr); free(h); free(y); free(o); free(keys); free(rs); free(nk); free(sc); free(ef); free(xs); free(sl);
+    free(xr); free(h); free(y); free(o); free(part); free(keys); free(rs); free(nk); free(sc); free(ef); free(xs); free(sl);
     PH(PH_SETUP);
 }
 

@@ -35,11 +35,15 @@ void linear_packed(const uint16_t* x, float* xf, long M, long K, const Packed* W
                    uint16_t* y, int threads);
 
 /* The fused pass's arguments (cpu_forward.run; stack_bf16 in forward.c documents them; tab's GEMM entries point at
-   Packed matrices) */
+   Packed matrices). Under tensor parallelism (tp.py) tab's matrices are this rank's 1 / tp of each GEMM's output
+   rows, and gather(g, T, part, full) puts every rank's slices of GEMM g of a layer (0 q | k | v, 1 o, 2 gate | up,
+   3 down) into full, [T, N] fp32 in one process's column order; gather 0: one process */
+typedef void (*Gather)(long g, long T, const float* part, float* full);
 typedef struct {
     const int64_t* tab; long L, D, H, Hkv, hd, I; float eps; long T, S;
     uint16_t* x; const uint16_t *emb, *cs, *sn; const uint8_t* mask; const int64_t *mbase; long W; const int64_t* cpos;
     uint16_t* kv; uint32_t* kt; const int64_t* aux_of; long n_aux; uint16_t* aux; const uint16_t* fnorm; int threads;
+    Gather gather; long tp;
 } StackArgs;
 
 void stack_bf16(const StackArgs* a);
