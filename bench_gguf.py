@@ -62,6 +62,8 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if bad := [m for m in a.methods.split(",") if m not in METHODS]:
         p.error(f"unknown method {bad[0]!r} (choose from {', '.join(METHODS)})")
+    if "ar" not in a.methods.split(","):
+        p.error("--methods must include ar: every output is checked against it")
     return a
 
 

@@ -58,6 +58,9 @@ def test_bad_input_is_one_line(files, capsys):
     with pytest.raises(SystemExit) as e:
         bench_gguf.main(["--checkpoint", str(files / "target.gguf"), "--methods", "ar,nope"])
     assert e.value.code == 2 and "unknown method 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        bench_gguf.main(["--checkpoint", str(files / "target.gguf"), "--methods", "default,lookup"])
+    assert e.value.code == 2 and "--methods must include ar" in capsys.readouterr().err
     rc = bench_gguf.main(["--checkpoint", str(files / "target.gguf"), "--methods", "ar,default", "--workload",
                           "spec-bench", "--questions", str(files / "q.jsonl"), "--limit", "1"])
     err = capsys.readouterr().err.strip().splitlines()
