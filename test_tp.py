@@ -1,7 +1,8 @@
 """tp.py: two ranks over gloo (torch.multiprocessing.spawn) on a tiny random model, against one process on the same
 pass (the fused CPU pass, or the PyTorch layers): the same logits bit for bit, the same greedy tokens for AR and each
 drafter (prompt lookup, EAGLE-3 with NanoSpec and with FR-Spec, the hybrid under the budget whose choices rank 0
-broadcasts, a draft model), the same sampled tokens from the same seed, the batch engine's outputs one process's;
+broadcasts, a draft model), the same sampled tokens from the same seed (AR, prompt lookup, EAGLE-3, a draft model:
+the whole tree every step), the batch engine's outputs one process's;
 int8 and int4 targets too (their codes split with their scales);
 a layer on the draft models' integer GEMM and a world size that does not divide a layer's outputs are one-line
 errors; serve.py under torchrun serves one process's outputs."""
@@ -79,9 +80,10 @@ def run_all(path, head) -> dict:
     for name, c in configs.items():
         e = build_engine(m, None, c, exact=True, budget=name == "hybrid")
         out[name] = e.generate(PROMPT, 24)[0]
-    e = build_engine(m, None, configs["ngram"], Sampling(0.8), exact=True)
-    torch.manual_seed(3)
-    out["sampled"] = e.generate(PROMPT, 24)[0]
+    for name in ("ngram", "ar", "eagle", "model"):  # sampled, each from the same seed, the whole tree every step
+        e = build_engine(m, None, configs[name], Sampling(0.8), exact=True, budget=False)
+        torch.manual_seed(3)
+        out["sampled" + ("" if name == "ngram" else " " + name)] = e.generate(PROMPT, 24)[0]
     # the batch engine, its budget's sizes rank 0's (the hybrid: a tree, a chain or none per sequence and step)
     b = BatchEngine(m, batch=2, max_seq=128, drafters=dc.make_drafters(configs["hybrid"], m, 2))
     out["batch"] = b.generate_batch(BATCH, 16)
@@ -133,7 +135,8 @@ def test_two_ranks_are_one_process(files, tmp_path, monkeypatch, fused):
     assert got["gathers"] == 3 * 4 and ref["gathers"] == 0
     assert torch.equal(got["logits"], ref["logits"])
     assert got["batch"] == ref["batch"]
-    for name in ("ar", "ngram", "eagle", "frspec", "model", "hybrid", "sampled", "int8 tokens", "int4 tokens"):
+    for name in ("ar", "ngram", "eagle", "frspec", "model", "hybrid", "sampled", "sampled ar", "sampled eagle",
+                 "sampled model", "int8 tokens", "int4 tokens"):
         assert got[name] == ref[name], name
     assert torch.equal(got["int8"], ref["int8"]) and torch.equal(got["int4"], ref["int4"])
     assert ref["ngram"] == ref["ar"] == ref["eagle"] == ref["frspec"] == ref["model"] == ref["hybrid"]
