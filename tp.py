@@ -12,14 +12,14 @@ sums all-reduced) sums each output across ranks in another order.
 --no-exact (shard(exact=False)) on the PyTorch layers takes that layout where a block allows it (summed()): q, k, v
 and gate, up split by output rows, each rank its heads (its key/value heads' cache) and its columns of the MLP, and
 o_proj, down_proj by input columns, their partial products summed (all_reduce, fp32): 2 collectives a layer
-instead of 4 (TP 2 on a 2-core Zen 4 over gloo: 1.06x the exact layout's AR tok/s on those layers, 1.32x with the
+instead of 4 (TP 2 on a 2-core Zen 4 over gloo: 1.11x the exact layout's AR tok/s on those layers, 1.29x with the
 default drafter). A block with quantized weights, or heads its ranks do not divide, keeps the gathers.
 
 Where one process runs the fused CPU pass (every layer in one C call, cpu_forward.py), so do the ranks, in the exact
 layout with or without --no-exact: the pass's four GEMMs a layer read this rank's rows (q | k | v and gate | up fused
 from its slices), and its thread 0 calls back into Python between them for the all_gather (FusedGather), so a TP run
 gives one process's output whichever pass that process takes (and the fused pass's gathers beat the all-reduce
-layout on the layers: 11.2 against 6.9 tok/s AR, 13.0 against 11.5 with the default drafter, same machine).
+layout on the layers: 11.5 against 7.5 tok/s AR, 13.5 against 11.9 with the default drafter, same machine).
 Drafters are replicated: every rank drafts the same tree from the same inputs with no communication, and the budget's
 choice of size and source (timed on each rank) is rank 0's, broadcast every step (sync_budget), at batch 1 and in
 the batch engine. serve.py under a launcher: rank 0 serves HTTP and shares each turn of its engine loop; the other
@@ -237,7 +237,7 @@ def shard(model: Transformer, exact: bool = True) -> Transformer:
     """Split every decoder linear layer of model across the process group's ranks (in place); the fused CPU pass
     where rank 0 has it, on the ranks' slices, in the exact layout (else the PyTorch layers). exact=False, on the
     PyTorch layers: the all-reduce layout where a block allows it (where the fused pass runs, its gathers are
-    faster: bench_tp.py on a 2-core Zen 4, 11.2 against 6.9 tok/s AR). World size 1: model unchanged."""
+    faster: bench_tp.py on a 2-core Zen 4, 11.5 against 7.5 tok/s AR). World size 1: model unchanged."""
     w, r = world(), rank()
     if w == 1:
         return model

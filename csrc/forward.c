@@ -576,7 +576,8 @@ void stack_bf16(const StackArgs* a) {
     }
     const float* fin = fnorm ? h : xr;
     for (long i = 0; i < T * D; i++) x[i] = to_bf16(fin[i]);
-    free(xr); free(h); free(y); free(o); free(part); free(keys); free(rs); free(nk); free(sc); free(ef); free(xs); free(sl);
+    free(xr); free(h); free(y); free(o); free(part); free(keys); free(rs); free(nk); free(sc); free(ef); free(xs);
+    free(sl);
     PH(PH_SETUP);
 }
 
