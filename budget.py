@@ -206,8 +206,8 @@ class Budgets:
         self.policy = policy or Policy()
         self.policy.estimate = self.estimate
         self.spent = {"probe": 0.0, "total": 0.0}  # one probe cap for the request (Budget.probe_share)
-        self.emitted = 0  # tokens of the steps observed
-        self.steps = self.served = 0  # steps observed; those a source without a set-up drafted
+        self.emitted = self.steps = 0  # tokens of the steps observed, steps observed
+        self.served = {}  # source -> tokens of its steps that needed no set-up
         self.memory = memory  # {source: Budget} of the engine's earlier requests (keep() adds this one's)
 
     @property
@@ -223,6 +223,7 @@ class Budgets:
         old = (self.memory or {}).get(key)
         if old is not None and old.sizes == new.sizes:
             new.carry(old)
+            self.policy.known(key)
         else:
             sibs = [x for x in self.of.values() if x is not new and x.sizes == new.sizes and x.steps
                     and x.timed.get(1, 0) and max(x.sizes, key=x.rate) > 1]
@@ -265,16 +266,15 @@ class Budgets:
             b = new
         need = [s for s in bud.sizes if s > 1 and self.setup_of(self.key, s) > 0] if self.setup_of else []
         if need and not trial and key is not None:  # a set-up the policy did not weigh: where it pays back
-            # within the request against decoding, on the steps the other sources leave (what they drafted so far,
-            # they keep drafting); a source that drafts nothing without it is weighed at its hoped rate while its
-            # evidence is thin
+            # within the request against decoding, on the tokens the other sources leave (unserved); a source
+            # that drafts nothing without it is weighed at its hoped rate while its evidence is thin
             ev = self.START_EVIDENCE
             alone = len(self.free(self.key, bud)) == 1 and bud.time  # no draft of its own without the set-up
             h = max(need, key=lambda s: bud.hoped(s, ev)) if alone else b
             if h in need:
-                left = left * (1 - self.served / self.steps) if self.steps else left
                 a = (bud.best_without(need) or 1) if bud.time else 1
-                pays = bud.time and pays_back(self.setup_of(self.key, h), left, bud.hoped(h, ev), bud.rate(a))
+                r = bud.hoped(h, ev)
+                pays = bud.time and pays_back(self.setup_of(self.key, h), self.unserved(left, r, keys), r, bud.rate(a))
                 new = h if pays else a
                 if new != b:
                     bud.instead(b, new)
@@ -297,7 +297,25 @@ class Budgets:
             return True
         best = max((bud.hoped(s, self.START_EVIDENCE) for s in bud.sizes[1:]), default=0.0) if bud.time else 0.0
         other = max([self.ar_rate()] + [self.policy.rate(k) for k in keys if k != key])
-        return pays_back(setup, left, best, other)
+        return pays_back(setup, self.unserved(left, best, keys), best, other)
+
+    def unserved(self, left: float, rate: float, offered=()) -> float:
+        """Of `left` tokens, those a set-up drafting at `rate` gains on over decoding: the sources that need no
+        set-up, other than those offered with it (weighed against it as they are), keep their share of the tokens
+        so far (what they drafted, they keep drafting), each counted by how much of the gain its own rate leaves
+        (none at `rate` or better, all at decoding's). A 3-gram chain's step emits ~8 tokens where a decoding step
+        emits 1 (HumanEval on the Qwen pair): a share of steps had started the 0.5B 10 tokens before the end of
+        HumanEval/2."""
+        ar, kept = self.ar_rate(), 0.0
+        for k, n in self.served.items():
+            if k in offered:
+                continue
+            r = self.policy.rate(k)
+            if r >= rate:
+                kept += n
+            elif ar > 0 and r > ar:
+                kept += n * (1 / ar - 1 / r) / (1 / ar - 1 / rate)
+        return left * (1 - kept / self.emitted) if self.emitted else left
 
     def keep(self):
         if self.memory is not None:
@@ -307,7 +325,8 @@ class Budgets:
         self.of[self.key].observe(b, accepted, seconds)
         self.emitted += len(accepted)
         self.steps += 1
-        self.served += b > 1 and not (self.setup_of is not None and self.setup_of(self.key, b) > 0)
+        if b > 1 and not (self.setup_of is not None and self.setup_of(self.key, b) > 0):
+            self.served[self.key] = self.served.get(self.key, 0) + len(accepted)
         self.policy.observe(self.chosen, len(accepted), seconds, b > 1)  # what the source handed the step delivered
         if b == 1:  # every source's autoregressive time follows it (see pick)
             for k, bud in self.of.items():

@@ -69,6 +69,13 @@ class Policy:
             self.take(best)
         return best
 
+    def known(self, s):
+        """Source s comes with the engine's memory of earlier requests (its Budget's estimate rates it): no trials.
+        Each request's trials had cost the Qwen pair's default 0.33 s of a 2.6 s HumanEval/2 (a 3-gram chain's
+        trials drafting the merged tree, 26 nodes, at 300 ms against 125 ms)."""
+        self.n[s] = max(self.n.get(s, 0), self.trials)
+        self.last.setdefault(s, self.steps)
+
     def only(self, s):
         """The step's one source: its steps count towards its rate as chosen ones."""
         self.steps, self.trying, self.retrying = self.steps + 1, False, False

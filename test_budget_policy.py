@@ -201,26 +201,29 @@ def test_a_trial_drafts_one_size_past_the_sources_best():
 
 
 def test_the_policy_rates_a_source_by_its_budgets_best_size():
-    """Once a source has drafted, the policy rates it by its Budget's estimate at its best size without a set-up
-    (per rank acceptance, per size times), so a trial's larger draft, measured slower, does not push a source
-    that pays at its best size below decoding; before, by what its steps measured."""
+    """Once a source has drafted (or comes with the engine's memory), the policy rates it by its Budget's estimate at
+    its best size without a set-up (per rank acceptance, per size times), so a trial's larger draft, measured
+    slower, does not push a source that pays at its best size below decoding; before, by what its steps measured."""
     cost = {1: 1.0, 2: 1.1, 4: 1.8, 8: 4.0}
     chain = trained(8, [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], cost)  # 2 tokens / 1.1 s at size 2
     bs = Budgets(8, memory={"ngram3": chain}, settle=1, setup_of=lambda key, b: 5.0 if b == 8 else 0.0)
     assert bs.policy.rate("ngram3") == 0.0
-    bs.pick(["ngram3", "eagle"])
-    bs.observe(bs.of["ngram3"].trial_size() if bs.key == "ngram3" else 1, [0, 1], 4.0)  # a slow trial
+    bs.pick(["ngram3", "eagle"])  # eagle, new, is tried; ngram3, from the engine's memory, is rated without trials
+    assert bs.key == "eagle" and bs.policy.rate("ngram3") == pytest.approx(max(chain.rate(s) for s in (2, 4)))
+    bs.observe(1, [0], 1.0)
+    bs.pick("ngram3")
+    bs.observe(bs.of["ngram3"].trial_size(), [0, 1], 4.0)  # a slow draft
     assert bs.policy.rate("ngram3") == pytest.approx(max(bs.of["ngram3"].rate(s) for s in (2, 4)))
     assert bs.policy.rate("ngram3") > 1.5 > bs.policy.tok["ngram3"] / bs.policy.sec["ngram3"]
 
 
-def test_a_set_up_weighed_against_decoding_counts_the_steps_other_sources_leave():
+def test_a_set_up_weighed_against_decoding_counts_the_tokens_other_sources_leave():
     """The head's set-up, weighed against decoding where the head is the only source offered, pays back only over
-    the steps the chains leave: with chains drafting 9 steps in 10 the same set-up that pays over every token
+    the tokens the chains leave: with chains drafting 9 steps in 10 the same set-up that pays over every token
     left does not."""
     cost = {1: 1.0, 2: 1.1, 4: 1.2, 8: 2.0}
 
-    def run(chain_share):
+    def run(chain_share, left=20):
         mem = {"eagle": trained(8, [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0], cost),  # 4 tokens / 1.2 s at size 4
                "ngram": trained(8, [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0], cost)}
         setup = {"eagle": 10.0, "ngram": 0.0}
@@ -229,9 +232,13 @@ def test_a_set_up_weighed_against_decoding_counts_the_steps_other_sources_leave(
             key = "ngram" if i < 100 * chain_share else "eagle"
             n = bs.pick(key, left=10 ** 6 if key == "ngram" else 0)
             bs.observe(n, [0, 1, 2, 3][:n], cost[n])
-        return bs.pick("eagle", left=20)  # 20 tokens at 4 / 1.2 s save 11.7 s over decoding
+        return bs.pick("eagle", left=left)  # 20 tokens at 4 / 1.2 s save 14 s over decoding
     assert run(0.0) == 4
     assert run(0.9) == 1
+    # counted in tokens, not steps: chains drafting half the steps, 4 tokens each against decoding's 1, leave a
+    # fifth of the tokens; 30 left: 6 at 0.7 s saved a token do not repay 10 s (15, a half, would have)
+    assert run(0.0, left=30) == 4
+    assert run(0.5, left=30) == 1
 
 
 def test_thin_evidence_does_not_lock_a_set_up_out():
@@ -268,3 +275,23 @@ def test_thin_evidence_does_not_lock_a_set_up_out():
     # 4 steps: an autoregressive step, the next size up)
     assert request(Budgets.START_EVIDENCE, 2.0)[0] == [1] * 40  # enough evidence: pays_back weighs it
     assert request(1.0, 100.0)[0] == [1] * 40  # 22 s saved at the prior do not repay 100 s: never
+
+
+def test_sources_from_the_engines_memory_are_not_tried_again():
+    """A source the engine's memory knows is rated by its Budget's estimate from the request's first step: no
+    trials of it per request (a 3-gram chain's trials had drafted the 26-node merged tree at 2.4x its chain's time
+    on HumanEval/2, the Qwen pair); a source new to the engine is tried."""
+    cost = {1: 1.0, 2: 1.1, 4: 1.2, 8: 2.0}
+
+    def picks(memory):
+        bs = Budgets(8, memory=memory, settle=1, probe=10 ** 9)
+        out = []
+        for _ in range(6):
+            b = bs.pick(["ngram3", "eagle"])
+            out.append(bs.key)
+            bs.observe(b, list(range(min(b, 4))) if bs.key == "ngram3" else [0], cost[b])
+        return out
+    mem = lambda: {"ngram3": trained(8, [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0], cost),  # 4 tokens / 1.2 s
+                   "eagle": trained(8, [1.0] + [0.0] * 7, cost)}  # nothing accepted
+    assert picks(mem()) == ["ngram3"] * 6
+    assert "eagle" in picks({"ngram3": mem()["ngram3"]})[:3]
