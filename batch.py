@@ -15,6 +15,7 @@ tree's size for the batch's tokens per second, or none).
     engine.abort(index)                                             # a cancelled request: its range freed
 """
 import dataclasses
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from budget_memory import BudgetMemory, pass_costs
 from draft import Accepted, Behind, Prefill, Tree, chain_tree, stop_at
 from errors import UsageError
 from model import Plan, Transformer, tree_mask
+from prefix_cache import PrefixCache
 from sampling import Sampling, accept_sample, argmax, greedy_path, logits_to_probs, sample_from
 
 
@@ -43,6 +45,7 @@ class Seq:
     gen: torch.Generator | None  # its own random stream (sampled sequences)
     out: list[int] = field(default_factory=list)
     slot: int = -1  # its range's first KV slot
+    cached: int = 0  # its prompt's first rows, copied from the batch's PrefixCache rather than prefilled
     t_submit: float = 0.0
     t_done: float = 0.0
     # speculative batches: its drafter, tokens in its range, the steps its drafter has not seen, budget state
@@ -137,6 +140,7 @@ class BatchEngine:
             self.memory = BudgetMemory(model, d, None) if budget else None
             self._alone = lambda s: StepBudget(s.drafter, s.prompt, s.max_new, self.memory, 1, alone_pass)
         self.free, self.waiting, self.running = list(range(batch)), deque(), []
+        self.prefix = PrefixCache(model)
         self.stepped = []  # the sequences the latest step advanced (their new, new_from)
         self.submitted = 0
         self.decode_fn = graphs.Graphed(self.decode_step) if cuda_graphs else self.decode_step
@@ -179,6 +183,7 @@ class BatchEngine:
         while self.waiting and self.free and (not admit or rows + len(self.waiting[0].prompt) <= self.prefill_rows):
             s = self.waiting.popleft()
             s.slot, rows = self.free.pop(0) * self.S, rows + len(s.prompt)
+            s.cached = self.prefix.hit(s.prompt)
             s.drafter = self.drafters[s.slot // self.S] if self.drafters else None
             s.behind = Behind(s.drafter.reads_states, self._top) if s.drafter is not None else None
             s.alone = self._alone(s) if self.drafters and not self.fixed else None
@@ -241,38 +246,51 @@ class BatchEngine:
         return self.model.seq_range[None, :self.S] <= pos[:, None]
 
     def _prefill(self, seqs: list[Seq], riders: list[Seq]) -> Tensor:
-        """Every admitted prompt in one pass, each at its own slots, and each rider's last token at its next
-        position -> the logits of each prompt's last row, then of each rider's row."""
+        """Every admitted prompt in one pass (past the rows its PrefixCache hit copied in), each at its own slots,
+        and each rider's last token at its next position -> the logits of each prompt's last row, then of each
+        rider's row."""
         dev = self.device
-        toks = torch.tensor([t for s in seqs for t in s.prompt] + [s.out[-1] for s in riders], device=dev)
-        pos = torch.cat([torch.arange(len(s.prompt), device=dev) for s in seqs]
+        for s in seqs:
+            if s.cached:
+                self.prefix.put(s.slot)
+        toks = torch.tensor([t for s in seqs for t in s.prompt[s.cached:]] + [s.out[-1] for s in riders], device=dev)
+        pos = torch.cat([torch.arange(s.cached, len(s.prompt), device=dev) for s in seqs]
                         + [torch.tensor([s.n for s in riders], dtype=torch.long, device=dev)])
-        slot = torch.cat([torch.full((len(s.prompt),), s.slot, device=dev) for s in seqs]
+        slot = torch.cat([torch.full((len(s.prompt) - s.cached,), s.slot, device=dev) for s in seqs]
                          + [torch.tensor([s.slot for s in riders], dtype=torch.long, device=dev)])
         _, hid, aux = self.model(toks[None], pos, mask=self._mask(pos), mask_base=slot, cache_pos=slot + pos,
                                  return_hidden=True, compute_logits=False, plan=self.plan)
-        P = sum(len(s.prompt) for s in seqs)
-        last = torch.cat([torch.tensor([len(s.prompt) for s in seqs], device=dev).cumsum(0) - 1,
-                          P + torch.arange(len(riders), device=dev)])
+        ends = list(itertools.accumulate(len(s.prompt) - s.cached for s in seqs))  # each prompt's rows end here
+        P = ends[-1]
+        last = torch.tensor([e - 1 for e in ends] + list(range(P, P + len(riders))), device=dev)
         logits = self.model.lm_head(hid[0, last])
-        self._prompt_states = (toks, hid, aux, logits) if self.drafters else None
+        states = []  # each prompt's (tokens, states, aux) over all its rows: the drafters read them
+        for s, e in zip(seqs, ends):
+            rows = slice(e - len(s.prompt) + s.cached, e)
+            h, a = hid[:, rows], None if aux is None else aux[:, rows]
+            if s.cached:
+                h = torch.cat([self.prefix.hid, h], 1) if self.drafters else h
+                a = torch.cat([self.prefix.aux, a], 1) if self.drafters and a is not None else a
+            else:
+                self.prefix.keep(s.prompt, s.slot, h if self.drafters else None, a if self.drafters else None)
+            states.append((torch.tensor(s.prompt, device=dev), h, a))
+        self._prompt_states = (states, hid[:, P:], None if aux is None else aux[:, P:], logits) \
+            if self.drafters else None
         return logits
 
     def _start(self, seqs: list[Seq], riders: list[Seq], nxt: Tensor):
         """Each admitted sequence's drafter reads its prompt's states (and the logits of its last rows); each
         rider keeps its step for its drafter, as _spec_step keeps a step without a draft."""
-        toks, hid, aux, logits = self._prompt_states
-        self._prompt_states, e = None, 0
-        for i, s in enumerate(seqs):
+        states, rhid, raux, logits = self._prompt_states
+        self._prompt_states = None
+        for i, (s, (toks, hid, aux)) in enumerate(zip(seqs, states)):
             T, d = len(s.prompt), s.drafter
-            e += T
             R = max(1, min(T, d.prompt_logits))
-            lg = logits[i:i + 1] if R == 1 else torch.cat([self.model.lm_head(hid[0, e - R:e - 1]), logits[i:i + 1]])
-            d.prefill(Prefill(toks[e - T:e], nxt[i:i + 1], lg, hid[:, e - T:e],
-                              None if aux is None else aux[:, e - T:e]))
+            lg = logits[i:i + 1] if R == 1 else torch.cat([self.model.lm_head(hid[0, T - R:T - 1]), logits[i:i + 1]])
+            d.prefill(Prefill(toks, nxt[i:i + 1], lg, hid, aux))
         if riders:  # their rows' own copies: views would keep the whole prefill's states alive
-            rows, k = slice(e, e + len(riders)), len(seqs)
-            held = (hid[:, rows].clone(), None if aux is None else aux[:, rows].clone(),
+            k = len(seqs)
+            held = (rhid.clone(), None if raux is None else raux.clone(),
                     cpu_draft.topk_rows(logits[k:].contiguous(), None, self._top))
             for r, s in enumerate(riders):  # (s.n and s.out: before this step's token)
                 s.behind.add(HeldRow(held, r, s.out[-1], int(nxt[k + r]), s.n - 1))

@@ -36,6 +36,8 @@ class Metrics:
         self.requests = Counter("nanospec_requests", "Requests by outcome: stop, length (finished), disconnect, "
                                 "timeout, rejected (429), invalid (400, 401), error", ["outcome"], registry=r)
         self.prompt_tokens = Counter("nanospec_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.cached_tokens = Gauge("nanospec_prompt_tokens_cached", "Prompt tokens copied from the batch's shared "
+                                   "prefix (prefix_cache.py) rather than prefilled", registry=r)
         self.tokens = Counter("nanospec_generation_tokens", "Tokens generated", registry=r)
         self.queue = Gauge("nanospec_queue_depth", "Requests waiting for a KV range", registry=r)
         self.running = Gauge("nanospec_running_sequences", "Sequences decoding", registry=r)
@@ -264,6 +266,7 @@ class EngineLoop:
         self.metrics.queue.set(len(e.waiting))
         self.metrics.running.set(len(e.running))
         self.metrics.free.set(len(e.free))
+        self.metrics.cached_tokens.set(e.prefix.saved)
 
 
 def follow(args):

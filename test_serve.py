@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import cpu_forward
+import prefix_cache
 from conftest import write_eagle_head, write_tiny_hf
 from engine import Engine
 from model import load_model
@@ -212,6 +213,19 @@ def test_16_concurrent_greedy_requests_equal_their_batch1_output(servers, refere
         assert ids == ref and text == tok.decode(ref) and end["usage"].completion_tokens == len(ref)
     assert a.metric('nanospec_sequence_steps_total{speculated="true"}') > steps0  # trees were verified
     assert any(x != "target" for g in got for x in g[2])  # and drafts accepted, each with its source
+
+
+def test_requests_sharing_a_system_prompt_prefill_past_it(servers, reference):
+    """Chat requests opening with the same system prompt: from the third on its rows are copied in rather than
+    prefilled (prefix_cache.py; /metrics counts them), and each answer is still its batch-1 output."""
+    a, tok = servers[0], reference.tok
+    system = {"role": "system", "content": "You are a careful assistant; answer briefly."}
+    cached0 = a.metric("nanospec_prompt_tokens_cached")
+    for q in QUESTIONS[:4]:
+        msgs = [system, {"role": "user", "content": q}]
+        r = a.client().chat.completions.create(model="tiny", messages=msgs, max_tokens=8)
+        assert r.choices[0].message.content == tok.decode(reference(tok.encode_chat(msgs), 8))
+    assert a.metric("nanospec_prompt_tokens_cached") - cached0 >= 2 * prefix_cache.MIN_ROWS
 
 
 def test_a_dropped_client_frees_its_range(servers):
