@@ -264,16 +264,16 @@ class BatchEngine:
         P = ends[-1]
         last = torch.tensor([e - 1 for e in ends] + list(range(P, P + len(riders))), device=dev)
         logits = self.model.lm_head(hid[0, last])
-        states = []  # each prompt's (tokens, states, aux) over all its rows: the drafters read them
+        states, d = [], self.drafters is not None  # each prompt's (tokens, states, aux) over all its rows: drafters'
         for s, e in zip(seqs, ends):
             rows = slice(e - len(s.prompt) + s.cached, e)
             h, a = hid[:, rows], None if aux is None else aux[:, rows]
-            if s.cached:
-                h = torch.cat([self.prefix.hid, h], 1) if self.drafters else h
-                a = torch.cat([self.prefix.aux, a], 1) if self.drafters and a is not None else a
-            else:
-                self.prefix.keep(s.prompt, s.slot, h if self.drafters else None, a if self.drafters else None)
-            states.append((torch.tensor(s.prompt, device=dev), h, a))
+            if not s.cached:
+                self.prefix.keep(s.prompt, s.slot, h if d else None, a if d else None)
+            elif d:
+                h, a = torch.cat([self.prefix.hid, h], 1), None if a is None else torch.cat([self.prefix.aux, a], 1)
+            if d:
+                states.append((torch.tensor(s.prompt, device=dev), h, a))
         self._prompt_states = (states, hid[:, P:], None if aux is None else aux[:, P:], logits) \
             if self.drafters else None
         return logits
