@@ -49,7 +49,9 @@ class Invariance:
     def __init__(self, model: Transformer, path: Path | None = None):
         self.model, self.path = model, path or cache_dir() / "invariance-v2.json"
         self.machine, self.memo = machine_id(), {}  # memo: (n, S) -> PassRows or None
-        w = model.lm_head.weight  # (a quantized head widens its rows on every read: once here, 233M values for Qwen)
+        # the passes' dtype and device: the norm's (a quantized head's .weight widens all its rows on every read:
+        # Qwen's 233M values had made a 3.1 GB transient here)
+        w = model.norm.weight
         self.dtype, self.device = w.dtype, w.device
         self.answers = read_json(self.path).get(self.machine, {})
 

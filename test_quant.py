@@ -308,3 +308,16 @@ def test_the_kernel_layout_is_saved_beside_the_checkpoint(folders, tmp_path, mon
         assert packs and (os.geteuid() == 0 or not cache.exists())  # (root writes anyway)
     finally:
         d.chmod(0o755)
+
+
+def test_an_engine_on_a_quantized_target_never_widens_its_lm_head(folders, monkeypatch):
+    """Planning a request reads the passes' dtype and device, not a quantized LM head's .weight (which dequantizes
+    every row: Qwen2.5-Coder-1.5B's 233M values had made a 3.1 GB transient when an engine was built)."""
+    m = M.load_model(folders["int4"], dtype=torch.bfloat16)
+    assert isinstance(m.lm_head, qlinear.QLinear)
+    widened = []
+    real = qlinear.QLinear.weight
+    monkeypatch.setattr(qlinear.QLinear, "weight", property(lambda self: widened.append(self) or real.fget(self)))
+    eng = Engine(m)
+    assert len(eng.generate([5, 6, 7], 4)[0]) == 4
+    assert not [w for w in widened if w is m.lm_head]
