@@ -353,16 +353,44 @@ def read_kernel_cache(folder, files, fast: bool = False) -> tuple[dict, frozense
     """The kernel-layout tensors saved for these checkpoint files on this ISA, and the names of the linears among
     them in the draft models' layout (fast: a draft model's file, QLinear.make_fast, which some matrices or CPUs
     do not take), or None (none, or stale)."""
-    from safetensors import safe_open
     f, key = _kernel_cache(folder, files, fast)
     try:
-        with safe_open(str(f), framework="pt", device="cpu") as fh:
-            meta = fh.metadata() or {}
-            if meta.get("key") != key:
-                return None
-            return {k: fh.get_tensor(k) for k in fh.keys()}, frozenset(meta.get("fast", "").split())
+        tensors, meta = read_on_huge_pages(f)
     except Exception:  # absent, unreadable or cut short: pack at load as without it
         return None
+    if meta.get("key") != key:
+        return None
+    return tensors, frozenset(meta.get("fast", "").split())
+
+
+ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "U8": torch.uint8,
+             "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64}
+
+
+def read_on_huge_pages(path) -> tuple[dict, dict]:
+    """A safetensors file's tensors, read into one anonymous buffer on 2 MiB pages where the OS gives them
+    (madvise), and its metadata. Why: a token's pass streams every weight, and a file's mapping on 4 KiB pages
+    misses the TLB every 4 KiB: the 1.5B Q4_K_M pass ran 2.6% faster (29.91 -> 29.17 ms, Zen 4, 8 alternations)."""
+    import json
+    import mmap
+    import os
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+        size = os.fstat(fh.fileno()).st_size - 8 - n
+        buf = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (shared: no huge pages)
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # before the first touch: its pages are made huge as they fault in
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        if fh.readinto(memoryview(buf)[:size]) != size:
+            raise ValueError(f"{path} is cut short")
+    data, meta = torch.frombuffer(buf, dtype=torch.uint8), header.pop("__metadata__", None) or {}
+    out = {}
+    for k, v in header.items():
+        a, b = v["data_offsets"]
+        if not 0 <= a <= b <= size:
+            raise ValueError(f"{path}: tensor {k} lies outside the file")
+        out[k] = data[a:b].view(ST_DTYPES[v["dtype"]]).view(v["shape"])
+    return out, meta
 
 
 def write_kernel_cache(model: nn.Module, folder, files, fast: bool = False):

@@ -266,3 +266,32 @@ def test_a_draft_model_loads_on_the_integer_gemm(tmp_path, monkeypatch):
         if e.in_features == 256:  # (requantized to 4 bits from 5, 6 and 8: a draft's products, roughly the same)
             y, z = e(x).float(), f(x).float()
             assert (z - y).norm() / y.norm() < 0.15, n
+
+
+def test_a_kernel_layout_file_is_read_onto_huge_pages(tmp_path):
+    """read_on_huge_pages gives the file's tensors (each dtype, empty and large ones) and metadata as safetensors
+    reads them, in a private buffer advised for 2 MiB pages (smaps' "hg" flag, on Linux); a file cut short raises,
+    so a stale or broken kernel layout is packed again at load."""
+    from safetensors.torch import load_file, save_file
+    t = {"w": torch.randint(0, 255, (3 << 20,), dtype=torch.uint8), "s": torch.randn(5, 7).to(torch.float16),
+         "b": torch.randn(3, 4).to(torch.bfloat16), "i": torch.arange(9, dtype=torch.int32),
+         "e": torch.zeros(0, 4, dtype=torch.int8), "f": torch.randn(2, 3)}
+    f = tmp_path / "kernel.safetensors"
+    save_file(t, str(f), metadata={"key": "k", "fast": "a b"})
+    out, meta = qlinear.read_on_huge_pages(f)
+    ref = load_file(str(f))
+    assert meta == {"key": "k", "fast": "a b"} and out.keys() == ref.keys()
+    for k in ref:
+        assert out[k].dtype == ref[k].dtype and torch.equal(out[k], ref[k])
+    if os.path.exists("/proc/self/smaps"):
+        a, flags, inside = out["w"].data_ptr(), None, False
+        for line in open("/proc/self/smaps"):
+            if "-" in line.split()[0] and ":" not in line.split()[0]:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                inside = lo <= a < hi
+            elif inside and line.startswith("VmFlags:"):
+                flags = line.split()[1:]
+        assert flags is not None and "hg" in flags
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(ValueError):
+        qlinear.read_on_huge_pages(f)
