@@ -303,3 +303,19 @@ def write_tiny_gguf(path, arch="llama", types=None, layers=2, dim=64, heads=4, k
     w.write_tensors_to_file()
     w.close()
     return hf
+
+
+def advised_huge(ptr: int) -> bool | None:
+    """Whether the mapping holding address ptr is advised for huge pages (smaps' "hg" flag); None off Linux."""
+    import os
+    if not os.path.exists("/proc/self/smaps"):
+        return None
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and head == "VmFlags:":
+            return "hg" in line.split()[1:]
+    return False

@@ -13,7 +13,8 @@ import draft_config as dc
 import draft_eagle as de
 import exact
 import model as M
-from conftest import write_eagle_head, write_tiny_hf
+import qlinear
+from conftest import advised_huge, write_eagle_head, write_tiny_hf
 from eagle import load_eagle
 from engine import Engine
 from vocab import make_vocab
@@ -411,3 +412,17 @@ def test_engines_sharing_a_model_keep_their_own_pass_choice(target, monkeypatch)
         fast.generate(p, 8)
         assert rows == [20]
         rows.clear()
+
+
+def test_the_pass_weights_sit_in_one_buffer_on_huge_pages(target, monkeypatch):
+    """A bf16 model's fused-pass panels and its LM head's are copies in one buffer each, advised for 2 MiB pages
+    (a token's pass streams them all); o_proj and down_proj keep no second copy for the PyTorch layers."""
+    m = load(target, True, monkeypatch)
+    panels = [kw.tensors[0] for kw in m.cpu_pass.keep if isinstance(kw, qlinear.KernelWeight)]
+    assert len(panels) == 4 * m.args.n_layers
+    assert len({w.untyped_storage().data_ptr() for w in panels}) == 1
+    assert advised_huge(panels[0].data_ptr()) in (True, None)
+    assert advised_huge(m.lm_head.packed.data_ptr()) in (True, None)
+    for layer in m.layers:
+        for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            assert lin.packed.untyped_storage().data_ptr() == panels[0].untyped_storage().data_ptr()
