@@ -104,7 +104,6 @@ def run_quantized(path) -> dict:
     return out
 
 
-
 def leave():
     """A rank whose work is done and saved exits at once: a rank left to the interpreter's teardown of gloo's
     threads aborted once in a full CI run ("terminate called without an active exception", SIGABRT) after 4 clean
