@@ -54,14 +54,14 @@ class Drafter:
         return self.setup if self.budget_needs(key, b) else 0.0
 
 
-def simulate(n: int, pass_s, draft_s: float, p: float, steps: int = 400) -> tuple[BatchBudget, list, list]:
-    """n sequences whose chains of b nodes accept each next node with probability p (in expectation: the first
-    round(E) - 1 ranks each step); a step costs pass_s(rows) + draft_s per drafting sequence. -> (budget, the
-    batch's tokens per second of each step, the share of its sequences that drafted)."""
-    bb = BatchBudget(16, sizes_of=lambda k: [1, 2, 4, 8, 16])
+def simulate(n: int, pass_s, draft_s: float, p, steps: int = 400, bb=None) -> tuple[BatchBudget, list, list]:
+    """n sequences whose chains of b nodes accept each next node with probability p (a list: theirs by turns; in
+    expectation: the first round(E) - 1 ranks each step); a step costs pass_s(rows) + draft_s per drafting sequence.
+    -> (budget, the batch's tokens per second of each step, the share of its sequences that drafted)."""
+    bb = bb or BatchBudget(16, sizes_of=lambda k: [1, 2, 4, 8, 16])
     for r in (1, 2, 4, 8, 16, 32, 64, 128, 256):  # as BatchEngine measures the pass once per machine
         bb.pass_s.observe(r, pass_s(r))
-    seqs = [Seq(p, drafter=Drafter()) for _ in range(n)]
+    seqs = [Seq(p[i % len(p)] if isinstance(p, list) else p, drafter=Drafter()) for i in range(n)]
     rates, spec = [], []
     for _ in range(steps):
         sizes = bb.choose(seqs, lambda s: s.key)
@@ -96,6 +96,37 @@ def test_drafting_turns_off_when_rows_cost_their_share():
     assert sum(rates) / len(rates) > 0.95 * ar
     share = bb.stats()
     assert share["speculated_share"] < 0.05 and share["speculated_share_by_batch"]["16"] < 0.05
+
+
+class Asking(BatchBudget):
+    """A BatchBudget that asks every sequence's sources and sizes (hopeless() never answers), counting what it
+    would have answered."""
+    skipped = asked = 0
+
+    def hopeless(self, seq, bars):
+        self.asked += 1
+        self.skipped += super().hopeless(seq, bars)
+        return False
+
+
+@pytest.mark.parametrize("n,pass_s,draft_s,p", [
+    (16, lambda r: 0.001 * r, 0.0005, 0.5),  # compute-bound: every tree off
+    (16, lambda r: 0.010 + 0.00005 * r, 0.0002, 0.8),  # bandwidth-bound: every tree on
+    (12, lambda r: 0.006 + 0.0004 * r, 0.0002, [0.95, 0.3, 0.3]),  # between: a third of the sequences draft
+    (16, lambda r: 0.004 + 0.0002 * r, 0.0002, [0.99, 0.5, 0.2, 0.2])])
+def test_a_hopeless_sequence_is_sized_as_its_sources_would_size_it(n, pass_s, draft_s, p):
+    """A sequence skipped as hopeless (no source's tree of any size could pay, at the most likely acceptance it
+    could be priced at) gets the size asking its sources gives, step for step; and under load most are skipped."""
+    asking = Asking(16, sizes_of=lambda k: [1, 2, 4, 8, 16])
+    _, rates, spec = simulate(n, pass_s, draft_s, p, bb=asking)
+    bb, rates2, spec2 = simulate(n, pass_s, draft_s, p)
+    assert rates2 == rates and spec2 == spec
+    if max(spec[-100:]) == 0.0:
+        assert asking.skipped > 0.9 * asking.asked
+    if min(spec[-100:]) == 1.0:
+        assert asking.skipped == 0
+    if isinstance(p, list):  # those that draft are asked, the others mostly not
+        assert 0.05 < sum(spec) / len(spec) < 0.5 and 0.3 * asking.asked < asking.skipped < 0.9 * asking.asked
 
 
 def test_one_sequence_keeps_its_gain():
