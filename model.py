@@ -483,7 +483,7 @@ def load_model(path, dtype=torch.bfloat16, device="cpu", fast: bool = False) -> 
                 if isinstance(m, qlinear.QLinear):
                     m.make_fast(requantize=True)
         if cpu and packed is None:
-            qlinear.write_kernel_cache(model, path, files, fast)
+            qlinear.keep_kernel_layout(model, path, files, fast)
         sd.update({k: v for k, v in model.state_dict().items() if v.device.type != "meta"})  # theirs now
     tied = tied and not isinstance(model.lm_head, qlinear.QLinear)
     if tied and "embed_tokens.weight" in sd:

@@ -392,6 +392,24 @@ def on_huge_pages(ts: list[Tensor]) -> list[Tensor]:
     return out
 
 
+def keep_kernel_layout(model: nn.Module, folder, files, fast: bool = False):
+    """A first load's kernel layout: saved beside the checkpoint for later loads, and moved onto 2 MiB pages as they
+    read it."""
+    write_kernel_cache(model, folder, files, fast)
+    to_huge_pages(model)
+
+
+def to_huge_pages(model: nn.Module):
+    """The quantized linears' kernel-layout buffers moved into one huge_buffer, as read_kernel_cache reads them at
+    later loads (a first load packs them into ordinary allocations, on 4 KiB pages)."""
+    mods = [m for m in model.modules() if isinstance(m, QLinear) and m.kw is not None]
+    names = [(m, b) for m in mods for b, v in m.named_buffers(recurse=False) if v is not None and b != "bias"]
+    for (m, b), v in zip(names, on_huge_pages([getattr(m, b) for m, b in names])):
+        setattr(m, b, v)
+    for m in mods:
+        m.point()
+
+
 def read_on_huge_pages(path) -> tuple[dict, dict]:
     """A safetensors file's tensors, read into one huge_buffer (not mapped from the file on 4 KiB pages), and its
     metadata."""

@@ -19,7 +19,7 @@ import model as M
 import qlinear
 import quant
 import quantize
-from conftest import gguf_blocks, write_eagle_head, write_tiny_hf
+from conftest import advised_huge, gguf_blocks, write_eagle_head, write_tiny_hf
 from eagle import load_eagle
 from engine import Engine
 from test_cpu_forward import load, toks  # the fused-pass tests' loader (GEMM kernel on) and tokens
@@ -296,6 +296,8 @@ def test_the_kernel_layout_is_saved_beside_the_checkpoint(folders, tmp_path, mon
     for m in (a, b):
         m.setup_caches(1, 64)
     assert not packs and torch.equal(a(p, torch.arange(9)), b(p, torch.arange(9)))
+    for m in (a, b):  # the weights a pass streams on 2 MiB pages, packed at this load or read from the layout's file
+        assert advised_huge(m.layers[0].mlp.down_proj.codes.data_ptr()) in (True, None)
     os.utime(d / "model.safetensors", ns=(1, 1))  # the checkpoint changed: the saved layout is stale
     c = M.load_model(d)
     c.setup_caches(1, 64)
