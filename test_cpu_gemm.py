@@ -211,11 +211,11 @@ SMALLER = [isa for isa in ("avx512", "avx2") if isa != cpu_gemm.ISA and cpu_gemm
 
 @pytest.mark.parametrize("isa", SMALLER or [
     pytest.param("avx2", marks=pytest.mark.skip("this process tests the AVX2 kernel"))])
-def test_the_smaller_kernels_too(tmp_path, isa):
+def test_the_smaller_kernels_too(isa):
     """On an AVX-512 CPU the kernels that smaller CPUs run (AVX2-only; AVX-512 without bf16) pass this file's and
     the fused pass's tests too, each in a process of its own (the variant is fixed at import)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, cpu_gemm.ISA_ENV: isa, "NANOSPEC_CACHE": str(tmp_path)}
+    env = {**os.environ, cpu_gemm.ISA_ENV: isa}  # (conftest's test cache: machine_id and builds name the ISA)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
                         "not smaller and not agree", "test_cpu_gemm.py", "test_cpu_forward.py"],
                        cwd=here, env=env, capture_output=True, text=True)
@@ -241,7 +241,8 @@ def test_fma_kernels_agree_bit_for_bit(tmp_path):
     here = os.path.dirname(os.path.abspath(__file__))
     got = {}
     for isa in ("avx512", "avx2"):
-        env = {**os.environ, cpu_gemm.ISA_ENV: isa, "NANOSPEC_CACHE": str(tmp_path), "PYTHONPATH": here}
+        # the test cache, where the tests above built each variant (a cache of its own built both again: 60 s)
+        env = {**os.environ, cpu_gemm.ISA_ENV: isa, "PYTHONPATH": here}
         subprocess.run([sys.executable, "-c", PRODUCTS, str(tmp_path / isa)], cwd=here, env=env, check=True)
         got[isa] = torch.load(tmp_path / isa)
     assert got["avx512"][0] == "avx512" and got["avx2"][0] == "avx2"
