@@ -209,7 +209,7 @@ class BatchBudget:
         size (less a set-up, which only lowers a size's value). Key None: a source nobody has measured. None where
         no sequence is hopeless."""
         out = {}
-        for k in [None] + list(set(self.common) | {k for k, _ in self.draft_s}):
+        for k in [None] + list(set(self.common) | {k for k, _ in self.draft_s if k}):  # ("": a skipped, unkeyed one)
             bar = {x: 1.0 + lam * (cost(rows + x - 1) - cost(rows) + (draft(k, x) - draft(k, 1) if k else 0.0))
                    for x in self.sizes}
             out[k] = bar, not any(v > bar[x] - self.TIE for x, v in self.bound(self.common.get(k)).items())
