@@ -59,7 +59,8 @@ class Seq:
     step_s: float = 0.0
     alone: StepBudget | None = None  # its budget while it runs alone: the batch-1 engine's (budget.py)
     paid: float = 0.0  # one-time set-up seconds its drafter paid in the step
-    accepted: list = field(default_factory=list)  # tokens each step emitted
+    accepted: list = field(default_factory=list)  # tokens each step emitted (before its stop)
+    budget_stats: dict = field(default_factory=dict)  # its lone budget's statistics, once finished
     # streaming: the latest step's tokens, who proposed each (TARGET: the target's own; else its drafter's
     # source, as accepted_from counts them), and the steps that verified a tree of its drafter's
     new: list = field(default_factory=list)
@@ -97,14 +98,15 @@ class BatchEngine:
 
     def __init__(self, model: Transformer, batch: int, max_seq: int, sampling: Sampling = Sampling(),
                  prefill_rows: int = 2048, drafters: list | None = None, budget: bool = True,
-                 ignore_eos: bool = False, exact: bool = True, cuda_graphs: bool = False):
+                 ignore_eos: bool = False, exact: bool = True, cuda_graphs: bool = False, memory=None):
         """drafters: one per sequence of the batch (draft_config.make_drafters), or None: autoregressive; max_seq
         bounds prompt + new tokens + a draft's nodes; budget=False: every step verifies every whole tree;
         ignore_eos: every sequence runs to its token budget (vLLM's ignore_eos, llama-batched-bench's shape);
         exact=False: passes from the size cpu_forward.layers_from measured run the PyTorch layers (torch's GEMMs,
         AMX where the CPU has it), so a sequence's output may differ from its batch-1 output at near ties.
         cuda_graphs: decode steps replay CUDA graphs, one per padded batch size (1, 2, 4, ... up to batch, as
-        nano-vllm pads to its captured sizes); pad rows decode in a scratch range of the cache past the batch's."""
+        nano-vllm pads to its captured sizes); pad rows decode in a scratch range of the cache past the batch's.
+        memory: the budget_memory.BudgetMemory a lone sequence's budget reads (None: the engine's own)."""
         if batch < 1:
             raise UsageError(f"--batch must be >= 1, got {batch}")
         if drafters and len(drafters) != batch:
@@ -137,7 +139,7 @@ class BatchEngine:
             # one sequence alone steps as the batch-1 engine does: its budget (probes, per-source policy) reads
             # what this engine's earlier requests paid. Why: the batch's rule, fresh each request, had a lone
             # server request speculate on 12-21% of its steps (serve.py 1.05x llama-server at one client; 1.3x now)
-            self.memory = BudgetMemory(model, d, None) if budget else None
+            self.memory = (memory or BudgetMemory(model, d, None)) if budget else None
             self._alone = lambda s: StepBudget(s.drafter, s.prompt, s.max_new, self.memory, 1, alone_pass)
         self.free, self.waiting, self.running = list(range(batch)), deque(), []
         self.prefix = PrefixCache(model)
@@ -148,10 +150,20 @@ class BatchEngine:
         self.steps = {"prefill": 0, "decode": 0}
         self.rows = 0  # sequences over every decode step (occupancy = rows / (decode steps * batch))
         self.decode_s, self.decode_tokens = 0.0, 0
+        self.phase_s = None  # a dict of stats.PHASES: the speculative phases' seconds are added to it
+
+    def resize(self, S: int):
+        """Between requests of a batch of 1 (engine.Engine): KV slots for the next one (its planned length)."""
+        if S != self.S:
+            self.S = S
+            for d in self.drafters or ():
+                d.setup(S)
+        self.model.setup_caches(1, S, slots=S)  # (another engine on the model may have resized them)
 
     def submit(self, prompt: list[int], max_new_tokens: int, sampling: Sampling | None = None,
-               seed: int | None = None, index: int | None = None) -> int:
-        """Queue a prompt -> its index (the order of submission, or the caller's)."""
+               seed: int | None = None, index: int | None = None, own_rng: bool = True) -> int:
+        """Queue a prompt -> its index (the order of submission, or the caller's). own_rng=False: a sampled
+        sequence draws from torch's global stream (generate.py's --seed sets it) instead of its own."""
         s = sampling or self.sampling
         s.validate(self.model.args.vocab_size)
         if not prompt:
@@ -163,7 +175,7 @@ class BatchEngine:
                              + (f" + {self.spare} draft nodes" if self.spare else "")
                              + f" exceed the {self.S} positions a sequence has (--max-seq)")
         gen = None
-        if not s.greedy:
+        if not s.greedy and own_rng:
             gen = torch.Generator(self.device).manual_seed(seed if seed is not None else self.submitted)
         i = self.submitted if index is None else index
         self.waiting.append(Seq(i, list(prompt), max_new_tokens, s, gen, t_submit=time.perf_counter()))
@@ -211,17 +223,18 @@ class BatchEngine:
         self.running += admit
         done, self.stepped = [], list(seqs)  # (seqs may be self.running, which loses the finished)
         for i, (s, e, src) in enumerate(zip(seqs, emitted, sources)):
+            if i >= len(admit):
+                s.accepted.append(len(e))
             e = stop_at(e, s.out, s.max_new, self.eos)
             s.out += e
             s.new, s.new_from = e, src[:len(e)]
             if i >= len(admit):
-                s.accepted.append(len(e))
                 self.decode_tokens += 0 if admit else len(e)
             if (s.out and s.out[-1] in self.eos) or len(s.out) >= s.max_new:
                 s.t_done = time.perf_counter()
                 done.append(s)
                 if s.alone is not None:  # what its sources paid, for the next request
-                    s.alone.finish()
+                    s.budget_stats = s.alone.finish()
         for s in done:
             self.running.remove(s)
             self.free.append(s.slot // self.S)
@@ -331,6 +344,7 @@ class BatchEngine:
             full[i], cost[i] = self._draft(s, b)
             if full[i] is not None:  # its first b nodes are verified, as at batch 1 (the drafter learns from all:
                 trees[i] = full[i].prefix(b)  # a lookup tree holds up to k, whatever b)
+        tv = time.perf_counter()
         ar = [i for i in range(len(seqs)) if i not in trees]  # one row each, first in the pass
         host = torch.tensor([[seqs[i].out[-1], seqs[i].n, seqs[i].slot] for i in ar], dtype=torch.long).view(-1, 3)
         toks, pos, base = host.to(dev).unbind(1)
@@ -382,6 +396,8 @@ class BatchEngine:
             r += N
             if not self.fixed:
                 self.budget.observe_draft(s.key, b, cost[i] + time.perf_counter() - tl)
+        if self.phase_s is not None:
+            self.phase_s["verify"] += time.perf_counter() - tv
         if not self.fixed:
             self.budget.observe(r, t2 - t1, sum(len(e) for e in out), time.perf_counter() - t0)
         if alone is not None:  # (less a set-up paid inside: billed to one size, it would look slow for good)
@@ -398,10 +414,14 @@ class BatchEngine:
         t0, d = time.perf_counter(), s.drafter
         if s.behind:
             d.update(s.behind.take())
+        tu = time.perf_counter()
         tree = d.draft(torch.tensor([s.out[-1]], device=self.device), torch.tensor(s.n, device=self.device), b) \
             if b > 1 else None
-        s.paid = d.setup_paid()
-        seconds = time.perf_counter() - t0 - s.paid
+        s.paid, t1 = d.setup_paid(), time.perf_counter()
+        seconds = t1 - t0 - s.paid
+        if self.phase_s is not None:
+            self.phase_s["update"] += tu - t0
+            self.phase_s["draft"] += t1 - tu
         if tree is None and not self.fixed:
             self.budget.observe_draft(s.key, 1, seconds)
         if d.start_rate:  # what a set-up costs per waiting token, as measured: every sequence's drafter prices it

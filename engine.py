@@ -10,6 +10,7 @@ from torch import Tensor
 import cpu_forward
 import draft_config as dc
 import graphs
+from batch import BatchEngine
 from budget import StepBudget
 from budget_memory import BudgetMemory, pass_costs
 from download import resolve_checkpoint
@@ -18,7 +19,7 @@ from errors import UsageError
 from exact import PassRows
 from planner import Planner, Request
 from model import Plan, Transformer, causal_recent, load_model, tree_mask, tree_recent
-from sampling import Sampling, accept_greedy, accept_greedy_host, accept_sample, logits_to_probs, sample
+from sampling import Sampling, accept_greedy, accept_sample, logits_to_probs, sample
 from stats import PHASES, Clock, Stats, sync
 from tokenizer import Tokenizer
 
@@ -44,10 +45,7 @@ class Engine:
         # a one-node tree's accepted path and length (_spec_decode), made once: no allocation inside a step
         self.root_path = (torch.zeros(1, dtype=torch.long, device=self.device),
                           torch.ones((), dtype=torch.long, device=self.device))
-        # eager greedy CPU steps accept on host lists (_verify_host); traced (compile, CUDA graphs) and sampled ones
-        # keep to device ops: picked here, once
-        host = sampling.greedy and self.device.type == "cpu" and not compile
-        self.verify_step, self.advance_step = self._verify_host if host else self._spec_verify, self._spec_advance
+        self.verify_step, self.advance_step = self._spec_verify, self._spec_advance
         # CUDA graphs need fixed buffer addresses: one KV cache of max_seq slots for every request
         graphed = compile and self.device.type == "cuda"
         self.planner = Planner(model, exact, min(max_seq, model.args.max_position_embeddings) if graphed else None,
@@ -63,6 +61,13 @@ class Engine:
         # budget_cache: the caller's key of its drafter and sampling settings: the budget memory outlives the process
         key = f"exact={exact} compile={compile} {budget_cache}" if budget_cache is not None else None
         self.memory = BudgetMemory(model, drafter, key if budget and drafter is not None else None, self.plan)
+        # eager CPU requests run the batch engine's step with B = 1 (batch.py); the traced steps (compile, CUDA
+        # graphs) and exact mode's padded passes on the PyTorch layers run the static-shape halves below
+        padded = self.planner.invariance is not None and model.cpu_pass is None
+        one = None if drafter is None else [drafter]
+        self.batch = None if compile or self.device.type != "cpu" or padded else BatchEngine(
+            model, 1, 64, sampling, drafters=one, budget=budget, exact=exact is not False,
+            memory=self.memory if budget and one else None)
 
     def _decode_one(self, tok: Tensor, pos: Tensor, rows: PassRows) -> Tensor:
         # padded to rows.gemm rows (exact mode): the pad rows write KV slots the next step overwrites before any read
@@ -103,7 +108,38 @@ class Engine:
         if not prompt:
             raise UsageError("empty prompt")
         run = self._generate_ar if self.drafter is None else self._generate_spec
-        return run(prompt, max_new_tokens, on_tokens)
+        return (self._generate_stepped if self.batch is not None else run)(prompt, max_new_tokens, on_tokens)
+
+    def _generate_stepped(self, prompt: list[int], max_new_tokens: int, on_tokens=None) -> tuple[list[int], Stats]:
+        """The request on the batch engine's step with B = 1: its prefill step, then a step per target pass."""
+        b, d = self.batch, self.drafter
+        req = self.planner.plan(len(prompt), max_new_tokens, 1 if d is None else d.nodes)
+        b.resize(req.S)
+        st = Stats(phase_s=dict.fromkeys(PHASES, 0.0) if d is not None else {}, extra=dict(exact=req.exact))
+        b.phase_s = st.phase_s if d is not None else None
+        t0 = time.perf_counter()
+        i = b.submit(prompt, max_new_tokens, own_rng=False)  # (sampled: generate.py's --seed sets the stream)
+        try:
+            b.step()
+            s, t1 = b.stepped[0], time.perf_counter()
+            if on_tokens:
+                on_tokens(s.new)
+            while b.busy():
+                b.step()
+                if on_tokens and s.new:
+                    on_tokens(s.new)
+        except BaseException:
+            b.abort(i)  # (an interrupted request leaves the engine free for the next)
+            raise
+        st.prefill_s, st.decode_s = t1 - t0, time.perf_counter() - t1
+        st.new_tokens, st.target_forwards = len(s.out), 1 + len(s.accepted)
+        if d is not None:
+            for L in s.accepted:
+                st.accept_hist[L] = st.accept_hist.get(L, 0) + 1
+            st.extra.update(d.stats(), **s.budget_stats)
+            lm = st.extra.pop("lm_head_s", 0.0)  # drafting time spent in the LM head (eager only)
+            st.phase_s["lm_head"], st.phase_s["draft"] = lm, st.phase_s["draft"] - lm
+        return s.out, st
 
     @torch.no_grad()
     def _generate_ar(self, prompt: list[int], max_new_tokens: int, on_tokens=None) -> tuple[list[int], Stats]:
@@ -138,20 +174,6 @@ class Engine:
             self.model.compact_kv(n + path, n)
         host = torch.cat([L.view(1), bonus.view(1), tree.tokens[path], path])  # what the host needs, in one sync
         return host, Accepted(tree, path, L, bonus, logits, hid, aux, n)
-
-    def _verify_host(self, tree: Tree, n: Tensor, rows: PassRows) -> tuple[Tensor, Accepted]:
-        """_spec_verify's values for eager greedy CPU steps: host-list acceptance, KV moves in one C call (small
-        device ops met cold caches: 1.02-1.06x)."""
-        if self._one_row(tree, rows):
-            return self._spec_decode(tree, n)
-        logits, hid, aux = self._verify(tree.tokens, tree.depth, tree.anc, n, rows)
-        p, L, bonus = accept_greedy_host(tree, logits)
-        if tree.tokens.shape[0] > 1:
-            n0 = int(n)
-            self.model.compact_kv([n0 + i for i in p], n0)
-        toks = tree.tokens.tolist()
-        host = torch.tensor([L, bonus] + [toks[i] for i in p] + p)  # the Accepted holds views of it
-        return host, Accepted(tree, host[2 + len(p):], host[0], host[1], logits, hid, aux, n)
 
     def _one_row(self, tree: Tree, rows: PassRows) -> bool:
         """A one-node tree verified as the decode step runs it (exact attention's padded passes excepted)."""

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import bench
+import batch
 import engine
 from conftest import write_eagle_head, write_tiny_hf
 
@@ -79,13 +80,13 @@ def test_bench_guard_fires_on_tampered_output(tiny_bench, tmp_path, monkeypatch,
     def wrong_bonus(tree, logits):  # a subtly broken acceptance: the bonus token is off by one
         path, L, bonus = real(tree, logits)
         return path, L, (bonus + 1) % logits.shape[-1]
-    real_host = engine.accept_greedy_host
+    real_host = batch.greedy_path
 
-    def wrong_bonus_host(tree, logits):  # the same fault in eager CPU steps' host-side acceptance
-        path, L, bonus = real_host(tree, logits)
-        return path, L, (bonus + 1) % logits.shape[-1]
+    def wrong_bonus_host(tree, pred):  # the same fault in eager CPU steps' host-side acceptance (the batch's step)
+        path, L, bonus = real_host(tree, pred)
+        return path, L, bonus ^ 1  # (another token: vocabularies here have an even size)
     monkeypatch.setattr(engine, "accept_greedy", wrong_bonus)
-    monkeypatch.setattr(engine, "accept_greedy_host", wrong_bonus_host)
+    monkeypatch.setattr(batch, "greedy_path", wrong_bonus_host)
     rc = bench.main(argv(tiny_bench, tmp_path, "--methods", "ngram", "--categories", "qa", "--freq-corpus", "4x48"))
     err = capsys.readouterr().err
     assert rc == 1

@@ -276,48 +276,59 @@ def test_cli_says_whether_it_is_exact(tiny, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_eager_cpu_verify_equals_the_traced_step(tiny, dtype):
-    """Eager CPU verify steps take shortcuts the traced step (torch.compile, CUDA graphs) cannot: a one-node
-    tree runs the decode step's pass, greedy acceptance walks host lists, and the KV moves run in one C call
-    (the bf16 fused cache). Each gives the traced step's host values, path, bonus, logits and KV cache, on a
-    tree whose accepted path must move (the target's tokens sit at second children), its prefixes and a chain."""
+def test_eager_cpu_verify_equals_the_traced_step(tiny, dtype, monkeypatch):
+    """Eager CPU requests on the fused pass run the batch engine's step with B = 1, whose verification takes
+    shortcuts the traced step (torch.compile, CUDA graphs) cannot: greedy acceptance walks host lists, and the KV
+    moves run in one C call (the bf16 fused cache). It gives the traced step's tokens, path, bonus, states and KV
+    cache, on a tree whose accepted path must move (the target's tokens sit at second children), its prefixes and a
+    chain. Without the fused pass (fp32: exact mode pads the PyTorch layers' passes) the traced step runs."""
     torch._dynamo.reset()
     m = load_model(tiny[0], dtype=dtype)
     prompt = PROMPTS[2]
     c = autoregressive(m, prompt, 5)  # the first token (the root), then the target's next four
-    eng = Engine(m, drafter=dl.NgramDrafter(k=4), budget=True)
+    eng = Engine(m, drafter=dl.NgramDrafter(k=6), budget=False)  # budget off: each step verifies the whole tree
     sampled = Engine(m, Sampling(0.7), drafter=dl.NgramDrafter(k=4))
-    # the variant is picked when the engine is built: eager greedy CPU steps on host lists, sampled on device ops
-    assert eng.verify_step == eng._verify_host and sampled.verify_step == sampled._spec_verify
+    # the variant is picked when the engine is built: the batch engine's step on the fused pass, else the halves
+    assert (eng.batch is not None) == (sampled.batch is not None) == (m.cpu_pass is not None)
+    assert (m.kv is not None) == (dtype == torch.bfloat16 and cpu_gemm.kernel() is not None)  # bf16: the C moves
+    if eng.batch is None:
+        return
     traced = torch.compile(eng._spec_verify, fullgraph=True, backend="eager")
-    req = eng.planner.plan(len(prompt), 16, 8)
-    m.setup_caches(1, req.S)
-    eng._prefill(torch.tensor(prompt), 1)
+    b, d = eng.batch, eng.drafter
+    req = eng.planner.plan(len(prompt), 16, d.nodes)
     n = torch.tensor(len(prompt))
     P = torch.tensor([-1, 0, 0, 2, 2, 4, 5])  # root -> (wrong, c1); c1 -> (wrong, c2); c2 -> c3 -> c4
     w = (c[1] + 1) % m.args.vocab_size
     tree = dr.Tree(torch.tensor([c[0], w, c[1], w, c[2], c[3], c[4]]), P, torch.tensor([0, 1, 1, 2, 2, 3, 4]),
                    dr.ancestor_mask(P, 4), torch.ones(7, dtype=torch.bool), None, 4)
-    caches = lambda: [b for name, b in m.named_buffers() if name.split(".")[-1] in ("k", "v", "kv", "kt")]
+    kv = lambda: [(name.split(".")[-1], x) for name, x in m.named_buffers()
+                  if name.split(".")[-1] in ("k", "v", "kv", "kt")]
+    caches = lambda: [x for _, x in kv()]
     Ls = []
     for t in (tree, tree.prefix(5), tree.prefix(3), tree.prefix(1), dr.chain_tree(torch.tensor(c[:3]))):
-        rows = eng.planner.pass_rows(req, t.tokens.shape[0])
+        b.resize(req.S)
+        i = b.submit(prompt, 16)
+        b.step()  # the prefill: its first token is the root, c[0]
+        s = b.running[0]
         before = [x.clone() for x in caches()]
-        h1, a1 = eng._verify_host(t, n, rows)
+        monkeypatch.setattr(d, "draft", lambda root, n, budget=None, t=t: t)
+        b.step()
+        a1 = s.behind.steps[-1]  # the step as its drafter will read it
         after = [x.clone() for x in caches()]
         for x, old in zip(caches(), before):
             x.copy_(old)
-        h2, a2 = traced(t, n, rows)
-        assert torch.equal(h1, h2)
-        for x, y in zip((a1.path, a1.L, a1.bonus, a1.logits, a1.hidden),
-                        (a2.path, a2.L, a2.bonus, a2.logits, a2.hidden)):
+        h2, a2 = traced(t, n, eng.planner.pass_rows(req, t.tokens.shape[0]))
+        L = int(a2.L)
+        assert s.new == h2.tolist()[3:2 + L] + [int(a2.bonus)] and int(a1.L) == L
+        for x, y in zip((a1.path[:L], a1.bonus, a1.hidden), (a2.path[:L], a2.bonus, a2.hidden)):
             assert torch.equal(x, y)
-        assert all(torch.equal(x, y) for x, y in zip(after, caches()))
-        Ls.append((int(a1.L), a1.path[:int(a1.L)].tolist()))
-        for x, old in zip(caches(), before):
-            x.copy_(old)
+        kept = torch.arange(len(prompt) + L)  # the slots a later step reads (past them: scratch either moves)
+        for (name, x), y in zip(kv(), after):
+            assert torch.equal(*((z[:, :, kept // 16, :, kept % 16] if name == "kt" else z[..., kept, :])
+                                 for z in (x, y))), name
+        Ls.append((L, a1.path[:L].tolist()))
+        b.abort(i)
     assert Ls[:3] == [(5, [0, 2, 4, 5, 6]), (3, [0, 2, 4]), (2, [0, 2])] and Ls[3][0] == 1 and Ls[4][0] == 3
-    assert (m.kv is not None) == (dtype == torch.bfloat16 and cpu_gemm.kernel() is not None)  # bf16: the C moves
 
 
 @pytest.mark.parametrize("bad", ["missing", "corrupt"])
