@@ -59,6 +59,7 @@ class Seq:
     step_s: float = 0.0
     alone: StepBudget | None = None  # its budget while it runs alone: the batch-1 engine's (budget.py)
     paid: float = 0.0  # one-time set-up seconds its drafter paid in the step
+    req: object = None  # planner.Request: its passes' rows, where a runner's steps run it (engine.Engine)
     accepted: list = field(default_factory=list)  # tokens each step emitted (before its stop)
     budget_stats: dict = field(default_factory=dict)  # its lone budget's statistics, once finished
     # streaming: the latest step's tokens, who proposed each (TARGET: the target's own; else its drafter's
@@ -98,7 +99,8 @@ class BatchEngine:
 
     def __init__(self, model: Transformer, batch: int, max_seq: int, sampling: Sampling = Sampling(),
                  prefill_rows: int = 2048, drafters: list | None = None, budget: bool = True,
-                 ignore_eos: bool = False, exact: bool = True, cuda_graphs: bool = False, memory=None):
+                 ignore_eos: bool = False, exact: bool = True, cuda_graphs: bool = False, memory=None,
+                 runner=None, settle: int = 1):
         """drafters: one per sequence of the batch (draft_config.make_drafters), or None: autoregressive; max_seq
         bounds prompt + new tokens + a draft's nodes; budget=False: every step verifies every whole tree;
         ignore_eos: every sequence runs to its token budget (vLLM's ignore_eos, llama-batched-bench's shape);
@@ -106,14 +108,16 @@ class BatchEngine:
         AMX where the CPU has it), so a sequence's output may differ from its batch-1 output at near ties.
         cuda_graphs: decode steps replay CUDA graphs, one per padded batch size (1, 2, 4, ... up to batch, as
         nano-vllm pads to its captured sizes); pad rows decode in a scratch range of the cache past the batch's.
-        memory: the budget_memory.BudgetMemory a lone sequence's budget reads (None: the engine's own)."""
+        memory: the budget_memory.BudgetMemory a lone sequence's budget reads (None: the engine's own).
+        runner: a batch of one's static-shape steps (engine.Engine: compiled, CUDA-graphed, or exact mode's padded
+        passes on the PyTorch layers), or None: the batch's own passes; settle: a lone budget's timing steps."""
         if batch < 1:
             raise UsageError(f"--batch must be >= 1, got {batch}")
         if drafters and len(drafters) != batch:
             raise ValueError(f"{len(drafters)} drafters for a batch of {batch}")
         self.model, self.B, self.S, self.sampling, self.prefill_rows = model, batch, max_seq, sampling, prefill_rows
         self.device = model.norm.weight.device
-        self.eos = set() if ignore_eos else set(model.args.eos_ids)
+        self.ignore_eos = ignore_eos
         # what its passes return and run on (model.Plan): its heads' aux layers; exact=False: passes from the size
         # cpu_forward.layers_from measures (before the caches) on the PyTorch layers
         self.plan = Plan(drafters[0].aux_layers if drafters else (), None if exact else cpu_forward.layers_from(model))
@@ -140,7 +144,8 @@ class BatchEngine:
             # what this engine's earlier requests paid. Why: the batch's rule, fresh each request, had a lone
             # server request speculate on 12-21% of its steps (serve.py 1.05x llama-server at one client; 1.3x now)
             self.memory = (memory or BudgetMemory(model, d, None)) if budget else None
-            self._alone = lambda s: StepBudget(s.drafter, s.prompt, s.max_new, self.memory, 1, alone_pass)
+            self._alone = lambda s: StepBudget(s.drafter, s.prompt, s.max_new, self.memory, settle, alone_pass)
+        self.runner = runner
         self.free, self.waiting, self.running = list(range(batch)), deque(), []
         self.prefix = PrefixCache(model)
         self.stepped = []  # the sequences the latest step advanced (their new, new_from)
@@ -161,7 +166,7 @@ class BatchEngine:
         self.model.setup_caches(1, S, slots=S)  # (another engine on the model may have resized them)
 
     def submit(self, prompt: list[int], max_new_tokens: int, sampling: Sampling | None = None,
-               seed: int | None = None, index: int | None = None, own_rng: bool = True) -> int:
+               seed: int | None = None, index: int | None = None, own_rng: bool = True, req=None) -> int:
         """Queue a prompt -> its index (the order of submission, or the caller's). own_rng=False: a sampled
         sequence draws from torch's global stream (generate.py's --seed sets it) instead of its own."""
         s = sampling or self.sampling
@@ -178,9 +183,13 @@ class BatchEngine:
         if not s.greedy and own_rng:
             gen = torch.Generator(self.device).manual_seed(seed if seed is not None else self.submitted)
         i = self.submitted if index is None else index
-        self.waiting.append(Seq(i, list(prompt), max_new_tokens, s, gen, t_submit=time.perf_counter()))
+        self.waiting.append(Seq(i, list(prompt), max_new_tokens, s, gen, t_submit=time.perf_counter(), req=req))
         self.submitted += 1
         return i
+
+    @property
+    def eos(self) -> set:
+        return set() if self.ignore_eos else set(self.model.args.eos_ids)  # (read at each step: a caller may set them)
 
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
@@ -197,7 +206,8 @@ class BatchEngine:
             s.slot, rows = self.free.pop(0) * self.S, rows + len(s.prompt)
             s.cached = self.prefix.hit(s.prompt)
             s.drafter = self.drafters[s.slot // self.S] if self.drafters else None
-            s.behind = Behind(s.drafter.reads_states, self._top) if s.drafter is not None else None
+            d = s.drafter
+            s.behind = None if d is None else Behind(d.reads_states, self._top, d.reads_every_top)
             s.alone = self._alone(s) if self.drafters and not self.fixed else None
             admit.append(s)
         riders = self.running if admit else []
@@ -221,16 +231,16 @@ class BatchEngine:
             self.decode_s += time.perf_counter() - t0
             self.rows += len(seqs)
         self.running += admit
-        done, self.stepped = [], list(seqs)  # (seqs may be self.running, which loses the finished)
+        done, self.stepped, eos = [], list(seqs), self.eos  # (seqs may be self.running, which loses the finished)
         for i, (s, e, src) in enumerate(zip(seqs, emitted, sources)):
             if i >= len(admit):
                 s.accepted.append(len(e))
-            e = stop_at(e, s.out, s.max_new, self.eos)
+            e = stop_at(e, s.out, s.max_new, eos)
             s.out += e
             s.new, s.new_from = e, src[:len(e)]
             if i >= len(admit):
                 self.decode_tokens += 0 if admit else len(e)
-            if (s.out and s.out[-1] in self.eos) or len(s.out) >= s.max_new:
+            if (s.out and s.out[-1] in eos) or len(s.out) >= s.max_new:
                 s.t_done = time.perf_counter()
                 done.append(s)
                 if s.alone is not None:  # what its sources paid, for the next request
@@ -310,6 +320,10 @@ class BatchEngine:
 
     def _decode(self, seqs: list[Seq]) -> Tensor:
         # each sequence's last token at its next position (the token is not in the cache yet)
+        if self.runner is not None:  # a batch of one on the runner's decode step
+            s, dev = seqs[0], self.device
+            return self.runner.decode_fn(torch.tensor([[s.out[-1]]], device=dev), torch.tensor([s.n], device=dev),
+                                         s.req.rows)
         host = torch.tensor([[s.out[-1], len(s.prompt) + len(s.out) - 1, s.slot] for s in seqs])
         if self.buckets:  # pad rows: token 0 at position 0 of the scratch range (their KV lands there)
             pad = next(b for b in self.buckets if b >= len(seqs)) - len(seqs)
@@ -338,6 +352,8 @@ class BatchEngine:
             sizes = self.budget.choose(seqs, lambda s: s.drafter.budget_keys(s.prompt + s.out))
             for s in seqs:
                 s.drafter.budget_use(s.key)
+        if self.runner is not None:
+            return self._spec_one(seqs[0], sizes[0], t0)
         nodes = {}  # each sequence's accepted node indices, root first
         full, trees, cost = {}, {}, {}  # cost: seconds a tree adds to the step besides its rows (drafting, host work)
         for i, (s, b) in enumerate(zip(seqs, sizes)):
@@ -429,12 +445,48 @@ class BatchEngine:
                 x.start_rate = d.start_rate
         return tree, seconds
 
+    def _spec_one(self, s: Seq, b: int, t0: float) -> tuple[list[list[int]], list[list[str]]]:
+        """_spec_step for a batch of one on the runner's static-shape halves (a CUDA graph or compiled step each):
+        the drafter's update and draft (one step where fused), then verify: pass, acceptance, KV compaction."""
+        r, d, ph, dev = self.runner, s.drafter, self.phase_s, self.device
+        n, root = torch.tensor(s.n, device=dev), torch.tensor([s.out[-1]], device=dev)
+        s.paid, t1 = 0.0, time.perf_counter()
+        if b == 1 and len(s.behind) < self.HELD:
+            tree, tu = chain_tree(root), t1
+        elif r.fused_steps and b > 1 and len(s.behind) == 1:  # one graph: the update, then the next draft
+            if (vocab := getattr(d, "vocab", None)) is not None:
+                vocab.wait()  # an eager update still on the copy stream: the replay must not overtake it
+            tree, tu = r.advance_step(s.behind.take()), t1
+        else:
+            if s.behind:
+                d.update(s.behind.take())
+            tu = time.perf_counter()
+            tree = d.draft(root, n, None if self.fixed else b) if b > 1 else chain_tree(root)
+        s.paid, t2 = d.setup_paid(), time.perf_counter()
+        sub = tree.prefix(b)
+        host, a = r.verify_step(sub, n, r.planner.pass_rows(s.req, sub.tokens.shape[0]))
+        t3 = time.perf_counter()
+        L, emitted, nodes = accepted_tokens(host.tolist())  # the step's one host sync
+        if ph is not None:
+            ph["update"], ph["draft"] = ph["update"] + tu - t1, ph["draft"] + t2 - tu
+            ph["verify"], ph["sync"] = ph["verify"] + t3 - t2, ph["sync"] + time.perf_counter() - t3
+        # the drafter learns from every drafted token (NanoSpec); what a CUDA graph returned, its next replay rewrites
+        s.behind.add(graphs.owned(self._kept(dataclasses.replace(a, tree=tree), d)))
+        s.n += L
+        by = node_sources(d, s.key, tree.tokens.shape[0]) if b > 1 else []
+        s.drafted += b > 1
+        if s.alone is not None:  # (less a set-up paid inside: billed to one size, it would look slow for good)
+            s.alone.observe(b, nodes, time.perf_counter() - t0 - s.paid)
+        return [emitted], [[by[j] for j in nodes[1:]] + [TARGET]]
+
     HELD = 512  # steps a sequence's drafter may fall behind (their states: 512 x 4.6 KB a row of the passes)
 
     def _kept(self, a: Accepted, d) -> Accepted:
-        """a as the drafter will read it, steps later: the target's top-k on the path instead of its logits, and its
-        own copies of the states (not views that keep a whole pass's tensors alive)."""
-        return dataclasses.replace(a, logits=a.logits[:0], top=cpu_draft.topk_rows(a.logits, a.path, self._top),
+        """a as the drafter will read it, steps later: the target's top-k on the path (at every node where the
+        drafter reads it there) instead of its logits, and its own copies of the states (not views that keep a whole
+        pass's tensors alive)."""
+        top = cpu_draft.topk_rows(a.logits, None if d.reads_every_top else a.path, self._top)
+        return dataclasses.replace(a, logits=a.logits[:0], top=top,
                                    hidden=a.hidden.clone(), aux=None if a.aux is None else a.aux.clone())
 
     def _sample(self, logits: Tensor, seqs: list[Seq]) -> Tensor:
@@ -452,6 +504,12 @@ class BatchEngine:
         while self.busy():
             done.update((s.index, s.out) for s in self.step())
         return [done[i] for i in sorted(done)]
+
+
+def accepted_tokens(host: list[int]) -> tuple[int, list[int], list[int]]:
+    """[L, bonus, path tokens (root first)..., path node indices...] -> (L, emitted tokens, accepted nodes)."""
+    L, P = host[0], (len(host) - 2) // 2
+    return L, host[3:2 + L] + [host[1]], host[2 + P:2 + P + L]
 
 
 def node_sources(d, key: str, N: int) -> list[str]:

@@ -9,7 +9,7 @@ best on this request, exploring each a bounded number of steps; a one-time set-u
 where the tokens left are expected to repay it (pays_back).
 """
 from budget_policy import Policy, pays_back
-from draft import Accepted, Behind, Drafter
+from draft import Drafter
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -351,9 +351,7 @@ class Budgets:
 
 
 class StepBudget:
-    """The budget as a request's loop asks it (the whole tree without a memory), and the steps held back."""
-
-    MAX_PENDING = 128
+    """The budget as a request's loop asks it (the whole tree without a memory)."""
 
     def __init__(self, drafter: Drafter, prompt: list[int], max_new: int, memory=None, settle: int = 2,
                  pass_s: dict | None = None):  # memory: budget_memory.BudgetMemory
@@ -361,7 +359,6 @@ class StepBudget:
         self.budgets = None if memory is None else Budgets(
             drafter.nodes, drafter.budget_sizes, drafter.budget_start, settle=settle, pass_s=pass_s,
             memory=memory.sources, setup_of=drafter.budget_setup, needs_of=drafter.budget_needs)
-        self.behind = Behind(drafter.reads_states, drafter.reads_top)  # the autoregressive steps held back
 
     def pick(self, out: list[int]) -> int:
         """Nodes the next step verifies (1: an autoregressive step, no draft); out: the tokens so far."""
@@ -379,21 +376,6 @@ class StepBudget:
         # less the one-time set-ups paid inside: billed to one size, they would make it look slow for good
         if self.budgets is not None:
             self.budgets.observe(b, accepted, seconds - self.d.setup_paid())
-
-    def draft_size(self, b: int) -> int | None:
-        return None if self.budgets is None else b
-
-    def hold(self, a: Accepted, b: int, keep=None) -> bool:
-        """Keep an autoregressive step back from the drafter when the next one is too (one update for a run);
-        keep(a): what is kept (graphs.owned where a is a CUDA graph's output)."""
-        held = a.tree.tokens.shape[0] == 1 and b == 1 and len(self.behind) < self.MAX_PENDING
-        if held:
-            self.behind.add(keep(a) if keep else a)
-        return held
-
-    def catch_up(self, a: Accepted) -> Accepted:
-        """a, after the steps held back, as one chain of what the drafter reads."""
-        return self.behind.take(a)
 
     def finish(self) -> dict:
         """The request is over: its sources go to the memory; its budget statistics."""

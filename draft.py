@@ -3,7 +3,8 @@
 emitted token, not yet cached.
     nodes, depth (most tokens one verification carries, root included; deepest level); graphable (False:
     draft/update read host values); keeps_steps (update keeps an Accepted past the step); reads_states, reads_top
-    (update reads the target's hidden/aux states; its top-k per accepted position); prompt_logits (last prompt
+    (update reads the target's hidden/aux states; its top-k per accepted position, or per verified node where
+    reads_every_top); prompt_logits (last prompt
     positions whose logits prefill reads, 0: the last)
     setup(max_seq), prefill(Prefill), update(Accepted), stats() -> dict, budget_key(hist) -> budget source
     draft(root, n, budget=None) -> Tree: static shapes, no host sync; only the first `budget` nodes are verified
@@ -57,7 +58,8 @@ class Accepted:
     hidden: Tensor  # [1, N, d] target final hidden states at every tree node
     aux: Tensor | None  # [1, N, 3d] EAGLE-3 aux states, None when the target has none
     n: Tensor  # 0-dim tokens in the target's KV cache before the step
-    top: Tensor | None = None  # [D+1, k] the target's top-k per path position instead of logits (chained(top=k))
+    top: Tensor | None = None  # [D+1, k] the target's top-k per path position instead of logits (chained(top=k));
+    # [N, k] per node where the drafter reads_every_top (batch.BatchEngine._kept)
 
     def next_tokens(self) -> Tensor:
         """[D+1] the token after each path node: the next path token, and the bonus after the last accepted."""
@@ -65,14 +67,15 @@ class Accepted:
         return torch.where(torch.arange(nxt.shape[0], device=nxt.device) == self.L - 1, self.bonus, nxt)
 
 
-def chained(steps: list[Accepted], states: bool = True, top: int = 0) -> Accepted:
+def chained(steps: list[Accepted], states: bool = True, top: int = 0, every: bool = False) -> Accepted:
     """Consecutive steps' accepted paths as one accepted chain, for one catch-up update. states=False drops logits,
-    hidden and aux; top=k keeps the top-k per position instead of logits (128 steps' logits are 12.6 MB)."""
+    hidden and aux; top=k keeps the top-k per position instead of logits (128 steps' logits are 12.6 MB); every:
+    the steps' tops are per node (reads_every_top)."""
     rows = [a.path[:int(a.L)] for a in steps]
     idx = [slice(0, len(p)) if p.tolist() == list(range(len(p))) else p for p in rows]
     toks = torch.cat([a.tree.tokens[i] for a, i in zip(steps, idx)])  # [K] each step's root and accepted nodes
     a0, K = steps[0], toks.shape[0]
-    tops = None if not top else torch.cat([a.top[:len(r)] if a.top is not None  # (rows per path position)
+    tops = None if not top else torch.cat([(a.top[r] if every else a.top[:len(r)]) if a.top is not None
                                            else cpu_draft.topk_rows(a.logits, r, top) for a, r in zip(steps, rows)])
     logits = torch.cat([a.logits[i] for a, i in zip(steps, idx)]) if states and not top else a0.logits[:0]
     hidden = torch.cat([a.hidden[:, i] for a, i in zip(steps, idx)], 1) if states else a0.hidden[:, :0]
@@ -89,8 +92,8 @@ class Behind:
     or a row whose class has chain(run) -> Accepted (batch.py keeps autoregressive rows as views of the step's
     tensors, one chain per run). fold() chains what is held into one step at once (accepted positions only)."""
 
-    def __init__(self, states: bool = True, top: int = 0):
-        self.states, self.top, self.steps = states, top, []  # chained()'s settings: what the drafter reads
+    def __init__(self, states: bool = True, top: int = 0, every: bool = False):
+        self.states, self.top, self.every, self.steps = states, top, every, []  # chained()'s: what the drafter reads
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -121,7 +124,7 @@ class Behind:
                 out.append(x)
         if len(out) <= 1:
             return out[0] if out else None
-        return chained(out, states=self.states, top=self.top)
+        return chained(out, states=self.states, top=self.top, every=self.every)
 
 
 def stop_at(emitted: list[int], out: list[int], max_new: int, eos: set) -> list[int]:
@@ -266,6 +269,7 @@ class Drafter:
     keeps_steps = False
     reads_states = True
     reads_top = 0
+    reads_every_top = False
     prompt_logits = 0
     start_rate = 0.0
     aux_layers: tuple[int, ...] = ()  # target layers whose inputs it reads (an EAGLE-3 head's)

@@ -34,6 +34,10 @@ class VocabDrafter(Drafter):
         return self.vocab.k_ver
 
     @property
+    def reads_every_top(self) -> bool:
+        return self.k_ver_at == "verified"
+
+    @property
     def window_rows(self) -> int:
         # the window holds 1 + k_pre entries per prompt position: only the last ceil(W / (1 + k_pre)) fit in it
         k = self.vocab.k_pre
@@ -82,10 +86,11 @@ class VocabDrafter(Drafter):
             m.add_(torch.stack([hits, a.L.long(), act, torch.zeros_like(act), torch.ones_like(act)]))
             m[3:4].copy_(torch.maximum(m[3:4], act.view(1)))
         at = on_path  # the positions whose top-k_ver goes in: the accepted ones, or every verified node
+        every = self.k_ver_at == "verified"
         if a.top is not None and a.top.shape[1] == vocab.k_ver:
-            ver = a.top  # [D+1, k_ver]
+            ver = a.top  # [D+1, k_ver], or every verified node's [N, k_ver] (a kept step of the batch engine's)
+            at = a.tree.valid[:ver.shape[0]] if every else on_path
         elif vocab.k_ver:
-            every = self.k_ver_at == "verified"
             ver = cpu_draft.topk_rows(a.logits, None if every else a.path, vocab.k_ver)
             at = a.tree.valid[:ver.shape[0]] if every else on_path
         else:

@@ -25,7 +25,7 @@ class LazyHead:
         if self.deferred is None:
             self.drafter.prefill(p)
         # the accepted steps the head has not seen: the first `chunks` of them earlier runs of 64, each chained once
-        self.behind, self.chunks = Behind(top=self.drafter.reads_top), 0
+        self.behind, self.chunks = Behind(top=self.drafter.reads_top, every=self.drafter.reads_every_top), 0
         self.waiting = p.tokens.shape[0]  # tokens a start would run the head over (prompt + accepted since)
         self.start_s = self.started_s = 0.0  # start_s: the start's seconds until the engine takes them (paid)
 
@@ -82,6 +82,10 @@ class HybridDrafter(Drafter):
     @property
     def reads_top(self) -> int:
         return self.tree.reads_top
+
+    @property
+    def reads_every_top(self) -> bool:
+        return self.tree.reads_every_top
 
     @property
     def prompt_logits(self) -> int:

@@ -1,6 +1,6 @@
-"""The engine as a library: one sequence's prefill, autoregressive decode and speculative steps (Engine), the target
-loaded from a checkpoint (load_target) and an engine with its drafter (build_engine). generate.py is its CLI."""
-import dataclasses
+"""The engine as a library: one request at a time as the batch engine's step with B = 1 (Engine), with the
+static-shape steps a traced or padded batch of one runs; the target loaded from a checkpoint (load_target) and an
+engine with its drafter (build_engine). generate.py is its CLI."""
 import time
 from pathlib import Path
 
@@ -11,35 +11,29 @@ import cpu_forward
 import draft_config as dc
 import graphs
 from batch import BatchEngine
-from budget import StepBudget
-from budget_memory import BudgetMemory, pass_costs
+from budget_memory import BudgetMemory
 from download import resolve_checkpoint
-from draft import Accepted, Prefill, Tree, chain_tree, stop_at
+from draft import Accepted, Tree
 from errors import UsageError
 from exact import PassRows
-from planner import Planner, Request
+from planner import Planner
 from model import Plan, Transformer, causal_recent, load_model, tree_mask, tree_recent
 from sampling import Sampling, accept_greedy, accept_sample, logits_to_probs, sample
-from stats import PHASES, Clock, Stats, sync
+from stats import PHASES, Stats, sync
 from tokenizer import Tokenizer
 
 # the default model's EAGLE-3 head, trained by eagle_train.py on ShareGPT
 DEFAULT_HEAD = Path(__file__).resolve().parent / "heads" / "SmolLM2-135M-Instruct-eagle3-sharegpt"
 
 
-def accepted_tokens(host: list[int]) -> tuple[int, list[int], list[int]]:
-    """[L, bonus, path tokens (root first)..., path node indices...] -> (L, emitted tokens, accepted nodes)."""
-    L, P = host[0], (len(host) - 2) // 2
-    return L, host[3:2 + L] + [host[1]], host[2 + P:2 + P + L]
-
-
 class Engine:
-    """Holds the target (and optionally a drafter with its draft vocabulary); one generation at a time."""
+    """The target (and optionally a drafter with its draft vocabulary), one request at a time: a batch of one of
+    batch.BatchEngine, whose step runs this engine's static-shape halves where they are picked (the runner)."""
 
     def __init__(self, model: Transformer, sampling: Sampling = Sampling(), compile: bool = False, drafter=None,
                  max_seq: int = 4096, backend: str = "inductor", exact: bool | None = None, budget: bool = False,
                  budget_cache: str | None = None):
-        self.model, self.sampling, self.drafter, self.budget, self.compiled = model, sampling, drafter, budget, compile
+        self.model, self.sampling, self.drafter = model, sampling, drafter
         self.device = model.norm.weight.device
         self.decode_fn = self._decode_one
         # a one-node tree's accepted path and length (_spec_decode), made once: no allocation inside a step
@@ -61,21 +55,21 @@ class Engine:
         # budget_cache: the caller's key of its drafter and sampling settings: the budget memory outlives the process
         key = f"exact={exact} compile={compile} {budget_cache}" if budget_cache is not None else None
         self.memory = BudgetMemory(model, drafter, key if budget and drafter is not None else None, self.plan)
-        # eager CPU requests run the batch engine's step with B = 1 (batch.py); the traced steps (compile, CUDA
-        # graphs) and exact mode's padded passes on the PyTorch layers run the static-shape halves below
+        # a request is the batch engine's step with B = 1 (batch.py). Its passes are the batch's own on the eager CPU
+        # path; the traced steps (compile, CUDA graphs) and exact mode's padded passes on the PyTorch layers run
+        # the static-shape halves below (the runner): picked here, once
         padded = self.planner.invariance is not None and model.cpu_pass is None
         one = None if drafter is None else [drafter]
-        self.batch = None if compile or self.device.type != "cpu" or padded else BatchEngine(
-            model, 1, 64, sampling, drafters=one, budget=budget, exact=exact is not False,
-            memory=self.memory if budget and one else None)
+        self.batch = BatchEngine(model, 1, 64, sampling, drafters=one, budget=budget, exact=exact is not False,
+                                 memory=self.memory if budget and one else None, settle=2 if compile else 1,
+                                 runner=self if compile or self.device.type != "cpu" or padded else None)
 
     def _decode_one(self, tok: Tensor, pos: Tensor, rows: PassRows) -> Tensor:
         # padded to rows.gemm rows (exact mode): the pad rows write KV slots the next step overwrites before any read
         R = rows.gemm
         p = pos + torch.arange(R, device=pos.device)
-        logits = self.model(tok.expand(1, R), p, recent=causal_recent(p) if rows.recent else None,
-                            attn_rows=rows.attn, plan=self.plan)[:, 0]
-        return sample(logits, self.sampling)
+        return self.model(tok.expand(1, R), p, recent=causal_recent(p) if rows.recent else None,
+                          attn_rows=rows.attn, plan=self.plan)[:, 0]  # [1, V]
 
     def _verify(self, tokens: Tensor, depth: Tensor, anc: Tensor, n: Tensor, rows: PassRows):
         # one target pass over the tree: positions n + depth, KV slots n + node index; pad nodes see only themselves
@@ -90,35 +84,26 @@ class Engine:
                              return_hidden=True, recent=recent, attn_rows=max(rows.attn, R), plan=self.plan)
         return logits[0, :N], hid[:, :N], (aux[:, :N] if aux is not None else None)
 
-    def _prefill(self, ptoks: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor | None]:
-        # logits of the last max(1, min(T, rows)) positions, the last row projected alone: same bits in every mode
-        T = ptoks.shape[0]
-        _, hid, aux = self.model(ptoks[None], torch.arange(T, device=ptoks.device), return_hidden=True,
-                                 compute_logits=False, plan=self.plan)
-        last = self.model.lm_head(hid[0, -1:])  # [1, V]
-        R = min(T, rows)
-        return (torch.cat([self.model.lm_head(hid[0, T - R:-1]), last]) if R > 1 else last), hid, aux
-
     def warmup(self):
-        """A tiny autoregressive generation, so one-time kernel set-up is not billed to the first prompt."""
-        self._generate_ar([0, 1], 2)
+        """A two-token pass and a decode step, so one-time kernel set-ups are not billed to the first prompt."""
+        m, dev = self.model, self.device
+        self.batch.resize(self.planner.plan(2, 2, 1).S)
+        m(torch.tensor([[0, 1]], device=dev), torch.arange(2, device=dev), plan=self.plan)
+        self.decode_fn(torch.tensor([[1]], device=dev), torch.tensor([2], device=dev), PassRows(1, 1))
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, on_tokens=None) -> tuple[list[int], Stats]:
+        """The request as a batch of one: its prefill step, then a step per target pass."""
         if not prompt:
             raise UsageError("empty prompt")
-        run = self._generate_ar if self.drafter is None else self._generate_spec
-        return (self._generate_stepped if self.batch is not None else run)(prompt, max_new_tokens, on_tokens)
-
-    def _generate_stepped(self, prompt: list[int], max_new_tokens: int, on_tokens=None) -> tuple[list[int], Stats]:
-        """The request on the batch engine's step with B = 1: its prefill step, then a step per target pass."""
         b, d = self.batch, self.drafter
         req = self.planner.plan(len(prompt), max_new_tokens, 1 if d is None else d.nodes)
         b.resize(req.S)
+        graphs.follow_buffers((self.decode_fn, self.verify_step, self.advance_step), self.model, d)
         st = Stats(phase_s=dict.fromkeys(PHASES, 0.0) if d is not None else {}, extra=dict(exact=req.exact))
         b.phase_s = st.phase_s if d is not None else None
         t0 = time.perf_counter()
-        i = b.submit(prompt, max_new_tokens, own_rng=False)  # (sampled: generate.py's --seed sets the stream)
+        i = b.submit(prompt, max_new_tokens, own_rng=False, req=req)  # (sampled: generate.py's --seed sets the stream)
         try:
             b.step()
             s, t1 = b.stepped[0], time.perf_counter()
@@ -128,6 +113,7 @@ class Engine:
                 b.step()
                 if on_tokens and s.new:
                     on_tokens(s.new)
+            sync(self.device)
         except BaseException:
             b.abort(i)  # (an interrupted request leaves the engine free for the next)
             raise
@@ -140,28 +126,6 @@ class Engine:
             lm = st.extra.pop("lm_head_s", 0.0)  # drafting time spent in the LM head (eager only)
             st.phase_s["lm_head"], st.phase_s["draft"] = lm, st.phase_s["draft"] - lm
         return s.out, st
-
-    @torch.no_grad()
-    def _generate_ar(self, prompt: list[int], max_new_tokens: int, on_tokens=None) -> tuple[list[int], Stats]:
-        m, dev = self.model, self.device
-        req = self.planner.plan(len(prompt), max_new_tokens, 1)  # (the request's plan: passed, never kept)
-        m.setup_caches(1, req.S)
-        graphs.follow_buffers((self.decode_fn,), m, None)
-        st, rows = Stats(extra=dict(exact=req.exact)), req.rows
-        tok, out, n = self._prefill_request(prompt, st, None)
-        if on_tokens:
-            on_tokens(out)
-        t0, pos = time.perf_counter(), n.view(1)
-        while len(out) < max_new_tokens and out[-1] not in m.args.eos_ids:
-            tok = self.decode_fn(tok.view(1, 1), pos, rows)
-            pos += 1
-            out.append(int(tok))  # the one host sync per token: needed for eos and streaming
-            st.target_forwards += 1
-            if on_tokens:
-                on_tokens(out[-1:])
-        sync(dev)
-        st.decode_s, st.new_tokens = time.perf_counter() - t0, len(out)
-        return out, st
 
     def _spec_verify(self, tree: Tree, n: Tensor, rows: PassRows) -> tuple[Tensor, Accepted]:
         # a step's first static-shape, sync-free half: target pass, acceptance, KV compaction (then _spec_advance)
@@ -191,86 +155,6 @@ class Engine:
         # one graph: the vocabulary gather on the copy stream overlaps the draft backbone
         self.drafter.update(a)
         return self.drafter.draft(a.bonus.view(1), a.n + a.L)
-
-    def _generate_spec(self, prompt: list[int], max_new_tokens: int, on_tokens=None) -> tuple[list[int], Stats]:
-        d, eos = self.drafter, set(self.model.args.eos_ids)
-        req, fit = self._spec_setup(prompt, max_new_tokens)
-        st = Stats(phase_s=dict.fromkeys(PHASES, 0.0), extra=dict(exact=req.exact))
-        tok, out, n = self._prefill_request(prompt, st, d)
-        if on_tokens:
-            on_tokens(out)
-        clock = Clock(st.phase_s)
-        b = fit.pick(out)  # nodes the next step verifies; 1 = an autoregressive step (no draft)
-        tree = self._draft(tok, n, b, fit, clock)
-        while len(out) < max_new_tokens and out[-1] not in eos:
-            sub = tree.prefix(b)
-            rows = self.planner.pass_rows(req, sub.tokens.shape[0])
-            with clock("verify"):
-                host, acc = self.verify_step(sub, n, rows)  # target pass over the tree, acceptance, KV compaction
-            with clock("sync"):
-                L, emitted, nodes = accepted_tokens(host.tolist())  # the one host sync of the step
-            acc = dataclasses.replace(acc, tree=tree)  # the drafter learns from every drafted token (NanoSpec)
-            fit.observe(b, nodes, clock.lap())
-            b = fit.pick(out + emitted)
-            tree = self._advance(acc, b, fit, clock)  # the drafter's update, then the next draft
-            n = n + L
-            st.target_forwards += 1
-            st.accept_hist[L] = st.accept_hist.get(L, 0) + 1
-            emitted = stop_at(emitted, out, max_new_tokens, eos)
-            out += emitted
-            if on_tokens and emitted:
-                on_tokens(emitted)
-        sync(self.device)
-        st.decode_s, st.new_tokens = time.perf_counter() - clock.t0, len(out)
-        st.extra.update(d.stats(), **fit.finish())
-        lm = st.extra.pop("lm_head_s", 0.0)  # drafting time spent in the LM head (eager only)
-        st.phase_s["lm_head"], st.phase_s["draft"] = lm, st.phase_s["draft"] - lm
-        return out, st
-
-    def _spec_setup(self, prompt: list[int], max_new_tokens: int) -> tuple[Request, StepBudget]:
-        """Plans the request, sets up the caches and the drafter -> (its plan, its budget)."""
-        d = self.drafter
-        req = self.planner.plan(len(prompt), max_new_tokens, d.nodes)
-        S = req.S
-        pass_s = pass_costs(self.model, d.nodes, d.budget_sizes() or (), self.plan) if self.budget else None
-        self.model.setup_caches(1, S)
-        d.setup(S)
-        graphs.follow_buffers((self.verify_step, self.advance_step), self.model, d)
-        # eager CPU steps pay no one-time set-up per shape: one timing step of each end of the budget range
-        settle = 1 if self.device.type == "cpu" and not self.compiled else 2
-        return req, StepBudget(d, prompt, max_new_tokens, self.memory if self.budget else None, settle, pass_s)
-
-    def _prefill_request(self, prompt: list[int], st: Stats, d) -> tuple[Tensor, list[int], Tensor]:
-        """The target's prefill, its first token and (d: the drafter, or None) the drafter's Prefill."""
-        t0 = time.perf_counter()
-        ptoks = torch.tensor(prompt, device=self.device)
-        logits, hid, aux = self._prefill(ptoks, d.prompt_logits if d is not None else 0)
-        tok = sample(logits[-1:], self.sampling)  # [1]
-        if d is not None:
-            d.prefill(Prefill(ptoks, tok, logits, hid, aux))
-        out, n = [int(tok)], torch.tensor(len(prompt), device=self.device)
-        st.prefill_s, st.target_forwards = time.perf_counter() - t0, 1
-        return tok, out, n
-
-    def _draft(self, root: Tensor, n: Tensor, b: int, fit: StepBudget, clock: Clock) -> Tree:
-        with clock("draft"):
-            return self.drafter.draft(root, n, fit.draft_size(b)) if b > 1 else chain_tree(root)
-
-    def _advance(self, a: Accepted, b: int, fit: StepBudget, clock: Clock) -> Tree:
-        """The next step's tree: update + draft (one step where fused); autoregressive runs catch up at once."""
-        # a CUDA graph's outputs are rewritten by its next replay: what outlives the step gets its own copy
-        own = graphs.owned if isinstance(self.verify_step, graphs.Graphed) else lambda x: x
-        if fit.hold(a, b, keep=own):
-            return chain_tree(own(a.bonus.view(1)))
-        if self.fused_steps and b > 1 and not fit.behind:
-            if (vocab := getattr(self.drafter, "vocab", None)) is not None:
-                vocab.wait()  # an eager update still on the copy stream: the replay must not overtake it
-            with clock("draft"):
-                return self.advance_step(a)
-        a = fit.catch_up(a)
-        with clock("update"):
-            self.drafter.update(own(a) if self.drafter.keeps_steps else a)
-        return self._draft(own(a.bonus.view(1)), a.n + a.L, b, fit, clock)
 
 
 def load_target(checkpoint: str | None, device: str = "cpu", dtype: str = "bfloat16"

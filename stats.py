@@ -1,5 +1,4 @@
-"""A request's statistics (Stats) and its clock: the wall time of the speculative phases and of each step."""
-import time
+"""A request's statistics (Stats): its prefill and decode times, acceptance and the speculative phases' wall time."""
 from dataclasses import dataclass, field
 
 import torch
@@ -41,29 +40,6 @@ class Stats:
 def sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class Clock:
-    """Wall time after the prefill: `with clock(phase):` adds to phase_s[phase]; lap() is each step's (unsynced
-    on CUDA: launch time)."""
-
-    def __init__(self, phase_s: dict):
-        self.phase_s, self.name = phase_s, None
-        self.t0 = self.t_lap = time.perf_counter()
-
-    def __call__(self, name: str) -> "Clock":
-        self.name = name
-        return self
-
-    def __enter__(self):
-        self.t1 = time.perf_counter()
-
-    def __exit__(self, *exc):
-        self.phase_s[self.name] += time.perf_counter() - self.t1
-
-    def lap(self) -> float:
-        t, self.t_lap = self.t_lap, time.perf_counter()
-        return self.t_lap - t
 
 
 PHASES = ("draft", "lm_head", "verify", "sync", "update")

@@ -4,10 +4,9 @@ budget is in test_generate.py.)"""
 import json
 
 import pytest
-import torch
 
 from budget import Budget, Budgets, StepBudget
-from draft import Accepted, Drafter, chain_tree
+from draft import Drafter
 
 
 def trained(nodes, p, cost):
@@ -339,10 +338,10 @@ def test_step_budget_fits_or_verifies_the_whole_tree():
     sources go to the memory at the end."""
     d = Keyed()
     fixed = StepBudget(d, [1, 2], 10)
-    assert fixed.pick([3]) == 4 and fixed.draft_size(4) is None and not d.keys and fixed.finish() == {}
+    assert fixed.pick([3]) == 4 and not d.keys and fixed.finish() == {}
     mem = Memory()
     fit = StepBudget(d, [1, 2], 10, mem, settle=1)
-    assert fit.pick([3]) == 4 and d.keys == [3] and fit.draft_size(4) == 4  # the whole tree first
+    assert fit.pick([3]) == 4 and d.keys == [3]  # the whole tree first
     d.paid = 0.5
     fit.observe(4, [0, 1], 1.5)
     assert fit.budgets.of["k"].time[4] == 1.0
@@ -369,23 +368,3 @@ def test_the_tokens_left_follow_the_engines_requests():
     finally:
         budget.Budgets = real
     assert lefts == [0, 10, 20, 5, 60, 50, 20, 5]  # (100 tokens: 60 at the start, 50 after 10)
-
-
-def test_autoregressive_steps_wait_for_one_catch_up():
-    """An autoregressive step followed by another is held back; the step before a draft brings the run to the
-    drafter as one chain of its accepted tokens."""
-    fit = StepBudget(Keyed(), [1], 300, Memory())
-    steps = [Accepted(chain_tree(torch.tensor([t])), torch.zeros(1, dtype=torch.long), torch.tensor(1),
-                      torch.tensor(t + 1), torch.zeros(1, 8), torch.zeros(1, 1, 4), None, torch.tensor(10 + t))
-             for t in range(3)]
-    assert fit.hold(steps[0], 1) and fit.hold(steps[1], 1)
-    assert not fit.hold(steps[2], 2)  # the next step drafts: the drafter catches up now
-    a = fit.catch_up(steps[2])
-    assert a.tree.tokens.tolist() == [0, 1, 2] and int(a.L) == 3 and int(a.n) == 10 and int(a.bonus) == 3
-    assert not fit.behind and fit.catch_up(steps[2]) is steps[2]
-    tree = Accepted(chain_tree(torch.tensor([5, 6])), torch.arange(2), torch.tensor(2), torch.tensor(7),
-                    torch.zeros(2, 8), torch.zeros(1, 2, 4), None, torch.tensor(20))
-    assert not fit.hold(tree, 1)  # a step that verified a draft reaches the drafter at once
-    for _ in range(StepBudget.MAX_PENDING):
-        assert fit.hold(steps[0], 1)
-    assert not fit.hold(steps[0], 1)

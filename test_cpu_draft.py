@@ -197,7 +197,7 @@ def test_head_update_in_c_is_the_pytorch_pass(env, monkeypatch):
     monkeypatch.setattr(cpu_draft, "update", lambda *x: used.append(1) or c_update(*x))
     lengths = set()
     # in order (a step rewrites only slots past its n), then a chain of the last four (L = 4, the catch-up form)
-    for a in steps + [dr.chained(steps[-4:])]:
+    for a in steps + [dr.chained(steps[-4:], top=d.reads_top)]:  # (steps keep top-k rows, not logits)
         n, R = int(a.n), a.path.shape[0]
         out = {}
         for c in ("off", "on"):

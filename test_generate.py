@@ -288,10 +288,10 @@ def test_eager_cpu_verify_equals_the_traced_step(tiny, dtype, monkeypatch):
     c = autoregressive(m, prompt, 5)  # the first token (the root), then the target's next four
     eng = Engine(m, drafter=dl.NgramDrafter(k=6), budget=False)  # budget off: each step verifies the whole tree
     sampled = Engine(m, Sampling(0.7), drafter=dl.NgramDrafter(k=4))
-    # the variant is picked when the engine is built: the batch engine's step on the fused pass, else the halves
-    assert (eng.batch is not None) == (sampled.batch is not None) == (m.cpu_pass is not None)
+    # the variant is picked when the engine is built: the batch's own passes on the fused pass, else the halves
+    assert (eng.batch.runner is None) == (sampled.batch.runner is None) == (m.cpu_pass is not None)
     assert (m.kv is not None) == (dtype == torch.bfloat16 and cpu_gemm.kernel() is not None)  # bf16: the C moves
-    if eng.batch is None:
+    if eng.batch.runner is not None:
         return
     traced = torch.compile(eng._spec_verify, fullgraph=True, backend="eager")
     b, d = eng.batch, eng.drafter
@@ -396,7 +396,8 @@ def test_real_budget_generates_and_reports(tiny, monkeypatch):
     out, st = eng.generate(PROMPTS[2], 30)
     assert out == autoregressive(m, PROMPTS[2], 30)
     d = st.as_dict()
-    assert sum(d["budget_hist"].values()) == st.target_forwards - 1 + 1 and "speculated_share" in d
+    # one choice per step after the prefill (the step picks its size as it starts: no choice for a step never run)
+    assert sum(d["budget_hist"].values()) == st.target_forwards - 1 and "speculated_share" in d
     line = g.stats_line(st, m)
     assert "speculated on" in line and "verified nodes" in line
     assert budgets[-1].settle == 1  # eager CPU steps: one timing step per end of the range (budget.py)
@@ -447,3 +448,59 @@ def test_budget_sizes_compile_once_each(tiny, monkeypatch, kind):
     out, st = eng.generate(p, 40)
     assert out == ref and cnt.frame_count == traced, (traced, cnt.frame_count)
     assert len(st.extra["budget_hist"]) >= 3
+
+
+@pytest.mark.parametrize("runner", [False, True])
+def test_autoregressive_steps_wait_for_one_catch_up(tiny, monkeypatch, runner):
+    """Steps without a draft are held back from the drafter; the next step that drafts brings the run to it as
+    one chain of their accepted tokens, and at most BatchEngine.HELD wait (on the batch's own passes and on the
+    runner's static-shape halves alike)."""
+    m = target(tiny[0])
+    d, seen = dl.NgramDrafter(k=4), []
+    real = d.update
+    monkeypatch.setattr(d, "update", lambda a: (seen.append(a.tree.tokens[a.path[:int(a.L)]].tolist()), real(a)))
+    eng = Engine(m, drafter=d, budget=True)
+    if runner:
+        eng.batch.runner = eng
+    def pick(self, keys, left=0):  # the budget's choice, replaced by the sizes below
+        self.key, self.chosen = (keys if isinstance(keys, str) else keys[0]), None
+        self.budget(self.key)
+        return next(sizes)
+    sizes = iter([1, 1, 1, 3] + [1] * 100)
+    monkeypatch.setattr(budget_module.Budgets, "pick", pick)
+    out, _ = eng.generate(PROMPTS[0], 12)
+    assert out == autoregressive(m, PROMPTS[0], 12)
+    assert seen == [out[:3]]  # three held steps, their roots in one chain; none since (no step drafted)
+    seen.clear()
+    monkeypatch.setattr(type(eng.batch), "HELD", 2)
+    sizes = iter([1] * 100)
+    out, _ = eng.generate(PROMPTS[1], 12)
+    assert out == autoregressive(m, PROMPTS[1], 12)
+    assert seen and all(len(x) == 2 for x in seen) and sum(seen, []) == out[:2 * len(seen)]
+
+
+@pytest.mark.parametrize("at", ["accepted", "verified"])
+def test_a_kept_step_updates_the_window_as_its_logits_do(tiny, monkeypatch, at):
+    """The batch engine keeps a step for its drafter as the target's top-k rows instead of its logits: NanoSpec's
+    window takes the same tokens from it, at the accepted positions or at every verified node (k_ver_at "verified",
+    a draft model's: a top-k of the path alone had left the other nodes' out)."""
+    import copy
+    from batch import BatchEngine
+    m = target(tiny[0])
+    d = make_drafter("eagle3", tiny, m, "nanospec", w_max=32)
+    d.k_ver_at = at
+    seen, real = [], BatchEngine._kept
+    monkeypatch.setattr(BatchEngine, "_kept", lambda self, a, dd: seen.append((self, a, copy.deepcopy(dd)))
+                        or real(self, a, dd))
+    eng = Engine(m, drafter=d, budget=False)
+    assert eng.generate(PROMPTS[2], 24)[0] == autoregressive(m, PROMPTS[2], 24)
+    window = lambda x: [t.clone() for t in (x.vocab.ring, x.vocab.count_, x.vocab.slot_of_, x.vocab.token_of_)]
+    moved = 0
+    for b, a, snap in seen:
+        x, y = copy.deepcopy(snap), copy.deepcopy(snap)
+        before = window(snap)
+        x.update(a)
+        y.update(real(b, a, snap))
+        assert all(torch.equal(u, v) for u, v in zip(window(x), window(y)))
+        moved += not all(torch.equal(u, v) for u, v in zip(window(x), before))
+    assert len(seen) > 3 and moved

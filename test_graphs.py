@@ -80,7 +80,7 @@ def test_graph_capture_plumbing_on_cpu(tiny, monkeypatch):
             return graph, graph.out
 
         monkeypatch.setattr(graphs.Graphed, "_capture", capture)
-        eng.fused_steps, eng.planner.fixed = True, 160
+        eng.fused_steps, eng.planner.fixed, eng.batch.runner = True, 160, eng  # the halves, as --compile runs them
         eng.verify_step, eng.advance_step = graphs.Graphed(eng._spec_verify), graphs.Graphed(eng._spec_advance)
         for i, p in enumerate(PROMPTS):
             ref = autoregressive(m, p, 30)
@@ -102,7 +102,7 @@ def test_graphed_decode_plumbing_on_cpu(tiny, monkeypatch):
         return graph, graph.out
 
     monkeypatch.setattr(graphs.Graphed, "_capture", capture)
-    eng.planner.fixed, eng.decode_fn = 160, graphs.Graphed(eng._decode_one)
+    eng.planner.fixed, eng.decode_fn, eng.batch.runner = 160, graphs.Graphed(eng._decode_one), eng
     for i, p in enumerate(PROMPTS):
         ref = autoregressive(m, p, 30)
         assert eng.generate(p, 30)[0] == ref
@@ -124,7 +124,6 @@ def test_held_steps_outlive_replays(tiny, monkeypatch, kind):
     def run(graphed):
         calls = iter(range(10 ** 6))
         monkeypatch.setattr(budget.StepBudget, "pick", lambda self, out: sizes[next(calls) % 6] or self.d.nodes)
-        monkeypatch.setattr(budget.StepBudget, "draft_size", lambda self, b: b)
         eng = Engine(m, drafter=make_drafter(kind, tiny, m, "nanospec"))
         if graphed:
             def capture(self, static, eng=eng):
@@ -132,7 +131,7 @@ def test_held_steps_outlive_replays(tiny, monkeypatch, kind):
                 return graph, graph.out
 
             monkeypatch.setattr(graphs.Graphed, "_capture", capture)
-            eng.planner.fixed = 160
+            eng.planner.fixed, eng.batch.runner = 160, eng
             eng.verify_step, eng.advance_step = graphs.Graphed(eng._spec_verify), graphs.Graphed(eng._spec_advance)
         res = [eng.generate(p, 30) for p in PROMPTS]
         monkeypatch.undo()
@@ -175,7 +174,7 @@ def test_captured_steps_are_capture_safe(tiny, monkeypatch, kind, vocab_spec, te
         vocab_spec = f"freq:{tiny[3] / 'freq.pt'}:64"
     s = Sampling(temperature, top_k=50 if temperature else 0)
     eng = Engine(m, s, drafter=None if kind == "none" else make_drafter(kind, tiny, m, vocab_spec, sampling=s))
-    eng.fused_steps, eng.planner.fixed = kind != "none", 160
+    eng.fused_steps, eng.planner.fixed, eng.batch.runner = kind != "none", 160, eng
     seen = []
 
     def guarded(fn):
