@@ -1,8 +1,9 @@
-"""Batched decoding: many sequences in one target pass, with continuous batching (nano-vllm's scheduler in a few
-functions). The sequences share one KV cache, each in its own range of max_seq slots; a pass carries every running
-sequence's rows, and each row attends to its own range only (a window mask), so the weights are read once a step
-for the whole batch. With the fused CPU pass (row-invariant GEMMs, attention over a row's allowed keys in slot
-order, one chain per key) a sequence's output is its batch-1 output bit for bit.
+"""The engine's step, for one sequence and many (engine.Engine runs a request as a batch of one): many sequences in one
+target pass, with continuous batching (nano-vllm's scheduler in a few functions). The sequences share one KV cache,
+each in its own range of max_seq slots; a pass carries every running sequence's rows, and each row attends to its
+own range only (a window mask), so the weights are read once a step for the whole batch. With the fused CPU pass
+(row-invariant GEMMs, attention over a row's allowed keys in slot order, one chain per key) a sequence's output is
+its output alone bit for bit.
 
 With drafters (one per sequence: its own EAGLE head cache, NanoSpec window and lookup index), each sequence
 drafts its own tree, one pass verifies every tree, and each keeps its accepted path (budget_batch.py picks each
@@ -57,7 +58,7 @@ class Seq:
     policy: object = None  # budget_policy.Policy where its drafter offers several sources; its choice, its step's share
     chosen: str | None = None
     step_s: float = 0.0
-    alone: StepBudget | None = None  # its budget while it runs alone: the batch-1 engine's (budget.py)
+    alone: StepBudget | None = None  # its budget while it runs alone (budget.py)
     paid: float = 0.0  # one-time set-up seconds its drafter paid in the step
     req: object = None  # planner.Request: its passes' rows, where a runner's steps run it (engine.Engine)
     accepted: list = field(default_factory=list)  # tokens each step emitted (before its stop)
@@ -100,7 +101,7 @@ class BatchEngine:
     def __init__(self, model: Transformer, batch: int, max_seq: int, sampling: Sampling = Sampling(),
                  prefill_rows: int = 2048, drafters: list | None = None, budget: bool = True,
                  ignore_eos: bool = False, exact: bool = True, cuda_graphs: bool = False, memory=None,
-                 runner=None, settle: int = 1):
+                 runner=None, settle: int = 1, prefix: bool = True):
         """drafters: one per sequence of the batch (draft_config.make_drafters), or None: autoregressive; max_seq
         bounds prompt + new tokens + a draft's nodes; budget=False: every step verifies every whole tree;
         ignore_eos: every sequence runs to its token budget (vLLM's ignore_eos, llama-batched-bench's shape);
@@ -110,7 +111,8 @@ class BatchEngine:
         nano-vllm pads to its captured sizes); pad rows decode in a scratch range of the cache past the batch's.
         memory: the budget_memory.BudgetMemory a lone sequence's budget reads (None: the engine's own).
         runner: a batch of one's static-shape steps (engine.Engine: compiled, CUDA-graphed, or exact mode's padded
-        passes on the PyTorch layers), or None: the batch's own passes; settle: a lone budget's timing steps."""
+        passes on the PyTorch layers), or None: the batch's own passes; settle: a lone budget's timing steps;
+        prefix: keep the prompts' shared prefix (prefix_cache.py; its copies are exact on the fused pass)."""
         if batch < 1:
             raise UsageError(f"--batch must be >= 1, got {batch}")
         if drafters and len(drafters) != batch:
@@ -147,7 +149,7 @@ class BatchEngine:
             self._alone = lambda s: StepBudget(s.drafter, s.prompt, s.max_new, self.memory, settle, alone_pass)
         self.runner = runner
         self.free, self.waiting, self.running = list(range(batch)), deque(), []
-        self.prefix = PrefixCache(model)
+        self.prefix = PrefixCache(model) if prefix else None
         self.stepped = []  # the sequences the latest step advanced (their new, new_from)
         self.submitted = 0
         self.decode_fn = graphs.Graphed(self.decode_step) if cuda_graphs else self.decode_step
@@ -204,7 +206,7 @@ class BatchEngine:
         while self.waiting and self.free and (not admit or rows + len(self.waiting[0].prompt) <= self.prefill_rows):
             s = self.waiting.popleft()
             s.slot, rows = self.free.pop(0) * self.S, rows + len(s.prompt)
-            s.cached = self.prefix.hit(s.prompt)
+            s.cached = self.prefix.hit(s.prompt) if self.prefix is not None else 0
             s.drafter = self.drafters[s.slot // self.S] if self.drafters else None
             d = s.drafter
             s.behind = None if d is None else Behind(d.reads_states, self._top, d.reads_every_top)
@@ -292,7 +294,8 @@ class BatchEngine:
             rows = slice(e - len(s.prompt) + s.cached, e)
             h, a = hid[:, rows], None if aux is None else aux[:, rows]
             if not s.cached:
-                self.prefix.keep(s.prompt, s.slot, h if d else None, a if d else None)
+                if self.prefix is not None:
+                    self.prefix.keep(s.prompt, s.slot, h if d else None, a if d else None)
             elif d:
                 h, a = torch.cat([self.prefix.hid, h], 1), None if a is None else torch.cat([self.prefix.aux, a], 1)
             if d:

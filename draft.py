@@ -87,8 +87,8 @@ def chained(steps: list[Accepted], states: bool = True, top: int = 0, every: boo
 
 class Behind:
     """Steps a drafter has not read yet, handed to it as one chain when it next needs them: one update over many
-    steps costs about what one over one does. It serves the engine's autoregressive runs (budget.StepBudget), each
-    batch sequence's steps (batch.py) and the hybrid's waiting head (draft_hybrid.LazyHead). A step is an Accepted,
+    steps costs about what one over one does. It serves each sequence's steps (batch.py) and the hybrid's waiting
+    head (draft_hybrid.LazyHead). A step is an Accepted,
     or a row whose class has chain(run) -> Accepted (batch.py keeps autoregressive rows as views of the step's
     tensors, one chain per run). fold() chains what is held into one step at once (accepted positions only)."""
 

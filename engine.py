@@ -59,10 +59,13 @@ class Engine:
         # path; the traced steps (compile, CUDA graphs) and exact mode's padded passes on the PyTorch layers run
         # the static-shape halves below (the runner): picked here, once
         padded = self.planner.invariance is not None and model.cpu_pass is None
+        runner = compile or self.device.type != "cpu" or padded
         one = None if drafter is None else [drafter]
+        # (a prompt's shared prefix is copied where the copies are its prefill's bits: the fused pass throughout)
         self.batch = BatchEngine(model, 1, 64, sampling, drafters=one, budget=budget, exact=exact is not False,
                                  memory=self.memory if budget and one else None, settle=2 if compile else 1,
-                                 runner=self if compile or self.device.type != "cpu" or padded else None)
+                                 runner=self if runner else None,
+                                 prefix=model.cpu_pass is not None and exact is not False and not runner)
 
     def _decode_one(self, tok: Tensor, pos: Tensor, rows: PassRows) -> Tensor:
         # padded to rows.gemm rows (exact mode): the pad rows write KV slots the next step overwrites before any read

@@ -25,10 +25,11 @@ def test_accept_greedy_handcrafted():
     assert int(L) == 3 and path[:3].tolist() == [0, 2, 5] and int(bonus) == int(pred[5])
 
 
-def test_accept_greedy_host_is_accept_greedy():
-    """The eager CPU steps' host-side acceptance gives accept_greedy's path (padding included), accepted length
-    and bonus on random trees: random parents, invalid (padded) nodes, prefixes of a tree (budget.py), and
-    targets that agree with a node often, so deep paths, ties between equally deep paths and chains occur."""
+def test_greedy_path_is_accept_greedy():
+    """The eager CPU steps' host-side acceptance (greedy_path over the target's argmax) gives accept_greedy's path
+    (padding included), accepted length and bonus on random trees: random parents, invalid (padded) nodes,
+    prefixes of a tree (budget.py), and targets that agree with a node often, so deep paths, ties between
+    equally deep paths and chains occur."""
     g = torch.Generator().manual_seed(0)
     V, seen = 6, set()
     for trial in range(400):
@@ -50,7 +51,7 @@ def test_accept_greedy_host_is_accept_greedy():
                 logits[parents[i], tree.tokens[i]] = 10.0
         for t in ([tree] + [tree.prefix(b) for b in (2, 4) if b < N]):
             path, L, bonus = accept_greedy(t, logits[:t.tokens.shape[0]].clone())
-            hp, hL, hb = sampling.accept_greedy_host(t, logits[:t.tokens.shape[0]])
+            hp, hL, hb = sampling.greedy_path(t, sampling.argmax(logits[:t.tokens.shape[0]]).tolist())
             assert (hp, hL, hb) == (path.tolist(), int(L), int(bonus)), (trial, parents)
             seen.add(hL)
     assert {1, 2, 3, 4} <= seen  # the trees accepted paths of several lengths
