@@ -106,7 +106,7 @@ class BatchEngine:
         bounds prompt + new tokens + a draft's nodes; budget=False: every step verifies every whole tree;
         ignore_eos: every sequence runs to its token budget (vLLM's ignore_eos, llama-batched-bench's shape);
         exact=False: passes from the size cpu_forward.layers_from measured run the PyTorch layers (torch's GEMMs,
-        AMX where the CPU has it), so a sequence's output may differ from its batch-1 output at near ties.
+        AMX where the CPU has it), so a sequence's output may differ from its output alone at near ties.
         cuda_graphs: decode steps replay CUDA graphs, one per padded batch size (1, 2, 4, ... up to batch, as
         nano-vllm pads to its captured sizes); pad rows decode in a scratch range of the cache past the batch's.
         memory: the budget_memory.BudgetMemory a lone sequence's budget reads (None: the engine's own).
@@ -142,8 +142,8 @@ class BatchEngine:
             for r, t in (measured.items() if budget else ()):
                 self.budget.pass_s.observe(r, t)
             self._top = max(d.reads_top, 1)  # the target's top-k kept per accepted position (drafter.reads_top)
-            # one sequence alone steps as the batch-1 engine does: its budget (probes, per-source policy) reads
-            # what this engine's earlier requests paid. Why: the batch's rule, fresh each request, had a lone
+            # one sequence alone steps by its own budget (probes, per-source policy), which reads what this
+            # engine's earlier requests paid. Why: the batch's rule, fresh each request, had a lone
             # server request speculate on 12-21% of its steps (serve.py 1.05x llama-server at one client; 1.3x now)
             self.memory = (memory or BudgetMemory(model, d, None)) if budget else None
             self._alone = lambda s: StepBudget(s.drafter, s.prompt, s.max_new, self.memory, settle, alone_pass)
@@ -453,7 +453,7 @@ class BatchEngine:
         the drafter's update and draft (one step where fused), then verify: pass, acceptance, KV compaction."""
         r, d, ph, dev = self.runner, s.drafter, self.phase_s, self.device
         n, root = torch.tensor(s.n, device=dev), torch.tensor([s.out[-1]], device=dev)
-        s.paid, t1 = 0.0, time.perf_counter()
+        t1 = time.perf_counter()
         if b == 1 and len(s.behind) < self.HELD:
             tree, tu = chain_tree(root), t1
         elif r.fused_steps and b > 1 and len(s.behind) == 1:  # one graph: the update, then the next draft
