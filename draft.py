@@ -101,9 +101,9 @@ class Behind:
     def add(self, step):
         self.steps.append(step)
 
-    def take(self, last: Accepted | None = None) -> Accepted | None:
-        """Every step held, and last, as one Accepted (None: nothing); nothing is held after."""
-        steps, self.steps = self.steps + ([] if last is None else [last]), []
+    def take(self) -> Accepted | None:
+        """Every step held as one Accepted (None: nothing); nothing is held after."""
+        steps, self.steps = self.steps, []
         return self._chain(steps)
 
     def fold(self, first: int = 0):

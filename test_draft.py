@@ -68,8 +68,8 @@ class Row:
 
 
 def test_behind_hands_over_its_steps_as_one_chain():
-    """draft.Behind: steps and runs of rows in order (each run chained by its class, then all as one chain), the
-    last step after them; nothing held after a take; a lone step handed over as it is; fold(i) chains the steps
+    """draft.Behind: steps and runs of rows in order (each run chained by its class, then all as one chain);
+    nothing held after a take; a lone step handed over as it is; fold(i) chains the steps
     from i on in their place, and a later take gives the same chain."""
     step = lambda toks: Row.chain([Row(t) for t in toks])
     b = dr.Behind(top=0)
@@ -77,9 +77,9 @@ def test_behind_hands_over_its_steps_as_one_chain():
     a = step([1])
     b.add(a)
     assert b.take() is a and not b
-    for x in (Row(2), Row(3), step([4, 5]), Row(6)):
+    for x in (Row(2), Row(3), step([4, 5]), Row(6), step([7])):
         b.add(x)
-    got = b.take(step([7]))
+    got = b.take()
     assert got.tree.tokens.tolist() == [2, 3, 4, 5, 6, 7] and int(got.L) == 6 and int(got.bonus) == 8 and not b
     for x in (step([1]), Row(2), Row(3), step([4])):
         b.add(x)
