@@ -14,12 +14,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 
 import draft_config as dc
 import tp
-from batch import TARGET, BatchEngine
+from batch import BatchEngine
 from download import CheckpointError
 from engine import DEFAULT_HEAD, load_target
 from errors import UsageError
 from model import ModelError
 from sampling import Sampling
+from sequence import TARGET
 
 disable_created_metrics()  # (a *_created series per counter only doubles /metrics)
 LOAD_ERRORS = (UsageError, ModelError, CheckpointError, ValueError)

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
-from batch import TARGET
 from sampling import Sampling
+from sequence import TARGET
 
 
 # ---------------------------------------------------------------- requests and their errors

@@ -3,6 +3,7 @@ on the PyTorch layers), with or without per-sequence drafting (prompt lookup, EA
 every tree verified, or the load-aware budget), continuous batching (prompts join as others finish), per-sequence
 sampling streams, speculative sampling exact in distribution, the decode step traced whole, bad input as one-line
 errors."""
+import copy
 import json
 
 import pytest
@@ -18,6 +19,8 @@ from conftest import write_eagle_head, write_tiny_hf
 from errors import UsageError
 from engine import Engine
 from sampling import Sampling, logits_to_probs
+import test_generate as tg
+from test_generate import tiny  # noqa: F401 (tiny: a fixture)
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [40], [7, 7, 7, 7, 8], list(range(20, 60)),
            [3, 4], [100, 90, 80, 70]]
@@ -380,3 +383,57 @@ def test_no_exact_batches_run_large_passes_on_the_layers(target, monkeypatch):
     got = eng.generate_batch(PROMPTS[:3], 12)
     assert eng.plan.layers_from == 3 and min(rows) == 3 and max(rows) > 3  # decode steps of 3 and the prefill
     assert all(len(g) == 12 or (len(g) < 12 and g[-1] in m.args.eos_ids) for g in got)  # eos or budget
+
+
+@pytest.mark.parametrize("runner", [False, True])
+def test_autoregressive_steps_wait_for_one_catch_up(tiny, monkeypatch, runner):
+    """Steps without a draft are held back from the drafter; the next step that drafts brings the run to it as
+    one chain of their accepted tokens, and at most BatchEngine.HELD wait (on the batch's own passes and on the
+    runner's static-shape halves alike)."""
+    m = tg.target(tiny[0])
+    d, seen = tg.dl.NgramDrafter(k=4), []
+    real = d.update
+    monkeypatch.setattr(d, "update", lambda a: (seen.append(a.tree.tokens[a.path[:int(a.L)]].tolist()), real(a)))
+    eng = Engine(m, drafter=d, budget=True)
+    if runner:
+        eng.batch.runner = eng
+    def pick(self, keys, left=0):  # the budget's choice, replaced by the sizes below
+        self.key, self.chosen = (keys if isinstance(keys, str) else keys[0]), None
+        self.budget(self.key)
+        return next(sizes)
+    sizes = iter([1, 1, 1, 3] + [1] * 100)
+    monkeypatch.setattr(tg.budget_module.Budgets, "pick", pick)
+    out, _ = eng.generate(tg.PROMPTS[0], 12)
+    assert out == tg.autoregressive(m, tg.PROMPTS[0], 12)
+    assert seen == [out[:3]]  # three held steps, their roots in one chain; none since (no step drafted)
+    seen.clear()
+    monkeypatch.setattr(type(eng.batch), "HELD", 2)
+    sizes = iter([1] * 100)
+    out, _ = eng.generate(tg.PROMPTS[1], 12)
+    assert out == tg.autoregressive(m, tg.PROMPTS[1], 12)
+    assert seen and all(len(x) == 2 for x in seen) and sum(seen, []) == out[:2 * len(seen)]
+
+
+@pytest.mark.parametrize("at", ["accepted", "verified"])
+def test_a_kept_step_updates_the_window_as_its_logits_do(tiny, monkeypatch, at):
+    """The batch engine keeps a step for its drafter as the target's top-k rows instead of its logits: NanoSpec's
+    window takes the same tokens from it, at the accepted positions or at every verified node (k_ver_at "verified",
+    a draft model's: a top-k of the path alone had left the other nodes' out)."""
+    m = tg.target(tiny[0])
+    d = tg.make_drafter("eagle3", tiny, m, "nanospec", w_max=32)
+    d.k_ver_at = at
+    seen, real = [], BatchEngine._kept
+    monkeypatch.setattr(BatchEngine, "_kept", lambda self, a, dd: seen.append((self, a, copy.deepcopy(dd)))
+                        or real(self, a, dd))
+    eng = Engine(m, drafter=d, budget=False)
+    assert eng.generate(tg.PROMPTS[2], 24)[0] == tg.autoregressive(m, tg.PROMPTS[2], 24)
+    window = lambda x: [t.clone() for t in (x.vocab.ring, x.vocab.count_, x.vocab.slot_of_, x.vocab.token_of_)]
+    moved = 0
+    for b, a, snap in seen:
+        x, y = copy.deepcopy(snap), copy.deepcopy(snap)
+        before = window(snap)
+        x.update(a)
+        y.update(real(b, a, snap))
+        assert all(torch.equal(u, v) for u, v in zip(window(x), window(y)))
+        moved += not all(torch.equal(u, v) for u, v in zip(window(x), before))
+    assert len(seen) > 3 and moved
