@@ -416,7 +416,8 @@ class BatchEngine:
             ph["update"], ph["draft"] = ph["update"] + tu - t1, ph["draft"] + t2 - tu
             ph["verify"], ph["sync"] = ph["verify"] + t3 - t2, ph["sync"] + time.perf_counter() - t3
         # the drafter learns from every drafted token (NanoSpec); what a CUDA graph returned, its next replay rewrites
-        s.behind.add(graphs.owned(self._kept(dataclasses.replace(a, tree=tree), d)))
+        kept = self._kept(dataclasses.replace(a, tree=tree), d)
+        s.behind.add(graphs.owned(kept) if isinstance(r.verify_step, graphs.Graphed) else kept)
         s.n += L
         by = node_sources(d, s.key, tree.tokens.shape[0]) if b > 1 else []
         s.drafted += b > 1
