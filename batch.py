@@ -26,14 +26,13 @@ from torch import Tensor
 import cpu_draft
 import cpu_forward
 import graphs
-from budget import StepBudget
 from budget_batch import BatchBudget
 from budget_memory import BudgetMemory, pass_costs
 from draft import Accepted, Behind, Prefill, Tree, chain_tree, stop_at
 from errors import UsageError
 from model import Plan, Transformer, tree_mask
 from prefix_cache import PrefixCache
-from sampling import Sampling, accept_sample, argmax, greedy_path, logits_to_probs, sample_from
+from sampling import Sampling, accept, argmax, greedy_path, sample
 from sequence import TARGET, HeldRow, Seq, accepted_tokens, node_sources
 
 
@@ -42,7 +41,7 @@ class BatchEngine:
 
     def __init__(self, model: Transformer, batch: int, max_seq: int, sampling: Sampling = Sampling(),
                  prefill_rows: int = 2048, drafters: list | None = None, budget: bool = True,
-                 ignore_eos: bool = False, exact: bool = True, cuda_graphs: bool = False, memory=None,
+                 ignore_eos: bool = False, exact: bool = True, cuda_graphs: bool = False, memory_key: str | None = None,
                  runner=None, settle: int = 1, prefix: bool = True):
         """drafters: one per sequence of the batch (draft_config.make_drafters), or None: autoregressive; max_seq
         bounds prompt + new tokens + a draft's nodes; budget=False: every step verifies every whole tree;
@@ -51,7 +50,8 @@ class BatchEngine:
         AMX where the CPU has it), so a sequence's output may differ from its output alone at near ties.
         cuda_graphs: decode steps replay CUDA graphs, one per padded batch size (1, 2, 4, ... up to batch, as
         nano-vllm pads to its captured sizes); pad rows decode in a scratch range of the cache past the batch's.
-        memory: the budget_memory.BudgetMemory a lone sequence's budget reads (None: the engine's own).
+        memory_key: where a lone sequence's budget memory (budget_memory.BudgetMemory) outlives the process (the
+        caller's drafter and sampling settings; None: it lives with the engine).
         runner: a batch of one's static-shape steps (engine.Engine: compiled, CUDA-graphed, or exact mode's padded
         passes on the PyTorch layers), or None: the batch's own passes; settle: a lone budget's timing steps;
         prefix: keep the prompts' shared prefix (prefix_cache.py; its copies are exact on the fused pass)."""
@@ -65,7 +65,7 @@ class BatchEngine:
         # what its passes return and run on (model.Plan): its heads' aux layers; exact=False: passes from the size
         # cpu_forward.layers_from measures (before the caches) on the PyTorch layers
         self.plan = Plan(drafters[0].aux_layers if drafters else (), None if exact else cpu_forward.layers_from(model))
-        alone_pass = None
+        alone_pass, self.memory = None, None
         if drafters and budget:  # the pass's cost by rows, measured once per machine (before the caches: it
             cap = batch * drafters[0].nodes  # sets up its own): a budget that had to learn it drafted too little
             rows = sorted({min(1 << i, cap) for i in range(cap.bit_length() + 1)} | {batch})
@@ -75,20 +75,17 @@ class BatchEngine:
         model.setup_caches(1, max_seq, slots=(batch + cuda_graphs) * max_seq)
         self.drafters = drafters or None
         self.spare = 0 if not drafters else drafters[0].nodes  # slots past a sequence's tokens for its tree
-        self.fixed = not budget
         if drafters:
             for d in drafters:
                 d.setup(max_seq)
             d = drafters[0]
-            self.budget = BatchBudget(d.nodes, d.budget_sizes)
+            # a lone sequence's budget reads what this engine's earlier requests paid (memory)
+            self.memory = BudgetMemory(model, d, memory_key, self.plan) if budget else None
+            self.budget = BatchBudget(d.nodes, d.budget_sizes, memory=self.memory, settle=settle, pass_s=alone_pass,
+                                      fixed=not budget)
             for r, t in (measured.items() if budget else ()):
                 self.budget.pass_s.observe(r, t)
             self._top = max(d.reads_top, 1)  # the target's top-k kept per accepted position (drafter.reads_top)
-            # one sequence alone steps by its own budget (probes, per-source policy), which reads what this
-            # engine's earlier requests paid. Why: the batch's rule, fresh each request, had a lone
-            # server request speculate on 12-21% of its steps (serve.py 1.05x llama-server at one client; 1.3x now)
-            self.memory = (memory or BudgetMemory(model, d, None)) if budget else None
-            self._alone = lambda s: StepBudget(s.drafter, s.prompt, s.max_new, self.memory, settle, alone_pass)
         self.runner = runner
         self.free, self.waiting, self.running = list(range(batch)), deque(), []
         self.prefix = PrefixCache(model) if prefix else None
@@ -102,18 +99,24 @@ class BatchEngine:
         self.phase_s = None  # a dict of stats.PHASES: the speculative phases' seconds are added to it
 
     def resize(self, S: int):
-        """Between requests of a batch of 1 (engine.Engine): KV slots for the next one (its planned length)."""
+        """Between requests of a batch of 1 (engine.Engine): KV slots for the next one (its planned length); the
+        runner's captured steps are captured again where the caches moved."""
         if S != self.S:
             self.S = S
             for d in self.drafters or ():
                 d.setup(S)
         self.model.setup_caches(1, S, slots=S)  # (another engine on the model may have resized them)
+        if (r := self.runner) is not None:
+            graphs.follow_buffers((r.decode_fn, r.verify_step, r.advance_step), self.model, r.drafter)
 
     def submit(self, prompt: list[int], max_new_tokens: int, sampling: Sampling | None = None,
                seed: int | None = None, index: int | None = None, own_rng: bool = True, req=None) -> int:
         """Queue a prompt -> its index (the order of submission, or the caller's). own_rng=False: a sampled
-        sequence draws from torch's global stream (generate.py's --seed sets it) instead of its own."""
+        sequence draws from torch's global stream (generate.py's --seed sets it) instead of its own. req: a batch of
+        one's planned request (planner.Request: the caches are sized for it here)."""
         s = sampling or self.sampling
+        if req is not None:
+            self.resize(req.S)
         s.validate(self.model.args.vocab_size)
         if not prompt:
             raise UsageError(f"prompt {self.submitted} is empty")
@@ -152,7 +155,8 @@ class BatchEngine:
             s.drafter = self.drafters[s.slot // self.S] if self.drafters else None
             d = s.drafter
             s.behind = None if d is None else Behind(d.reads_states, self._top, d.reads_every_top)
-            s.alone = self._alone(s) if self.drafters and not self.fixed else None
+            if d is not None:
+                self.budget.admit(s)
             admit.append(s)
         riders = self.running if admit else []
         seqs = admit + riders or self.running
@@ -187,8 +191,8 @@ class BatchEngine:
             if (s.out and s.out[-1] in eos) or len(s.out) >= s.max_new:
                 s.t_done = time.perf_counter()
                 done.append(s)
-                if s.alone is not None:  # what its sources paid, for the next request
-                    s.budget_stats = s.alone.finish()
+                if s.drafter is not None:  # what its sources paid, for the next request
+                    s.budget_stats = self.budget.finish(s)
         for s in done:
             self.running.remove(s)
             self.free.append(s.slot // self.S)
@@ -286,17 +290,8 @@ class BatchEngine:
         who proposed each.
         Sequences without a draft this step cost a row and a few list appends (the budget turns drafting off
         under load: the step is then a decode step)."""
-        t0, dev = time.perf_counter(), self.device
-        alone = seqs[0].alone if len(seqs) == 1 else None
-        if self.fixed:
-            sizes = [s.drafter.nodes for s in seqs]
-        elif alone is not None:
-            sizes = [alone.pick(seqs[0].out)]
-            seqs[0].key, seqs[0].chosen = alone.budgets.key, None  # (the batch's policy has no step to observe)
-        else:
-            sizes = self.budget.choose(seqs, lambda s: s.drafter.budget_keys(s.prompt + s.out))
-            for s in seqs:
-                s.drafter.budget_use(s.key)
+        t0, dev, bud = time.perf_counter(), self.device, self.budget
+        sizes = bud.pick(seqs)
         if self.runner is not None:
             return self._spec_one(seqs[0], sizes[0], t0)
         nodes = {}  # each sequence's accepted node indices, root first
@@ -331,21 +326,19 @@ class BatchEngine:
             s = seqs[i]
             s.behind.add(HeldRow(held, r, s.out[-1], nxt[r], s.n))
             out[i], s.n, nodes[i] = [nxt[r]], s.n + 1, [0]
-            if not self.fixed:
-                self.budget.observe_seq(s, 1, [0])
+            bud.observe_seq(s, 1, [0])
         r = len(ar)
         for i, t in trees.items():
             tl, s, N, b = time.perf_counter(), seqs[i], t.tokens.shape[0], sizes[i]
             if s.sampling.greedy:
                 path, L, bonus = greedy_path(t, pred[r - len(ar):r - len(ar) + N])
             else:
-                p, Lt, bt = accept_sample(t, logits_to_probs(logits[r:r + N], s.sampling), s.gen)
+                p, Lt, bt = accept(t, logits[r:r + N], s.sampling, s.gen)
                 L, bonus, path = int(Lt), int(bt), p.tolist()
             self.model.compact_kv([s.slot + s.n + j for j in path[:L]], s.slot + s.n)  # the path's KV to n .. n + L - 1
             toks_i = t.tokens.tolist()
             nodes[i] = path[:L]
-            if not self.fixed:
-                self.budget.observe_seq(s, b, path[:L])
+            bud.observe_seq(s, b, path[:L])
             a = Accepted(full[i], torch.tensor(path, device=dev), torch.tensor(L, device=dev),
                          torch.tensor(bonus, device=dev), logits[r:r + N], hid[:, r:r + N],
                          None if aux is None else aux[:, r:r + N], torch.tensor(s.n, device=dev))
@@ -355,14 +348,12 @@ class BatchEngine:
             src[i] = [by[j] for j in path[1:L]] + [TARGET]
             s.drafted += 1
             r += N
-            if not self.fixed:
-                self.budget.observe_draft(s.key, b, cost[i] + time.perf_counter() - tl)
+            bud.observe_draft(s.key, b, cost[i] + time.perf_counter() - tl)
         if self.phase_s is not None:
             self.phase_s["verify"] += time.perf_counter() - tv
-        if not self.fixed:
-            self.budget.observe(r, t2 - t1, sum(len(e) for e in out), time.perf_counter() - t0)
-        if alone is not None:  # (less a set-up paid inside: billed to one size, it would look slow for good)
-            alone.observe(sizes[0], nodes[0], time.perf_counter() - t0 - seqs[0].paid)
+        bud.observe(r, t2 - t1, sum(len(e) for e in out), time.perf_counter() - t0)
+        if len(seqs) == 1:
+            bud.observe_lone(seqs[0], sizes[0], nodes[0], time.perf_counter() - t0)
         return out, src
 
     def _draft(self, s: Seq, b: int) -> tuple[Tree | None, float]:
@@ -383,7 +374,7 @@ class BatchEngine:
         if self.phase_s is not None:
             self.phase_s["update"] += tu - t0
             self.phase_s["draft"] += t1 - tu
-        if tree is None and not self.fixed:
+        if tree is None:
             self.budget.observe_draft(s.key, 1, seconds)
         if d.start_rate:  # what a set-up costs per waiting token, as measured: every sequence's drafter prices it
             for x in self.drafters:
@@ -406,7 +397,7 @@ class BatchEngine:
             if s.behind:
                 d.update(s.behind.take())
             tu = time.perf_counter()
-            tree = d.draft(root, n, None if self.fixed else b) if b > 1 else chain_tree(root)
+            tree = d.draft(root, n, None if self.budget.fixed else b) if b > 1 else chain_tree(root)
         s.paid, t2 = d.setup_paid(), time.perf_counter()
         sub = tree.prefix(b)
         host, a = r.verify_step(sub, n, r.planner.pass_rows(s.req, sub.tokens.shape[0]))
@@ -421,8 +412,7 @@ class BatchEngine:
         s.n += L
         by = node_sources(d, s.key, tree.tokens.shape[0]) if b > 1 else []
         s.drafted += b > 1
-        if s.alone is not None:  # (less a set-up paid inside: billed to one size, it would look slow for good)
-            s.alone.observe(b, nodes, time.perf_counter() - t0 - s.paid)
+        self.budget.observe_lone(s, b, nodes, time.perf_counter() - t0)
         return [emitted], [[by[j] for j in nodes[1:]] + [TARGET]]
 
     HELD = 512  # steps a sequence's drafter may fall behind (their states: 512 x 4.6 KB a row of the passes)
@@ -439,7 +429,7 @@ class BatchEngine:
         out = argmax(logits)
         for i, s in enumerate(seqs):
             if not s.sampling.greedy:  # on the sequence's own stream
-                out[i] = sample_from(logits_to_probs(logits[i], s.sampling), s.gen)
+                out[i] = sample(logits[i], s.sampling, s.gen)
         return out
 
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

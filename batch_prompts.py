@@ -91,7 +91,7 @@ def run_prompts(model: Transformer, tok, path: str, sampling: Sampling, draft=No
                                     seconds=round(s.t_done - s.t_submit, 4))
     dt = time.perf_counter() - t0
     dec = eng.steps["decode"]
-    share = (eng.budget.stats() if drafters and not eng.fixed else
+    share = (eng.budget.stats() if drafters and not eng.budget.fixed else
              dict(speculated_share=1.0 if drafters else 0.0, speculated_share_by_batch={}))
     summary = dict(prompts=len(items), batch=batch, new_tokens=total, tokens_per_s=round(total / dt, 2),
                    decode_tokens_per_s=round(eng.decode_tokens / max(eng.decode_s, 1e-9), 2), decode_steps=dec,

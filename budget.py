@@ -9,7 +9,6 @@ best on this request, exploring each a bounded number of steps; a one-time set-u
 where the tokens left are expected to repay it (pays_back).
 """
 from budget_policy import Policy, pays_back
-from draft import Drafter
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -349,39 +348,3 @@ class Budgets:
                                    for k, x in self.of.items()}
         return d
 
-
-class StepBudget:
-    """The budget as a request's loop asks it (the whole tree without a memory)."""
-
-    def __init__(self, drafter: Drafter, prompt: list[int], max_new: int, memory=None, settle: int = 2,
-                 pass_s: dict | None = None):  # memory: budget_memory.BudgetMemory
-        self.d, self.prompt, self.max_new, self.memory = drafter, prompt, max_new, memory
-        self.budgets = None if memory is None else Budgets(
-            drafter.nodes, drafter.budget_sizes, drafter.budget_start, settle=settle, pass_s=pass_s,
-            memory=memory.sources, setup_of=drafter.budget_setup, needs_of=drafter.budget_needs)
-
-    def pick(self, out: list[int]) -> int:
-        """Nodes the next step verifies (1: an autoregressive step, no draft); out: the tokens so far."""
-        if self.budgets is None:
-            return self.d.nodes
-        # tokens still to come (a request's length is not known): as many again as so far, or what the engine's
-        # requests ran to where that is more, at most max_new's
-        n = len(out)
-        b = self.budgets.pick(self.d.budget_keys(self.prompt + out),
-                              min(self.max_new - n, max(n, getattr(self.memory, "length", 0.0) - n)))
-        self.d.budget_use(self.budgets.key)
-        return b
-
-    def observe(self, b: int, accepted: list[int], seconds: float):
-        # less the one-time set-ups paid inside: billed to one size, they would make it look slow for good
-        if self.budgets is not None:
-            self.budgets.observe(b, accepted, seconds - self.d.setup_paid())
-
-    def finish(self) -> dict:
-        """The request is over: its sources go to the memory; its budget statistics."""
-        if self.budgets is None:
-            return {}
-        self.budgets.keep()
-        self.memory.ran(self.budgets.emitted)
-        self.memory.save()
-        return self.budgets.stats()

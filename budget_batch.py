@@ -1,6 +1,8 @@
-"""The batch's speculative budget: each sequence's tree size for the next step (1: no draft), chosen for the whole
-batch's tokens per second. A step costs the target pass over every sequence's rows, P(R), plus each sequence's
-drafting. With λ the batch's tokens per second, a sequence takes the size b that maximises
+"""The step's speculative budget (BatchBudget): each sequence's tree size for the next step (1: no draft). A
+sequence alone steps by its own budget.Budgets (probes, the per-source policy, the engine's memory of earlier
+requests); a batch's sizes are chosen for the whole batch's tokens per second. A step costs the target pass over
+every sequence's rows, P(R), plus each sequence's drafting. With λ the batch's tokens per second, a sequence
+takes the size b that maximises
 
     E_i(b) - λ * (P(R_others + b) - P(R_others + 1) + draft(b) - draft(1))
 
@@ -17,6 +19,7 @@ drafter's catch-up and draft, and the host work of its acceptance.
 """
 import weakref
 
+import budget
 from budget import SIZES, Budget
 from budget_policy import Policy, pays_back
 
@@ -90,10 +93,14 @@ def tokens(bud: Budget) -> dict[int, float]:
 
 
 class BatchBudget:
-    """Sizes for the sequences of a batch (sequence objects with .budgets {source: Budget}, .key, .drafter)."""
+    """Sizes for the sequences of a step (sequence.Seq: .budgets {source: Budget}, .key, .drafter, .alone), one
+    alone or a batch. memory: the budget_memory.BudgetMemory a lone sequence's budget reads and leaves its
+    sources to (settle, pass_s: its Budgets'); fixed: every step verifies every whole tree (nothing is measured)."""
 
-    def __init__(self, nodes: int, sizes_of=None, decay: float = 0.8):
+    def __init__(self, nodes: int, sizes_of=None, decay: float = 0.8, memory=None, settle: int = 1,
+                 pass_s: dict | None = None, fixed: bool = False):
         self.nodes, self.sizes_of, self.decay = nodes, sizes_of, decay
+        self.memory, self.settle, self.alone_pass, self.fixed = memory, settle, pass_s, fixed
         self.pass_s, self.draft_s = PassCosts(decay), {}  # draft_s: (source, size) -> a sequence's seconds
         self.by_batch = {}  # sequences in the step -> [sequence-steps, of them speculative]
         # every size a source's budget may take (hopeless)
@@ -103,6 +110,52 @@ class BatchBudget:
         self._priors = {}  # source -> its untried Budget (prior())
         self.common = {}  # source -> Budget: every sequence's acceptance
         self.tokens = self.seconds = 0.0  # running sums of steps: the measured rate is their ratio
+
+    def admit(self, s):
+        """A sequence joins: its budget for the steps it runs alone. Why its own: the batch's rule, fresh each
+        request, had a lone server request speculate on 12-21% of its steps (serve.py 1.05x llama-server at one
+        client; 1.3x now)."""
+        d = s.drafter
+        s.alone = None if self.fixed else budget.Budgets(
+            d.nodes, d.budget_sizes, d.budget_start, settle=self.settle, pass_s=self.alone_pass,
+            memory=self.memory.sources, setup_of=d.budget_setup, needs_of=d.budget_needs)
+
+    def pick(self, seqs: list) -> list[int]:
+        """Each sequence's tree size for the next step (1: no draft; its source: seq.key): a lone sequence's from
+        its own budget (lone), a batch's from choose()."""
+        if self.fixed:
+            return [s.drafter.nodes for s in seqs]
+        if len(seqs) == 1:
+            return [self.lone(seqs[0])]
+        sizes = self.choose(seqs, lambda s: s.drafter.budget_keys(s.prompt + s.out))
+        for s in seqs:
+            s.drafter.budget_use(s.key)
+        return sizes
+
+    def lone(self, s) -> int:
+        """A sequence alone: its Budgets' size and source (the batch's policy has no step to observe)."""
+        # tokens still to come (a request's length is not known): as many again as so far, or what the engine's
+        # requests ran to where that is more, at most max_new's
+        n = len(s.out)
+        b = s.alone.pick(s.drafter.budget_keys(s.prompt + s.out),
+                         min(s.max_new - n, max(n, self.memory.length - n)))
+        s.key, s.chosen = s.alone.key, None
+        s.drafter.budget_use(s.key)
+        return b
+
+    def observe_lone(self, s, b: int, accepted: list[int], seconds: float):
+        """A lone sequence's step: less a set-up paid inside (billed to one size, it would look slow for good)."""
+        if s.alone is not None:
+            s.alone.observe(b, accepted, seconds - s.paid)
+
+    def finish(self, s) -> dict:
+        """A sequence is done: its sources go to the memory; its lone budget's statistics."""
+        if s.alone is None:
+            return {}
+        s.alone.keep()
+        self.memory.ran(s.alone.emitted)
+        self.memory.save()
+        return s.alone.stats()
 
     @property
     def rate(self) -> float | None:
@@ -152,6 +205,8 @@ class BatchBudget:
 
     def observe_seq(self, seq, b: int, accepted: list[int]):
         """A sequence's step of size b (1: no draft): its accepted node indices, root first."""
+        if self.fixed:
+            return
         if getattr(seq, "policy", None) is not None:  # what its policy's source paid (None: its time alone)
             seq.policy.observe(seq.chosen, len(accepted), seq.step_s or 1e-9, b > 1)
         if b == 1:
@@ -279,12 +334,16 @@ class BatchBudget:
 
     def observe(self, rows: int, pass_s: float, tokens: int, step_s: float):
         """A step: rows verified in pass_s seconds, tokens emitted in step_s seconds all told."""
+        if self.fixed:
+            return
         self.pass_s.observe(rows, pass_s)
         self.tokens = self.decay * self.tokens + tokens
         self.seconds = self.decay * self.seconds + step_s
 
     def observe_draft(self, key: str, b: int, seconds: float):
         """A sequence's drafting (its updates and its draft) for a step of size b."""
+        if self.fixed:
+            return
         k = (key, b)
         old = self.draft_s.get(k)
         self.draft_s[k] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds

@@ -7,18 +7,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-import cpu_forward
 import draft_config as dc
 import graphs
 from batch import BatchEngine
-from budget_memory import BudgetMemory
 from download import resolve_checkpoint
 from draft import Accepted, Tree
 from errors import UsageError
 from exact import PassRows
 from planner import Planner
-from model import Plan, Transformer, causal_recent, load_model, tree_mask, tree_recent
-from sampling import Sampling, accept_greedy, accept_sample, logits_to_probs, sample
+from model import Transformer, causal_recent, load_model, tree_mask, tree_recent
+from sampling import Sampling, accept, sample
 from stats import PHASES, Stats, sync
 from tokenizer import Tokenizer
 
@@ -44,17 +42,12 @@ class Engine:
         graphed = compile and self.device.type == "cuda"
         self.planner = Planner(model, exact, min(max_seq, model.args.max_position_embeddings) if graphed else None,
                                drafter)
-        # what this engine's target passes return and run on: its head's aux layers; --no-exact: passes from
-        # cpu_forward.layers_from's size on the PyTorch layers
-        self.plan = Plan(() if drafter is None else drafter.aux_layers,
-                         cpu_forward.layers_from(model) if exact is False else None)
         # compiled: the drafter's update and next draft run as one step (eager keeps them apart to time each)
         self.fused_steps = compile and drafter is not None and drafter.graphable
         if compile:
             graphs.compile_steps(self, backend)
         # budget_cache: the caller's key of its drafter and sampling settings: the budget memory outlives the process
         key = f"exact={exact} compile={compile} {budget_cache}" if budget_cache is not None else None
-        self.memory = BudgetMemory(model, drafter, key if budget and drafter is not None else None, self.plan)
         # a request is the batch engine's step with B = 1 (batch.py). Its passes are the batch's own on the eager CPU
         # path; the traced steps (compile, CUDA graphs) and exact mode's padded passes on the PyTorch layers run
         # the static-shape halves below (the runner): picked here, once
@@ -63,9 +56,11 @@ class Engine:
         one = None if drafter is None else [drafter]
         # (a prompt's shared prefix is copied where the copies are its prefill's bits: the fused pass throughout)
         self.batch = BatchEngine(model, 1, 64, sampling, drafters=one, budget=budget, exact=exact is not False,
-                                 memory=self.memory if budget and one else None, settle=2 if compile else 1,
-                                 runner=self if runner else None,
+                                 memory_key=key, settle=2 if compile else 1, runner=self if runner else None,
                                  prefix=model.cpu_pass is not None and exact is not False and not runner)
+        # what its passes return and run on (model.Plan, the batch's): its head's aux layers; --no-exact: passes
+        # from cpu_forward.layers_from's size on the PyTorch layers; the budget's memory of earlier requests
+        self.plan, self.memory = self.batch.plan, self.batch.memory
 
     def _decode_one(self, tok: Tensor, pos: Tensor, rows: PassRows) -> Tensor:
         # padded to rows.gemm rows (exact mode): the pad rows write KV slots the next step overwrites before any read
@@ -103,8 +98,6 @@ class Engine:
             raise UsageError("empty prompt")
         b, d = self.batch, self.drafter
         req = self.planner.plan(len(prompt), max_new_tokens, 1 if d is None else d.nodes)
-        b.resize(req.S)
-        graphs.follow_buffers((self.decode_fn, self.verify_step, self.advance_step), self.model, d)
         st = Stats(phase_s=dict.fromkeys(PHASES, 0.0) if d is not None else {}, extra=dict(exact=req.exact))
         b.phase_s = st.phase_s if d is not None else None
         t0 = time.perf_counter()
@@ -138,8 +131,7 @@ class Engine:
         if self._one_row(tree, rows):
             return self._spec_decode(tree, n)
         logits, hid, aux = self._verify(tree.tokens, tree.depth, tree.anc, n, rows)  # [N, V], [1, N, d], [1, N, 3d]
-        path, L, bonus = (accept_greedy(tree, logits) if self.sampling.greedy else
-                          accept_sample(tree, logits_to_probs(logits, self.sampling)))
+        path, L, bonus = accept(tree, logits, self.sampling)
         if tree.tokens.shape[0] > 1:  # the accepted path's KV moves to slots n .. n + L - 1
             self.model.compact_kv(n + path, n)
         host = torch.cat([L.view(1), bonus.view(1), tree.tokens[path], path])  # what the host needs, in one sync

@@ -104,26 +104,27 @@ def run(args) -> int:
                          "it needs --device cuda")
     if tp.launched() and (args.chat or args.compile):
         raise UsageError("tensor parallelism runs eager, without --chat: drop --chat and --compile")
+    # the request as the library takes it, before a model loads (a flag's or a prompt file's error comes first)
+    draft, sampling = dc.from_flags(args, DEFAULT_HEAD), Sampling(args.temperature, args.top_k, args.top_p)
+    text = read_prompt(args.prompt) if args.prompts is None and not args.chat else None
     ranks = tp.setup(args.device)  # torchrun --nproc_per_node N: tensor parallel (tp.py)
     model, tok, _ = load_target(args.checkpoint, args.device, args.dtype)
     tp.shard(model, exact=args.exact is not False)  # --no-exact: the all-reduce layout
     tp.sync_budget()
-    sampling = Sampling(args.temperature, args.top_k, args.top_p)
     if args.prompts is not None:
         return batch_prompts.run_prompts(
-            model, tok, args.prompts, sampling, dc.from_flags(args, DEFAULT_HEAD),
+            model, tok, args.prompts, sampling, draft,
             batch=8 if args.batch is None else args.batch, max_new_tokens=args.max_new_tokens, raw=args.raw,
             budget=args.budget == "auto", exact=args.exact, cuda_graphs=args.compile, seed=args.seed,
             ordered=args.ordered, as_json=args.json)
     # exact by default where it costs nothing (the fused pass) and under TP (each rank's layers, as one process's)
     exact = args.exact if args.exact is not None else (None if model.cpu_pass is not None else ranks > 1)
-    engine = build_engine(model, tok, dc.from_flags(args, DEFAULT_HEAD), sampling, compile=args.compile,
+    engine = build_engine(model, tok, draft, sampling, compile=args.compile,
                           max_seq=args.max_seq, exact=exact, budget=args.budget == "auto", budget_cache=True)
     torch.manual_seed(args.seed)
     engine.warmup()
     if args.chat:
         return chat_loop(engine, tok, args)
-    text = read_prompt(args.prompt)
     chat = not args.raw and tok.chat_template is not None
     ids = tok.encode_chat([{"role": "user", "content": text}]) if chat else tok.encode(text)
     out, st = engine.generate(ids, args.max_new_tokens, on_tokens=None if args.json else Streamer(tok))

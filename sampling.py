@@ -91,8 +91,8 @@ def sample_from(probs: Tensor, generator: torch.Generator | None = None) -> Tens
     return torch.minimum(torch.searchsorted(c, u, right=True), torch.searchsorted(c, total))[..., 0]
 
 
-def sample(logits: Tensor, s: Sampling) -> Tensor:
-    return argmax(logits) if s.greedy else sample_from(logits_to_probs(logits, s))
+def sample(logits: Tensor, s: Sampling, generator: torch.Generator | None = None) -> Tensor:
+    return argmax(logits) if s.greedy else sample_from(logits_to_probs(logits, s), generator)
 
 
 def best_path(tree, correct: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -113,6 +113,15 @@ def accept_greedy(tree, logits: Tensor):
     pred = argmax(logits)  # [N]
     path, L, best = best_path(tree, tree.tokens == pred[tree.parents.clamp(min=0)])
     return path, L, pred.index_select(0, best.view(1))[0]
+
+
+def accept(tree, logits: Tensor, s: Sampling, generator: torch.Generator | None = None):
+    """The acceptance rule: a tree's logits [N, V] -> (path, L, bonus), device tensors of static shapes. Greedy: the
+    longest path the target's argmax agrees with; sampled: the lossless rule on generator's stream (None: torch's).
+    An eager batch step reads the greedy path on host lists instead (greedy_path)."""
+    if s.greedy:
+        return accept_greedy(tree, logits)
+    return accept_sample(tree, logits_to_probs(logits, s), generator)
 
 
 def greedy_path(tree, pred: list[int]) -> tuple[list[int], int, int]:

@@ -4,7 +4,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from budget import StepBudget
 from draft import Accepted, Behind, chain_tree
 from sampling import Sampling
 
@@ -30,7 +29,7 @@ class Seq:
     policy: object = None  # budget_policy.Policy where its drafter offers several sources; its choice, its step's share
     chosen: str | None = None
     step_s: float = 0.0
-    alone: StepBudget | None = None  # its budget while it runs alone (budget.py)
+    alone: object = None  # budget.Budgets: its budget while it runs alone (budget_batch.BatchBudget.admit)
     paid: float = 0.0  # one-time set-up seconds its drafter paid in the step
     req: object = None  # planner.Request: its passes' rows, where a runner's steps run it (engine.Engine)
     accepted: list = field(default_factory=list)  # tokens each step emitted (before its stop)

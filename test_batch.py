@@ -141,7 +141,7 @@ def test_a_step_verifies_the_sizes_the_budget_chose(target, tmp_path, monkeypatc
     assert rows and all(r <= 2 * n for r, n in rows), rows
 
 def test_a_sequence_alone_steps_on_the_batch1_budget(target, tmp_path, monkeypatch):
-    """While one sequence runs alone, its sizes come from the batch-1 engine's budget (budget.StepBudget: probes,
+    """While one sequence runs alone, its sizes come from its own budget (BatchBudget.lone: budget.Budgets' probes,
     the per-source policy, the engine's memory of earlier requests), not the batch's rule; with two or more, from
     the batch's (BatchBudget.choose); each finished lone budget leaves its sources and length to the next request;
     every output its batch-1 output."""
@@ -151,8 +151,8 @@ def test_a_sequence_alone_steps_on_the_batch1_budget(target, tmp_path, monkeypat
     prompts = [PROMPTS[4], PROMPTS[0], PROMPTS[1]]
     ref = batch1(m, prompts, 24)
     alone, together = [], []
-    pick, choose = batch.StepBudget.pick, batch.BatchBudget.choose
-    monkeypatch.setattr(batch.StepBudget, "pick", lambda self, out: alone.append(len(out)) or pick(self, out))
+    pick, choose = batch.BatchBudget.lone, batch.BatchBudget.choose
+    monkeypatch.setattr(batch.BatchBudget, "lone", lambda self, s: alone.append(len(s.out)) or pick(self, s))
     monkeypatch.setattr(batch.BatchBudget, "choose", lambda self, seqs, key_of: together.append(len(seqs))
                         or choose(self, seqs, key_of))
     eng = BatchEngine(m, batch=2, max_seq=128, drafters=dc.make_drafters(drafting("hybrid", target, tmp_path), m, 2))
@@ -215,9 +215,9 @@ def test_speculative_batch_sampling_is_exact(tmp_path, monkeypatch):
 
 def test_batch_sampler_catches_a_biased_acceptance(tmp_path, monkeypatch):
     """Guard for the test above: a wrong acceptance rule (the first child always accepted) fails it."""
-    import batch
+    import sampling
     from test_generate import accept_sample_biased
-    monkeypatch.setattr(batch, "accept_sample", accept_sample_biased)
+    monkeypatch.setattr(sampling, "accept_sample", accept_sample_biased)
     with pytest.raises(AssertionError):
         test_speculative_batch_sampling_is_exact(tmp_path, monkeypatch)
 

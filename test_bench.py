@@ -7,7 +7,7 @@ import torch
 
 import bench
 import batch
-import engine
+import sampling
 from conftest import write_eagle_head, write_tiny_hf
 
 
@@ -75,7 +75,7 @@ def test_bench_writes_reports(tiny_bench, tmp_path, capsys):
 
 
 def test_bench_guard_fires_on_tampered_output(tiny_bench, tmp_path, monkeypatch, capsys):
-    real = engine.accept_greedy
+    real = sampling.accept_greedy
 
     def wrong_bonus(tree, logits):  # a subtly broken acceptance: the bonus token is off by one
         path, L, bonus = real(tree, logits)
@@ -85,7 +85,7 @@ def test_bench_guard_fires_on_tampered_output(tiny_bench, tmp_path, monkeypatch,
     def wrong_bonus_host(tree, pred):  # the same fault in eager CPU steps' host-side acceptance (the batch's step)
         path, L, bonus = real_host(tree, pred)
         return path, L, bonus ^ 1  # (another token: vocabularies here have an even size)
-    monkeypatch.setattr(engine, "accept_greedy", wrong_bonus)
+    monkeypatch.setattr(sampling, "accept_greedy", wrong_bonus)
     monkeypatch.setattr(batch, "greedy_path", wrong_bonus_host)
     rc = bench.main(argv(tiny_bench, tmp_path, "--methods", "ngram", "--categories", "qa", "--freq-corpus", "4x48"))
     err = capsys.readouterr().err

@@ -5,8 +5,11 @@ import json
 
 import pytest
 
-from budget import Budget, Budgets, StepBudget
+from budget import Budget, Budgets
+from budget_batch import BatchBudget
 from draft import Drafter
+from sampling import Sampling
+from sequence import Seq
 
 
 def trained(nodes, p, cost):
@@ -332,20 +335,30 @@ class Memory:
         self.saved += 1
 
 
+def lone(d, prompt, max_new, mem=None, settle=1):
+    """A sequence of d admitted to a BatchBudget of d's nodes (fixed: without a memory)."""
+    s = Seq(0, prompt, max_new, Sampling(), None, drafter=d)
+    bb = BatchBudget(d.nodes, d.budget_sizes, memory=mem, settle=settle, fixed=mem is None)
+    bb.admit(s)
+    return bb, s
+
+
 def test_step_budget_fits_or_verifies_the_whole_tree():
-    """Without a memory to fit with, every step verifies the whole tree and the drafter is never asked for a
-    budget source; with one, a step's time is observed less the set-up paid inside it, and the request's
-    sources go to the memory at the end."""
+    """Without a memory to fit with (fixed), every step verifies the whole tree and the drafter is never asked for
+    a budget source; with one, a lone sequence's step time is observed less the set-up paid inside it, and the
+    request's sources go to the memory at the end."""
     d = Keyed()
-    fixed = StepBudget(d, [1, 2], 10)
-    assert fixed.pick([3]) == 4 and not d.keys and fixed.finish() == {}
+    fixed, s = lone(d, [1, 2], 10)
+    s.out = [3]
+    assert fixed.pick([s]) == [4] and not d.keys and fixed.finish(s) == {}
     mem = Memory()
-    fit = StepBudget(d, [1, 2], 10, mem, settle=1)
-    assert fit.pick([3]) == 4 and d.keys == [3]  # the whole tree first
-    d.paid = 0.5
-    fit.observe(4, [0, 1], 1.5)
-    assert fit.budgets.of["k"].time[4] == 1.0
-    st = fit.finish()
+    fit, s = lone(d, [1, 2], 10, mem)
+    s.out = [3]
+    assert fit.pick([s]) == [4] and d.keys == [3]  # the whole tree first
+    s.paid = 0.5
+    fit.observe_lone(s, 4, [0, 1], 1.5)
+    assert s.alone.of["k"].time[4] == 1.0
+    st = fit.finish(s)
     assert mem.saved == 1 and set(mem.sources) == {"k"} and st["budget_hist"] == {"4": 1} and mem.runs == [2]
 
 
@@ -362,9 +375,10 @@ def test_the_tokens_left_follow_the_engines_requests():
     real, budget.Budgets = budget.Budgets, Seen
     try:
         for length in (0.0, 100.0):
-            fit = StepBudget(Keyed(), [1], 60, Memory(length), settle=1)
+            fit, s = lone(Keyed(), [1], 60, Memory(length))
             for n in (0, 10, 40, 55):
-                fit.pick(list(range(n)))
+                s.out = list(range(n))
+                fit.pick([s])
     finally:
         budget.Budgets = real
     assert lefts == [0, 10, 20, 5, 60, 50, 20, 5]  # (100 tokens: 60 at the start, 50 after 10)

@@ -230,7 +230,7 @@ def test_sampled_chains_carry_q_and_trees_do_not(tiny):
 
 def test_sampled_chain_catches_a_biased_acceptance(tmp_path, monkeypatch):
     """The guard of the chi-square test above (test_generate's): always accepting the first child must fail it."""
-    monkeypatch.setattr(tg.engine, "accept_sample", tg.accept_sample_biased)
+    monkeypatch.setattr(tg.sampling_rules, "accept_sample", tg.accept_sample_biased)
     with pytest.raises(AssertionError):
         test_speculative_sampling_is_exact(tmp_path, monkeypatch, "model_tree", Sampling(1.0), None)
 

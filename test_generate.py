@@ -17,7 +17,7 @@ from budget import Budget, Policy
 from conftest import write_eagle_head, write_tiny_hf
 from eagle import load_eagle
 from exact import Invariance
-import engine
+import sampling as sampling_rules
 import generate as g
 from engine import Engine
 from generate import main
@@ -221,7 +221,7 @@ def test_sampler_catches_a_biased_acceptance(tmp_path, monkeypatch, kind):
     def wrong(tree, probs):
         return accept_greedy(tree, torch.nn.functional.one_hot(
             tree.tokens[tree.parents.clamp(min=0)] * 0 + tree.tokens[1], probs.shape[-1]).float())
-    monkeypatch.setattr(engine, "accept_sample", lambda tree, probs: accept_sample_biased(tree, probs))
+    monkeypatch.setattr(sampling_rules, "accept_sample", accept_sample_biased)
     with pytest.raises(AssertionError):
         test_speculative_sampling_is_exact(tmp_path, monkeypatch, kind, Sampling(1.0), None)
 
@@ -239,6 +239,15 @@ def test_cli_errors(tmp_path, capsys):
     assert err.startswith("error:") and "\n" not in err
     assert main(["--checkpoint", str(tmp_path / "missing"), "--max-new-tokens", "0"]) == 2
     assert "max-new-tokens" in capsys.readouterr().err
+
+
+def test_cli_reads_the_prompt_before_loading_a_model(tmp_path, capsys, monkeypatch):
+    """A missing prompt file is a one-line error before any model loads (a 1.5B model's load takes a minute)."""
+    import generate
+    monkeypatch.setattr(generate, "load_target", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert main(["--prompt", f"@{tmp_path / 'missing.txt'}", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "prompt file not found" in err and "\n" not in err
 
 
 def test_cli_default_eagle_drafting_is_hybrid_and_fitted(tiny, capsys):

@@ -4,7 +4,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import budget
+import budget_batch
 import graphs
 from engine import Engine
 from sampling import Sampling
@@ -123,7 +123,8 @@ def test_held_steps_outlive_replays(tiny, monkeypatch, kind):
 
     def run(graphed):
         calls = iter(range(10 ** 6))
-        monkeypatch.setattr(budget.StepBudget, "pick", lambda self, out: sizes[next(calls) % 6] or self.d.nodes)
+        monkeypatch.setattr(budget_batch.BatchBudget, "pick",
+                            lambda self, seqs: [sizes[next(calls) % 6] or seqs[0].drafter.nodes])
         eng = Engine(m, drafter=make_drafter(kind, tiny, m, "nanospec"))
         if graphed:
             def capture(self, static, eng=eng):
