@@ -147,17 +147,7 @@ class BatchEngine:
         riding along; else a verification (or a decode step) of every running one. -> the sequences that finished
         in it (eos or their token budget). Why ride along: a prefill step had stalled every running sequence, and
         with sequences finishing one by one (drafting), a batch of 64 ran twice as many prefill steps."""
-        admit, rows = [], 0
-        while self.waiting and self.free and (not admit or rows + len(self.waiting[0].prompt) <= self.prefill_rows):
-            s = self.waiting.popleft()
-            s.slot, rows = self.free.pop(0) * self.S, rows + len(s.prompt)
-            s.cached = self.prefix.hit(s.prompt) if self.prefix is not None else 0
-            s.drafter = self.drafters[s.slot // self.S] if self.drafters else None
-            d = s.drafter
-            s.behind = None if d is None else Behind(d.reads_states, self._top, d.reads_every_top)
-            if d is not None:
-                self.budget.admit(s)
-            admit.append(s)
+        admit = self._schedule()
         riders = self.running if admit else []
         seqs = admit + riders or self.running
         if not seqs:
@@ -166,28 +156,52 @@ class BatchEngine:
         if self.drafters and not admit:
             emitted, sources = self._spec_step(seqs)
         else:
-            logits = self._prefill(admit, riders) if admit else self._decode(self.running)
-            first = self._sample(logits, seqs)
-            emitted = [[t] for t in first.tolist()]  # the step's one host sync
-            sources = [[TARGET]] * len(seqs)
-            for s in seqs:
-                s.n += len(s.prompt) if s in admit else 1
-            if admit and self.drafters:
-                self._start(admit, riders, first)
+            emitted, sources = self._one_token(admit, riders)
         self.steps["prefill" if admit else "decode"] += 1
         if not admit:  # (decode statistics: riders' tokens come with the prefill's time)
             self.decode_s += time.perf_counter() - t0
             self.rows += len(seqs)
         self.running += admit
+        return self._emit(seqs, emitted, sources, len(admit))
+
+    def _schedule(self) -> list[Seq]:
+        """The waiting sequences this step admits (a free range each, their prompts within prefill_rows), each with
+        its range, prefix hit, drafter, its drafter's Behind and its budget."""
+        admit, rows = [], 0
+        while self.waiting and self.free and (not admit or rows + len(self.waiting[0].prompt) <= self.prefill_rows):
+            s = self.waiting.popleft()
+            s.slot, rows = self.free.pop(0) * self.S, rows + len(s.prompt)
+            s.cached = self.prefix.hit(s.prompt) if self.prefix is not None else 0
+            s.drafter = d = self.drafters[s.slot // self.S] if self.drafters else None
+            if d is not None:
+                s.behind = Behind(d.reads_states, self._top, d.reads_every_top)
+                self.budget.admit(s)
+            admit.append(s)
+        return admit
+
+    def _one_token(self, admit: list[Seq], riders: list[Seq]) -> tuple[list[list[int]], list[list[str]]]:
+        """A prefill step (admitted prompts, riders' next tokens) or a decode step: one token each, the target's."""
+        seqs = admit + riders or self.running
+        logits = self._prefill(admit, riders) if admit else self._decode(seqs)
+        first = self._sample(logits, seqs)
+        emitted = [[t] for t in first.tolist()]  # the step's one host sync
+        for s in seqs:
+            s.n += len(s.prompt) if s in admit else 1
+        if admit and self.drafters:
+            self._start(admit, riders, first)
+        return emitted, [[TARGET]] * len(seqs)
+
+    def _emit(self, seqs: list[Seq], emitted: list, sources: list, admitted: int) -> list[Seq]:
+        """Each sequence's tokens up to its token budget and first eos (the first `admitted` were prefilled); the
+        finished ones leave, their ranges free -> them."""
         done, self.stepped, eos = [], list(seqs), self.eos  # (seqs may be self.running, which loses the finished)
         for i, (s, e, src) in enumerate(zip(seqs, emitted, sources)):
-            if i >= len(admit):
+            if i >= admitted:
                 s.accepted.append(len(e))
             e = stop_at(e, s.out, s.max_new, eos)
             s.out += e
             s.new, s.new_from = e, src[:len(e)]
-            if i >= len(admit):
-                self.decode_tokens += 0 if admit else len(e)
+            self.decode_tokens += 0 if admitted else len(e)
             if (s.out and s.out[-1] in eos) or len(s.out) >= s.max_new:
                 s.t_done = time.perf_counter()
                 done.append(s)
@@ -290,18 +304,54 @@ class BatchEngine:
         who proposed each.
         Sequences without a draft this step cost a row and a few list appends (the budget turns drafting off
         under load: the step is then a decode step)."""
-        t0, dev, bud = time.perf_counter(), self.device, self.budget
+        t0, bud = time.perf_counter(), self.budget
         sizes = bud.pick(seqs)
         if self.runner is not None:
             return self._spec_one(seqs[0], sizes[0], t0)
-        nodes = {}  # each sequence's accepted node indices, root first
-        full, trees, cost = {}, {}, {}  # cost: seconds a tree adds to the step besides its rows (drafting, host work)
-        for i, (s, b) in enumerate(zip(seqs, sizes)):
-            full[i], cost[i] = self._draft(s, b)
-            if full[i] is not None:  # its first b nodes are verified, as at batch 1 (the drafter learns from all:
-                trees[i] = full[i].prefix(b)  # a lookup tree holds up to k, whatever b)
+        drafted = [self._draft(s, b) for s, b in zip(seqs, sizes)]  # (its whole tree or None, drafting seconds)
+        cost = [c for _, c in drafted]  # seconds a tree adds to the step besides its rows (drafting, host work)
+        # a tree's first b nodes are verified, as at batch 1 (the drafter learns from all: a lookup tree holds up
+        # to k, whatever b)
+        trees = {i: t.prefix(b) for i, ((t, _), b) in enumerate(zip(drafted, sizes)) if t is not None}
         tv = time.perf_counter()
         ar = [i for i in range(len(seqs)) if i not in trees]  # one row each, first in the pass
+        toks, pos, where = self._rows(seqs, ar, trees, cost)
+        t1 = time.perf_counter()
+        logits, hid, aux = self.model(toks, pos, **where, return_hidden=True, plan=self.plan)
+        logits = logits[0]
+        nxt = self._sample(logits[:len(ar)], [seqs[i] for i in ar])
+        pred = argmax(logits[len(ar):]).tolist() if trees else []
+        held = (hid, aux, cpu_draft.topk_rows(logits, torch.arange(len(ar), device=self.device), self._top)
+                if ar else None)
+        nxt = nxt.tolist()  # the step's one host sync (of greedy sequences)
+        t2 = time.perf_counter()
+        out, src, nodes = [None] * len(seqs), [[TARGET]] * len(seqs), {}  # nodes: accepted node indices, root first
+        for r, i in enumerate(ar):  # what its drafter will read when it catches up: views into the step's tensors
+            s = seqs[i]
+            s.behind.add(HeldRow(held, r, s.out[-1], nxt[r], s.n))
+            out[i], s.n, nodes[i] = [nxt[r]], s.n + 1, [0]
+            bud.observe_seq(s, 1, [0])
+        r = len(ar)
+        for i, t in trees.items():
+            tl, s, N = time.perf_counter(), seqs[i], t.tokens.shape[0]
+            out[i], src[i], nodes[i] = self._accept(s, drafted[i][0], t, pred[r - len(ar):r - len(ar) + N],
+                                                    logits[r:r + N], hid[:, r:r + N],
+                                                    None if aux is None else aux[:, r:r + N])
+            bud.observe_seq(s, sizes[i], nodes[i])
+            bud.observe_draft(s.key, sizes[i], cost[i] + time.perf_counter() - tl)
+            r += N
+        if self.phase_s is not None:
+            self.phase_s["verify"] += time.perf_counter() - tv
+        bud.observe(r, t2 - t1, sum(len(e) for e in out), time.perf_counter() - t0)
+        if len(seqs) == 1:
+            bud.observe_lone(seqs[0], sizes[0], nodes[0], time.perf_counter() - t0)
+        return out, src
+
+    def _rows(self, seqs: list[Seq], ar: list[int], trees: dict, cost: list) -> tuple:
+        """The pass's rows: the last token of each sequence in ar, then each tree's nodes -> (tokens [1, R],
+        positions, where each row attends and writes: masks over its own range, range starts, KV slots); a tree's
+        share is added to its cost."""
+        dev = self.device
         host = torch.tensor([[seqs[i].out[-1], seqs[i].n, seqs[i].slot] for i in ar], dtype=torch.long).view(-1, 3)
         toks, pos, base = host.to(dev).unbind(1)
         mask, cache = [self._mask(pos)], [base + pos]
@@ -312,49 +362,26 @@ class BatchEngine:
             mask.append(tree_mask(self.model.seq_range[:self.S], t.anc, torch.tensor(s.n, device=dev)))
             cache.append(s.slot + s.n + torch.arange(N, device=dev))
             cost[i] += time.perf_counter() - tl
-        t1 = time.perf_counter()
-        logits, hid, aux = self.model(toks[None], pos, mask=torch.cat(mask), mask_base=base,
-                                      cache_pos=torch.cat(cache), return_hidden=True, plan=self.plan)
-        logits = logits[0]
-        nxt = self._sample(logits[:len(ar)], [seqs[i] for i in ar])
-        pred = argmax(logits[len(ar):]).tolist() if trees else []
-        held = (hid, aux, cpu_draft.topk_rows(logits, torch.arange(len(ar), device=dev), self._top) if ar else None)
-        nxt = nxt.tolist()  # the step's one host sync (of greedy sequences)
-        t2 = time.perf_counter()
-        out, src = [None] * len(seqs), [[TARGET]] * len(seqs)
-        for r, i in enumerate(ar):  # what its drafter will read when it catches up: views into the step's tensors
-            s = seqs[i]
-            s.behind.add(HeldRow(held, r, s.out[-1], nxt[r], s.n))
-            out[i], s.n, nodes[i] = [nxt[r]], s.n + 1, [0]
-            bud.observe_seq(s, 1, [0])
-        r = len(ar)
-        for i, t in trees.items():
-            tl, s, N, b = time.perf_counter(), seqs[i], t.tokens.shape[0], sizes[i]
-            if s.sampling.greedy:
-                path, L, bonus = greedy_path(t, pred[r - len(ar):r - len(ar) + N])
-            else:
-                p, Lt, bt = accept(t, logits[r:r + N], s.sampling, s.gen)
-                L, bonus, path = int(Lt), int(bt), p.tolist()
-            self.model.compact_kv([s.slot + s.n + j for j in path[:L]], s.slot + s.n)  # the path's KV to n .. n + L - 1
-            toks_i = t.tokens.tolist()
-            nodes[i] = path[:L]
-            bud.observe_seq(s, b, path[:L])
-            a = Accepted(full[i], torch.tensor(path, device=dev), torch.tensor(L, device=dev),
-                         torch.tensor(bonus, device=dev), logits[r:r + N], hid[:, r:r + N],
-                         None if aux is None else aux[:, r:r + N], torch.tensor(s.n, device=dev))
-            s.behind.add(self._kept(a, s.drafter))
-            out[i], s.n = [toks_i[j] for j in path[1:L]] + [bonus], s.n + L
-            by = node_sources(s.drafter, s.key, N)
-            src[i] = [by[j] for j in path[1:L]] + [TARGET]
-            s.drafted += 1
-            r += N
-            bud.observe_draft(s.key, b, cost[i] + time.perf_counter() - tl)
-        if self.phase_s is not None:
-            self.phase_s["verify"] += time.perf_counter() - tv
-        bud.observe(r, t2 - t1, sum(len(e) for e in out), time.perf_counter() - t0)
-        if len(seqs) == 1:
-            bud.observe_lone(seqs[0], sizes[0], nodes[0], time.perf_counter() - t0)
-        return out, src
+        return toks[None], pos, dict(mask=torch.cat(mask), mask_base=base, cache_pos=torch.cat(cache))
+
+    def _accept(self, s: Seq, full: Tree, t: Tree, pred: list[int], logits: Tensor, hid: Tensor, aux: Tensor | None
+                ) -> tuple[list[int], list[str], list[int]]:
+        """s's tree t (the first nodes of its drafted tree, full) as the pass verified it: the accepted path (greedy
+        on host lists from the target's choices pred; sampled, the lossless rule on its own stream), the path's KV
+        moved to n .. n + L - 1, the step kept for its drafter -> (its tokens, who proposed each, the path's nodes)."""
+        dev = self.device
+        if s.sampling.greedy:
+            path, L, bonus = greedy_path(t, pred)
+        else:
+            p, Lt, bt = accept(t, logits, s.sampling, s.gen)
+            L, bonus, path = int(Lt), int(bt), p.tolist()
+        self.model.compact_kv([s.slot + s.n + j for j in path[:L]], s.slot + s.n)
+        a = Accepted(full, torch.tensor(path, device=dev), torch.tensor(L, device=dev), torch.tensor(bonus, device=dev),
+                     logits, hid, aux, torch.tensor(s.n, device=dev))
+        s.behind.add(self._kept(a, s.drafter))
+        toks, by = t.tokens.tolist(), node_sources(s.drafter, s.key, t.tokens.shape[0])
+        s.n, s.drafted = s.n + L, s.drafted + 1
+        return [toks[j] for j in path[1:L]] + [bonus], [by[j] for j in path[1:L]] + [TARGET], path[:L]
 
     def _draft(self, s: Seq, b: int) -> tuple[Tree | None, float]:
         """(s's tree of b nodes, or None for no draft (b = 1); its drafter's seconds less one-time set-ups). The

@@ -437,3 +437,14 @@ def test_a_kept_step_updates_the_window_as_its_logits_do(tiny, monkeypatch, at):
         assert all(torch.equal(u, v) for u, v in zip(window(x), window(y)))
         moved += not all(torch.equal(u, v) for u, v in zip(window(x), before))
     assert len(seen) > 3 and moved
+
+
+def test_readme_shows_the_step_as_it_is():
+    """README's "One speculative step" shows BatchEngine.step's body line for line."""
+    import inspect
+    import textwrap
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parent / "README.md").read_text()
+    block = readme.split("The step:\n\n```python\n", 1)[1].split("```", 1)[0]
+    body = textwrap.dedent(inspect.getsource(BatchEngine.step)).split('"""', 2)[2].lstrip("\n")
+    assert textwrap.dedent(body) == block
