@@ -42,7 +42,7 @@ class BatchEngine:
     def __init__(self, model: Transformer, batch: int, max_seq: int, sampling: Sampling = Sampling(),
                  prefill_rows: int = 2048, drafters: list | None = None, budget: bool = True,
                  ignore_eos: bool = False, exact: bool = True, cuda_graphs: bool = False, memory_key: str | None = None,
-                 runner=None, settle: int = 1, prefix: bool = True):
+                 settle: int = 1, prefix: bool = True):
         """drafters: one per sequence of the batch (draft_config.make_drafters), or None: autoregressive; max_seq
         bounds prompt + new tokens + a draft's nodes; budget=False: every step verifies every whole tree;
         ignore_eos: every sequence runs to its token budget (vLLM's ignore_eos, llama-batched-bench's shape);
@@ -52,9 +52,8 @@ class BatchEngine:
         nano-vllm pads to its captured sizes); pad rows decode in a scratch range of the cache past the batch's.
         memory_key: where a lone sequence's budget memory (budget_memory.BudgetMemory) outlives the process (the
         caller's drafter and sampling settings; None: it lives with the engine).
-        runner: a batch of one's static-shape steps (engine.Engine: compiled, CUDA-graphed, or exact mode's padded
-        passes on the PyTorch layers), or None: the batch's own passes; settle: a lone budget's timing steps;
-        prefix: keep the prompts' shared prefix (prefix_cache.py; its copies are exact on the fused pass)."""
+        settle: a lone budget's timing steps; prefix: keep the prompts' shared prefix (prefix_cache.py; its copies
+        are exact on the fused pass)."""
         if batch < 1:
             raise UsageError(f"--batch must be >= 1, got {batch}")
         if drafters and len(drafters) != batch:
@@ -86,7 +85,9 @@ class BatchEngine:
             for r, t in (measured.items() if budget else ()):
                 self.budget.pass_s.observe(r, t)
             self._top = max(d.reads_top, 1)  # the target's top-k kept per accepted position (drafter.reads_top)
-        self.runner = runner
+        # a batch of one's static-shape steps (runner.Runner: compiled, CUDA-graphed, or exact mode's padded passes on
+        # the PyTorch layers), set by engine.Engine where it picks them; None: the batch's own passes
+        self.runner = None
         self.free, self.waiting, self.running = list(range(batch)), deque(), []
         self.prefix = PrefixCache(model) if prefix else None
         self.stepped = []  # the sequences the latest step advanced (their new, new_from)

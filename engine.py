@@ -1,22 +1,21 @@
-"""The engine as a library: one request at a time as the batch engine's step with B = 1 (Engine), with the
-static-shape steps a traced or padded batch of one runs; the target loaded from a checkpoint (load_target) and an
-engine with its drafter (build_engine). generate.py is its CLI."""
+"""The engine as a library: one request at a time as the batch engine's step with B = 1 (Engine), on the
+static-shape steps of runner.py where a traced or padded batch of one needs them; the target loaded from a
+checkpoint (load_target) and an engine with its drafter (build_engine). generate.py is its CLI."""
 import time
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
 import draft_config as dc
 import graphs
 from batch import BatchEngine
 from download import resolve_checkpoint
-from draft import Accepted, Tree
 from errors import UsageError
 from exact import PassRows
 from planner import Planner
-from model import Transformer, causal_recent, load_model, tree_mask, tree_recent
-from sampling import Sampling, accept, sample
+from runner import Runner
+from model import Transformer, load_model
+from sampling import Sampling
 from stats import PHASES, Stats, sync
 from tokenizer import Tokenizer
 
@@ -26,68 +25,45 @@ DEFAULT_HEAD = Path(__file__).resolve().parent / "heads" / "SmolLM2-135M-Instruc
 
 class Engine:
     """The target (and optionally a drafter with its draft vocabulary), one request at a time: a batch of one of
-    batch.BatchEngine, whose step runs this engine's static-shape halves where they are picked (the runner)."""
+    batch.BatchEngine, whose step runs the static-shape halves (runner.Runner) where they are picked."""
 
     def __init__(self, model: Transformer, sampling: Sampling = Sampling(), compile: bool = False, drafter=None,
                  max_seq: int = 4096, backend: str = "inductor", exact: bool | None = None, budget: bool = False,
                  budget_cache: str | None = None):
         self.model, self.sampling, self.drafter = model, sampling, drafter
         self.device = model.norm.weight.device
-        self.decode_fn = self._decode_one
-        # a one-node tree's accepted path and length (_spec_decode), made once: no allocation inside a step
-        self.root_path = (torch.zeros(1, dtype=torch.long, device=self.device),
-                          torch.ones((), dtype=torch.long, device=self.device))
-        self.verify_step, self.advance_step = self._spec_verify, self._spec_advance
         # CUDA graphs need fixed buffer addresses: one KV cache of max_seq slots for every request
         graphed = compile and self.device.type == "cuda"
         self.planner = Planner(model, exact, min(max_seq, model.args.max_position_embeddings) if graphed else None,
                                drafter)
-        # compiled: the drafter's update and next draft run as one step (eager keeps them apart to time each)
-        self.fused_steps = compile and drafter is not None and drafter.graphable
-        if compile:
-            graphs.compile_steps(self, backend)
         # budget_cache: the caller's key of its drafter and sampling settings: the budget memory outlives the process
         key = f"exact={exact} compile={compile} {budget_cache}" if budget_cache is not None else None
         # a request is the batch engine's step with B = 1 (batch.py). Its passes are the batch's own on the eager CPU
         # path; the traced steps (compile, CUDA graphs) and exact mode's padded passes on the PyTorch layers run
-        # the static-shape halves below (the runner): picked here, once
+        # the static-shape halves (runner.py): picked here, once
         padded = self.planner.invariance is not None and model.cpu_pass is None
-        runner = compile or self.device.type != "cpu" or padded
+        picked = compile or self.device.type != "cpu" or padded
         one = None if drafter is None else [drafter]
         # (a prompt's shared prefix is copied where the copies are its prefill's bits: the fused pass throughout)
         self.batch = BatchEngine(model, 1, 64, sampling, drafters=one, budget=budget, exact=exact is not False,
-                                 memory_key=key, settle=2 if compile else 1, runner=self if runner else None,
-                                 prefix=model.cpu_pass is not None and exact is not False and not runner)
+                                 memory_key=key, settle=2 if compile else 1,
+                                 prefix=model.cpu_pass is not None and exact is not False and not picked)
         # what its passes return and run on (model.Plan, the batch's): its head's aux layers; --no-exact: passes
         # from cpu_forward.layers_from's size on the PyTorch layers; the budget's memory of earlier requests
         self.plan, self.memory = self.batch.plan, self.batch.memory
+        self.runner = Runner(model, sampling, drafter, self.planner, self.plan,
+                             fused=compile and drafter is not None and drafter.graphable)
+        if compile:
+            graphs.compile_steps(self.runner, backend)
+        self.batch.runner = self.runner if picked else None
 
-    def _decode_one(self, tok: Tensor, pos: Tensor, rows: PassRows) -> Tensor:
-        # padded to rows.gemm rows (exact mode): the pad rows write KV slots the next step overwrites before any read
-        R = rows.gemm
-        p = pos + torch.arange(R, device=pos.device)
-        return self.model(tok.expand(1, R), p, recent=causal_recent(p) if rows.recent else None,
-                          attn_rows=rows.attn, plan=self.plan)[:, 0]  # [1, V]
-
-    def _verify(self, tokens: Tensor, depth: Tensor, anc: Tensor, n: Tensor, rows: PassRows):
-        # one target pass over the tree: positions n + depth, KV slots n + node index; pad nodes see only themselves
-        m, N = self.model, tokens.shape[0]
-        R = max(rows.gemm, N)
-        if N < R:
-            tokens, depth = torch.cat([tokens, tokens.new_zeros(R - N)]), torch.cat([depth, depth.new_zeros(R - N)])
-            anc = torch.block_diag(anc, torch.eye(R - N, dtype=torch.bool, device=anc.device))
-        mask = tree_mask(m.seq_range, anc, n)
-        recent = tree_recent(anc, depth, n) if rows.recent else None
-        logits, hid, aux = m(tokens[None], n + depth, mask=mask, cache_pos=n + torch.arange(R, device=n.device),
-                             return_hidden=True, recent=recent, attn_rows=max(rows.attn, R), plan=self.plan)
-        return logits[0, :N], hid[:, :N], (aux[:, :N] if aux is not None else None)
-
+    @torch.no_grad()  # (a compiled step traced with grad on needs an autograd formula the C ops do not have)
     def warmup(self):
         """A two-token pass and a decode step, so one-time kernel set-ups are not billed to the first prompt."""
         m, dev = self.model, self.device
         self.batch.resize(self.planner.plan(2, 2, 1).S)
         m(torch.tensor([[0, 1]], device=dev), torch.arange(2, device=dev), plan=self.plan)
-        self.decode_fn(torch.tensor([[1]], device=dev), torch.tensor([2], device=dev), PassRows(1, 1))
+        self.runner.decode_fn(torch.tensor([[1]], device=dev), torch.tensor([2], device=dev), PassRows(1, 1))
         one = torch.tensor([2], device=dev)
         self.batch.decode_step(one, one, one * 0)  # (the batch's own pass: a window mask over the sequence's range)
 
@@ -125,35 +101,6 @@ class Engine:
             lm = st.extra.pop("lm_head_s", 0.0)  # drafting time spent in the LM head (eager only)
             st.phase_s["lm_head"], st.phase_s["draft"] = lm, st.phase_s["draft"] - lm
         return s.out, st
-
-    def _spec_verify(self, tree: Tree, n: Tensor, rows: PassRows) -> tuple[Tensor, Accepted]:
-        # a step's first static-shape, sync-free half: target pass, acceptance, KV compaction (then _spec_advance)
-        if self._one_row(tree, rows):
-            return self._spec_decode(tree, n)
-        logits, hid, aux = self._verify(tree.tokens, tree.depth, tree.anc, n, rows)  # [N, V], [1, N, d], [1, N, 3d]
-        path, L, bonus = accept(tree, logits, self.sampling)
-        if tree.tokens.shape[0] > 1:  # the accepted path's KV moves to slots n .. n + L - 1
-            self.model.compact_kv(n + path, n)
-        host = torch.cat([L.view(1), bonus.view(1), tree.tokens[path], path])  # what the host needs, in one sync
-        return host, Accepted(tree, path, L, bonus, logits, hid, aux, n)
-
-    def _one_row(self, tree: Tree, rows: PassRows) -> bool:
-        """A one-node tree verified as the decode step runs it (exact attention's padded passes excepted)."""
-        return tree.tokens.shape[0] == 1 and rows.gemm == 1 and not rows.recent
-
-    def _spec_decode(self, tree: Tree, n: Tensor) -> tuple[Tensor, Accepted]:
-        """_spec_verify of a one-node tree as the decode step runs it: 25 fewer small ops (7.21 -> 6.90 ms a step)."""
-        logits, hid, aux = self.model(tree.tokens[None], n.view(1), return_hidden=True, plan=self.plan)
-        bonus = sample(logits[0], self.sampling).view(())
-        path, L = self.root_path  # never written: every reader indexes with them
-        host = torch.cat([L.view(1), bonus.view(1), tree.tokens, path])
-        return host, Accepted(tree, path, L, bonus, logits[0], hid, aux, n)
-
-    def _spec_advance(self, a: Accepted) -> Tree:
-        # one graph: the vocabulary gather on the copy stream overlaps the draft backbone
-        self.drafter.update(a)
-        return self.drafter.draft(a.bonus.view(1), a.n + a.L)
-
 
 def load_target(checkpoint: str | None, device: str = "cpu", dtype: str = "bfloat16"
                 ) -> tuple[Transformer, Tokenizer, Path]:

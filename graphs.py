@@ -53,14 +53,14 @@ def owned(x):
     return pytree.tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, x)
 
 
-def compile_steps(engine, backend: str):
-    """Rebinds the engine's decode step and its two speculative halves to compiled ones; on CUDA each is captured
-    explicitly (Graphed): robust with the copy-stream fork/join inside, and the decode loop feeds each step's output
-    token back in (inductor's own graphs reject an input their previous replay overwrote)."""
-    cuda = engine.device.type == "cuda"
-    for name, fn in (("decode_fn", engine._decode_one), ("verify_step", engine._spec_verify),
-                     ("advance_step", engine._spec_advance)):
-        setattr(engine, name, Graphed(fn) if cuda else
+def compile_steps(runner, backend: str):
+    """Rebinds the runner's decode step and its two speculative halves (runner.Runner) to compiled ones; on CUDA each
+    is captured explicitly (Graphed): robust with the copy-stream fork/join inside, and the decode loop feeds each
+    step's output token back in (inductor's own graphs reject an input their previous replay overwrote)."""
+    cuda = runner.device.type == "cuda"
+    for name, fn in (("decode_fn", runner._decode_one), ("verify_step", runner._spec_verify),
+                     ("advance_step", runner._spec_advance)):
+        setattr(runner, name, Graphed(fn) if cuda else
                 torch.compile(fn, fullgraph=True, dynamic=False, backend=backend))
 
 

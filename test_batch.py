@@ -396,7 +396,7 @@ def test_autoregressive_steps_wait_for_one_catch_up(tiny, monkeypatch, runner):
     monkeypatch.setattr(d, "update", lambda a: (seen.append(a.tree.tokens[a.path[:int(a.L)]].tolist()), real(a)))
     eng = Engine(m, drafter=d, budget=True)
     if runner:
-        eng.batch.runner = eng
+        eng.batch.runner = eng.runner
     def pick(self, keys, left=0):  # the budget's choice, replaced by the sizes below
         self.key, self.chosen = (keys if isinstance(keys, str) else keys[0]), None
         self.budget(self.key)

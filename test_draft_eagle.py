@@ -141,7 +141,7 @@ def test_draft_verify_accept_compact_trace_without_graph_breaks(draft_env, versi
     vocab.reset(p, torch.topk(torch.randn(len(p), 256), 3).indices)
     c = lambda f: torch.compile(f, fullgraph=True, backend="eager")
     tree = c(d.draft)(torch.tensor([3]), n)
-    logits, hid, aux = c(eng._verify)(tree.tokens, tree.depth, tree.anc, n, PassRows(1, 1))
+    logits, hid, aux = c(eng.runner._verify)(tree.tokens, tree.depth, tree.anc, n, PassRows(1, 1))
     path, L, bonus = c(accept_greedy)(tree, logits)
     c(accept_sample)(tree, logits_to_probs(logits, Sampling(1.0)))
     c(m.compact_kv)(n + path, n)
@@ -149,9 +149,9 @@ def test_draft_verify_accept_compact_trace_without_graph_breaks(draft_env, versi
     ver = torch.topk(logits.index_select(0, path), 3, dim=-1).indices
     c(vocab.update)(tree.tokens, tree.valid, ver, torch.arange(4) < L)
     # the engine's two steps whole: the tree and the verification's outcome pass through as dataclasses
-    host, acc = c(eng._spec_verify)(tree, n, PassRows(1, 1))
+    host, acc = c(eng.runner._spec_verify)(tree, n, PassRows(1, 1))
     assert isinstance(acc, dr.Accepted) and host.shape == (2 + 2 * 4,)
-    assert isinstance(c(eng._spec_advance)(acc), dr.Tree)
+    assert isinstance(c(eng.runner._spec_advance)(acc), dr.Tree)
 
 
 def test_prefix_is_the_smaller_budgets_tree(tiny):

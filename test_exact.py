@@ -114,7 +114,7 @@ def test_machine_id_names_cpu_torch_and_threads():
 def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trust_all=False, cache=None, kernel=False,
                           fused=False):
     """For one EAGLE-3 tree on the tiny target: per node, do its verify logits equal, bit for bit, the logits
-    autoregressive decoding computes for the same token sequence (as Engine._decode_one runs it)?"""
+    autoregressive decoding computes for the same token sequence (as runner.Runner._decode_one runs it)?"""
     path, heads, _, _ = tiny
     m = load_model(path, dtype=dtype)
     if fault:
@@ -147,12 +147,12 @@ def verify_matches_decode(tiny, dtype, nodes, plain_sdpa=False, fault=None, trus
         d.prefill(dr.Prefill(p, tok, logits[0], hid, aux))
         tree = d.draft(tok, torch.tensor(T))
         assert bool((tree.depth != torch.arange(len(tree.depth))).any())  # some nodes are off the spine
-        tree_logits = e._verify(tree.tokens, tree.depth, tree.anc, torch.tensor(T), R_ver)[0]
+        tree_logits = e.runner._verify(tree.tokens, tree.depth, tree.anc, torch.tensor(T), R_ver)[0]
         same = []
         for i in range(len(tree.tokens)):
             chain = sorted(torch.nonzero(tree.anc[i])[:, 0].tolist(), key=lambda j: int(tree.depth[j]))
             m(p[None], torch.arange(T))  # same prefix KV; later slots are rewritten before being read
-            for t, j in enumerate(chain):  # autoregressive decode steps, as Engine._decode_one runs them
+            for t, j in enumerate(chain):  # autoregressive decode steps, as runner.Runner._decode_one runs them
                 pos = T + t + torch.arange(R_dec.gemm)
                 out = m(tree.tokens[j].view(1, 1).expand(1, R_dec.gemm), pos,
                         recent=causal_recent(pos) if R_dec.recent else None, attn_rows=R_dec.attn)[0, 0]

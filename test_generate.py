@@ -241,6 +241,17 @@ def test_cli_errors(tmp_path, capsys):
     assert "max-new-tokens" in capsys.readouterr().err
 
 
+def test_warmup_runs_without_autograd(tiny, monkeypatch):
+    """Engine.warmup's passes run as a request's do, with grad off: a compiled step traced with grad on needs an
+    autograd formula the C ops have none of (`generate.py --compile` on the CPU had failed in its warm-up)."""
+    m = target(tiny[0])
+    eng = Engine(m, drafter=make_drafter("eagle3", tiny, m, "nanospec"))
+    forward, grad = m.forward, []
+    monkeypatch.setattr(m, "forward", lambda *a, **k: grad.append(torch.is_grad_enabled()) or forward(*a, **k))
+    eng.warmup()
+    assert grad and not any(grad)
+
+
 def test_cli_reads_the_prompt_before_loading_a_model(tmp_path, capsys, monkeypatch):
     """A missing prompt file is a one-line error before any model loads (a 1.5B model's load takes a minute)."""
     import generate
@@ -302,7 +313,7 @@ def test_eager_cpu_verify_equals_the_traced_step(tiny, dtype, monkeypatch):
     assert (m.kv is not None) == (dtype == torch.bfloat16 and cpu_gemm.kernel() is not None)  # bf16: the C moves
     if eng.batch.runner is not None:
         return
-    traced = torch.compile(eng._spec_verify, fullgraph=True, backend="eager")
+    traced = torch.compile(eng.runner._spec_verify, fullgraph=True, backend="eager")
     b, d = eng.batch, eng.drafter
     req = eng.planner.plan(len(prompt), 16, d.nodes)
     n = torch.tensor(len(prompt))

@@ -80,14 +80,15 @@ def test_graph_capture_plumbing_on_cpu(tiny, monkeypatch):
             return graph, graph.out
 
         monkeypatch.setattr(graphs.Graphed, "_capture", capture)
-        eng.fused_steps, eng.planner.fixed, eng.batch.runner = True, 160, eng  # the halves, as --compile runs them
-        eng.verify_step, eng.advance_step = graphs.Graphed(eng._spec_verify), graphs.Graphed(eng._spec_advance)
+        r = eng.runner  # the halves, as --compile runs them
+        r.fused_steps, eng.planner.fixed, eng.batch.runner = True, 160, r
+        r.verify_step, r.advance_step = graphs.Graphed(r._spec_verify), graphs.Graphed(r._spec_advance)
         for i, p in enumerate(PROMPTS):
             ref = autoregressive(m, p, 30)
             assert eng.generate(p, 30)[0] == ref, kind
             assert eng.generate(p, 30)[0] == ref, kind  # replays of graphs captured in the first request
             m.setup_caches(1, 300 + 8 * i)  # another engine on this model resizes its caches: re-capture
-        assert eng.verify_step.graphs and eng.advance_step.graphs  # replays really happened
+        assert r.verify_step.graphs and r.advance_step.graphs  # replays really happened
 
 
 def test_graphed_decode_plumbing_on_cpu(tiny, monkeypatch):
@@ -102,13 +103,14 @@ def test_graphed_decode_plumbing_on_cpu(tiny, monkeypatch):
         return graph, graph.out
 
     monkeypatch.setattr(graphs.Graphed, "_capture", capture)
-    eng.planner.fixed, eng.decode_fn, eng.batch.runner = 160, graphs.Graphed(eng._decode_one), eng
+    r = eng.runner
+    eng.planner.fixed, r.decode_fn, eng.batch.runner = 160, graphs.Graphed(r._decode_one), r
     for i, p in enumerate(PROMPTS):
         ref = autoregressive(m, p, 30)
         assert eng.generate(p, 30)[0] == ref
         assert eng.generate(p, 30)[0] == ref  # replays of the graph captured in the first request
         m.setup_caches(1, 300 + 8 * i)
-    assert eng.decode_fn.graphs
+    assert r.decode_fn.graphs
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "hybrid"])
@@ -132,8 +134,9 @@ def test_held_steps_outlive_replays(tiny, monkeypatch, kind):
                 return graph, graph.out
 
             monkeypatch.setattr(graphs.Graphed, "_capture", capture)
-            eng.planner.fixed, eng.batch.runner = 160, eng
-            eng.verify_step, eng.advance_step = graphs.Graphed(eng._spec_verify), graphs.Graphed(eng._spec_advance)
+            r = eng.runner
+            eng.planner.fixed, eng.batch.runner = 160, r
+            r.verify_step, r.advance_step = graphs.Graphed(r._spec_verify), graphs.Graphed(r._spec_advance)
         res = [eng.generate(p, 30) for p in PROMPTS]
         monkeypatch.undo()
         return [o for o, _ in res], [st.accept_hist for _, st in res]
@@ -175,7 +178,8 @@ def test_captured_steps_are_capture_safe(tiny, monkeypatch, kind, vocab_spec, te
         vocab_spec = f"freq:{tiny[3] / 'freq.pt'}:64"
     s = Sampling(temperature, top_k=50 if temperature else 0)
     eng = Engine(m, s, drafter=None if kind == "none" else make_drafter(kind, tiny, m, vocab_spec, sampling=s))
-    eng.fused_steps, eng.planner.fixed, eng.batch.runner = kind != "none", 160, eng
+    r = eng.runner
+    r.fused_steps, eng.planner.fixed, eng.batch.runner = kind != "none", 160, r
     seen = []
 
     def guarded(fn):
@@ -188,8 +192,8 @@ def test_captured_steps_are_capture_safe(tiny, monkeypatch, kind, vocab_spec, te
             return out
         return step
 
-    eng.decode_fn, eng.verify_step, eng.advance_step = (guarded(eng._decode_one), guarded(eng._spec_verify),
-                                                        guarded(eng._spec_advance))
+    r.decode_fn, r.verify_step, r.advance_step = (guarded(r._decode_one), guarded(r._spec_verify),
+                                                  guarded(r._spec_advance))
     for p in PROMPTS:
         out = eng.generate(p, 20)[0]
         assert out == autoregressive(m, p, 20) if not temperature else len(out) > 1
