@@ -31,7 +31,7 @@ class Seq:
     step_s: float = 0.0
     alone: object = None  # budget.Budgets: its budget while it runs alone (budget_batch.BatchBudget.admit)
     paid: float = 0.0  # one-time set-up seconds its drafter paid in the step
-    req: object = None  # planner.Request: its passes' rows, where a runner's steps run it (engine.Engine)
+    req: object = None  # planner.Request: its passes' rows, where runner.Runner steps it (engine.Engine)
     accepted: list = field(default_factory=list)  # tokens each step emitted (before its stop)
     budget_stats: dict = field(default_factory=dict)  # its lone budget's statistics, once finished
     # streaming: the latest step's tokens, who proposed each (TARGET: the target's own; else its drafter's
